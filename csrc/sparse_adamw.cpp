@@ -1,0 +1,188 @@
+// Fused SparseAdamW step on CPU: gather grad[idx] and w[idx], update the compact fp32
+// moments, scatter the new weights. The math is the contract in sift/_ops.py
+// (sparse_adamw_ref); this file is its C++/OpenMP implementation.
+//
+// Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
+// very different sizes. Each chunk gathers into small contiguous buffers (with software
+// prefetch ahead of the sorted indices), runs the element-wise math on those buffers where
+// the compiler vectorises it, then scatters back.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace sift {
+namespace {
+
+constexpr int64_t CHUNK = 512;
+constexpr int64_t PREFETCH_DISTANCE = 32;
+
+struct Hyper {
+  float lr, beta1, beta2, eps, weight_decay;
+  bool maximize;
+};
+
+template <typename W, typename G, typename I>
+void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict idx, float* __restrict m,
+                 float* __restrict v, float* __restrict d, const W* __restrict base, int64_t begin, int64_t end,
+                 bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  alignas(64) float g[CHUNK];
+  alignas(64) float wv[CHUNK];
+  const int64_t n = end - begin;
+  const I* ix = idx + begin;
+  // Gather.
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + PREFETCH_DISTANCE < n) {
+      const int64_t ahead = static_cast<int64_t>(ix[j + PREFETCH_DISTANCE]);
+      if (!compact) __builtin_prefetch(g_src + ahead, 0, 0);
+      __builtin_prefetch(w + ahead, 1, 0);
+    }
+    const int64_t k = static_cast<int64_t>(ix[j]);
+    g[j] = compact ? static_cast<float>(g_src[begin + j]) : static_cast<float>(g_src[k]);
+    wv[j] = base ? static_cast<float>(base[begin + j]) + d[begin + j] : static_cast<float>(w[k]);
+  }
+  // Element-wise math on contiguous buffers (vectorised by the compiler).
+  float* __restrict mm = m + begin;
+  float* __restrict vv = v + begin;
+  float* __restrict dd = d + begin;
+  const float sign = h.maximize ? -1.0f : 1.0f;
+  const float one_minus_b1 = 1.0f - h.beta1;
+  const float one_minus_b2 = 1.0f - h.beta2;
+  const float decay = h.lr * h.weight_decay;
+  for (int64_t j = 0; j < n; ++j) {
+    const float gj = sign * g[j];
+    const float mj = h.beta1 * mm[j] + one_minus_b1 * gj;
+    const float vj = h.beta2 * vv[j] + one_minus_b2 * gj * gj;
+    mm[j] = mj;
+    vv[j] = vj;
+    const float upd = -decay * wv[j] - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
+    dd[j] += upd;
+    wv[j] = base ? static_cast<float>(base[begin + j]) + dd[j] : wv[j] + upd;
+  }
+  // Scatter.
+  for (int64_t j = 0; j < n; ++j) {
+    w[static_cast<int64_t>(ix[j])] = static_cast<W>(wv[j]);
+  }
+}
+
+struct Segment {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+template <typename W, typename G, typename I>
+void run_tensor_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
+                      const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
+                      bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  adamw_chunk<W, G, I>(p.data_ptr<W>(), grad.data_ptr<G>(), idx.data_ptr<I>(), m.data_ptr<float>(),
+                       v.data_ptr<float>(), d.data_ptr<float>(), base ? base->data_ptr<W>() : nullptr, begin, end,
+                       compact, step_size, inv_bc2_sqrt, h);
+}
+
+template <typename W>
+void dispatch_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
+                    const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
+                    bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  const bool i32 = idx.scalar_type() == at::kInt;
+  if (compact) {
+    if (i32) run_tensor_chunk<W, float, int32_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    else run_tensor_chunk<W, float, int64_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+  } else {
+    if (i32) run_tensor_chunk<W, W, int32_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    else run_tensor_chunk<W, W, int64_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+  }
+}
+
+void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList indices, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList deltas, at::TensorList bases, at::TensorList steps,
+                      double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                      bool compact_grads) {
+  const auto n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(exp_avgs.size()) == n, "exp_avgs must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(exp_avg_sqs.size()) == n, "exp_avg_sqs must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(deltas.size()) == n, "deltas must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(steps.size()) == n, "steps must have one tensor per param");
+  TORCH_CHECK(bases.empty() || static_cast<int64_t>(bases.size()) == n, "bases must be empty or one tensor per param");
+  std::vector<float> step_size(n), inv_bc2_sqrt(n);
+  std::vector<Segment> work;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    const int64_t k = indices[i].numel();
+    TORCH_CHECK(p.device().is_cpu(), "params must be CPU tensors");
+    TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "params must share one dtype");
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+                "params must be float32, bfloat16 or float16");
+    TORCH_CHECK(indices[i].dim() == 1 && indices[i].is_contiguous(), "indices must be contiguous 1-D tensors");
+    TORCH_CHECK(indices[i].scalar_type() == at::kInt || indices[i].scalar_type() == at::kLong,
+                "indices must be int32 or int64");
+    TORCH_CHECK(grads[i].is_contiguous(), "grads must be contiguous");
+    if (compact_grads) {
+      TORCH_CHECK(grads[i].scalar_type() == at::kFloat && grads[i].numel() == k,
+                  "grads must be fp32 with one entry per index when compact_grads=True");
+    } else {
+      TORCH_CHECK(grads[i].scalar_type() == p.scalar_type() && grads[i].numel() == p.numel(),
+                  "grads must match their params in dtype and numel");
+    }
+    for (const auto* t : {&exp_avgs[i], &exp_avg_sqs[i], &deltas[i]}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == k,
+                  "exp_avgs, exp_avg_sqs and deltas must be contiguous fp32 with one entry per index");
+    }
+    if (!bases.empty()) {
+      TORCH_CHECK(bases[i].scalar_type() == p.scalar_type() && bases[i].numel() == k && bases[i].is_contiguous(),
+                  "bases must be contiguous, in the param dtype, with one entry per index");
+    } else {
+      TORCH_CHECK(p.scalar_type() == at::kFloat, "bases are required for non-fp32 params");
+    }
+    const double t = steps[i].item<double>();
+    TORCH_CHECK(t >= 1, "steps must be >= 1 (incremented before the update)");
+    step_size[i] = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
+    inv_bc2_sqrt[i] = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, t)));
+    for (int64_t b = 0; b < k; b += CHUNK) work.push_back({i, b, std::min(k, b + CHUNK)});
+  }
+  const Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps),
+                static_cast<float>(weight_decay), maximize};
+  const auto dtype = n ? params[0].scalar_type() : at::kFloat;
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const Segment& s = work[c];
+      const int64_t i = s.tensor;
+      const at::Tensor* base = bases.empty() ? nullptr : &bases[i];
+      switch (dtype) {
+        case at::kFloat:
+          dispatch_chunk<float>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base, s.begin,
+                                s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          break;
+        case at::kBFloat16:
+          dispatch_chunk<c10::BFloat16>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base,
+                                        s.begin, s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          break;
+        case at::kHalf:
+          dispatch_chunk<c10::Half>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base,
+                                    s.begin, s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          break;
+        default:
+          TORCH_CHECK(false, "params must be float32, bfloat16 or float16");
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sift, m) {
+  m.def(
+      "sparse_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor[] indices, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] deltas, Tensor[] bases, Tensor[] steps, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool maximize, bool compact_grads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_", &sparse_adamw_cpu); }
+
+}  // namespace sift

@@ -1,0 +1,47 @@
+"""Build script: packages `sift` (with `triton_kernels/` installed as `sift.triton_kernels`)
+and, when torch is importable at build time, compiles the C++ extension `sift._C`.
+
+Environment switches:
+    SIFT_SKIP_EXT=1   build no extension (it is then compiled on first use, or the
+                      plain-torch reference is used).
+    MAX_JOBS=N        parallel compile jobs (honoured by torch's BuildExtension).
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+ext_modules = []
+cmdclass = {}
+
+if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
+    print("sift: SIFT_SKIP_EXT=1, not building the C++ extension")
+else:
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print(
+            "sift: torch is not importable at build time; the C++ extension will be "
+            "compiled with ninja on first use and cached"
+        )
+    else:
+        cu_sources = glob.glob("csrc/*.cu")
+        if cu_sources:
+            print("sift: CUDA sources are not built (GPU kernels are Triton): " + ", ".join(cu_sources))
+        ext_modules.append(
+            CppExtension(
+                "sift._C",
+                sorted(glob.glob("csrc/*.cpp")),
+                extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+                extra_link_args=["-fopenmp"],
+            )
+        )
+        cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+
+setup(
+    packages=["sift", "sift.bench", "sift.integrations", "sift.heads", "sift.triton_kernels"],
+    package_dir={"sift.triton_kernels": "triton_kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

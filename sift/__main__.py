@@ -1,0 +1,3 @@
+from sift.env import main
+
+main()

@@ -1,0 +1,81 @@
+"""Loading of the C++ extension (`torch.ops.sift.*`).
+
+The extension is built ahead of time as `sift._C` when torch was importable at build time.
+Otherwise it is compiled from `csrc/*.cpp` with ninja on first use and cached by torch
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`). If neither works, the C++
+backend is reported unavailable with the reason, and `import sift` is unaffected.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger("sift")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ok": False, "how": "", "why": ""}
+
+
+def _source_dir() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "..", "csrc"), os.path.join(here, "csrc")):
+        if glob.glob(os.path.join(cand, "*.cpp")):
+            return os.path.normpath(cand)
+    return None
+
+
+def _jit_build() -> None:
+    from torch.utils.cpp_extension import load
+
+    src = _source_dir()
+    if src is None:
+        raise RuntimeError("no C++ sources found next to the package (csrc/*.cpp)")
+    load(
+        name="sift_C",
+        sources=sorted(glob.glob(os.path.join(src, "*.cpp"))),
+        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=os.environ.get("SIFT_VERBOSE_BUILD", "0") == "1",
+    )
+
+
+def load_extension() -> bool:
+    """Load the C++ ops once; returns whether `torch.ops.sift` has them.
+
+    Returns:
+        True when the extension is loaded (ahead-of-time build or JIT), else False, with
+        the reason in `extension_status()["why"]`.
+    """
+    with _lock:
+        if _state["tried"]:
+            return bool(_state["ok"])
+        _state["tried"] = True
+        if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
+            _state["why"] = "SIFT_SKIP_EXT=1"
+            return False
+        try:
+            from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
+
+            _state.update(ok=True, how="prebuilt sift._C")
+            return True
+        except ImportError as exc:
+            prebuilt_error = str(exc)
+        try:
+            _jit_build()
+            _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
+        except Exception as exc:  # compiler missing, headers missing, ...
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {first_line}"
+        return bool(_state["ok"])
+
+
+def extension_status() -> dict[str, object]:
+    """Whether the C++ extension is loaded, how, and why not (tries to load it)."""
+    load_extension()
+    return dict(_state)

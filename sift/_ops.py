@@ -1,0 +1,257 @@
+"""The one contract between the API and the kernels.
+
+Every op has: a name, a plain-torch fp32-upcast reference (the fallback on any device and
+the oracle in tests), and zero or more faster implementations registered per backend:
+
+    "torch"   the reference itself; always available.
+    "cpp"     `torch.ops.sift.*` from the C++ extension (CPU tensors).
+    "triton"  `sift.triton_kernels` (CUDA tensors; CPU tensors only under TRITON_INTERPRET=1).
+
+`resolve(op, device)` is the only place a backend is chosen. Order when nothing is forced:
+CUDA -> triton, torch; CPU -> cpp, torch. `SIFT_BACKEND=torch|cpp|triton` (or the
+`backend=` argument of `resolve`) forces one; a forced backend that cannot run raises, an
+automatically chosen one that fails to load falls back with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("sift")
+
+BACKENDS = ("torch", "cpp", "triton")
+
+
+@dataclass
+class Op:
+    name: str
+    reference: Callable
+    impls: dict[str, Callable] = field(default_factory=dict)
+
+
+_OPS: dict[str, Op] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def define(name: str, reference: Callable) -> Op:
+    """Declare op `name` with its plain-torch reference."""
+    op = _OPS.setdefault(name, Op(name, reference))
+    op.reference = reference
+    op.impls["torch"] = reference
+    return op
+
+
+def register(name: str, backend: str) -> Callable[[Callable], Callable]:
+    """Decorator registering `fn` as `backend`'s implementation of op `name`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    def deco(fn: Callable) -> Callable:
+        _OPS[name].impls[backend] = fn
+        return fn
+
+    return deco
+
+
+def _triton_importable() -> tuple[bool, str]:
+    try:
+        import triton  # noqa: F401
+
+        from sift import triton_kernels  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return False, f"triton is not importable ({exc})"
+    return True, ""
+
+
+def backend_unavailable_reason(backend: str, device: torch.device) -> str | None:
+    """Why `backend` cannot run on `device` now, or None when it can."""
+    if backend == "torch":
+        return None
+    if backend == "cpp":
+        if device.type != "cpu":
+            return f"the C++ backend runs on CPU tensors, not {device.type}"
+        from sift._ext import extension_status, load_extension
+
+        if not load_extension():
+            return f"C++ extension unavailable: {extension_status()['why']}"
+        return None
+    if backend == "triton":
+        ok, why = _triton_importable()
+        if not ok:
+            return why
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return None
+        return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for CPU tensors), got {device.type}"
+    return f"unknown backend {backend!r}; choose one of {BACKENDS}"
+
+
+def _auto_order(device: torch.device) -> tuple[str, ...]:
+    return ("triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+
+
+def forced_backend() -> str | None:
+    """The backend named by `SIFT_BACKEND`, or None."""
+    value = os.environ.get("SIFT_BACKEND", "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"SIFT_BACKEND must be one of {BACKENDS} or 'auto', got {value!r}")
+    return value
+
+
+def resolve(name: str, device: torch.device | str, backend: str | None = None) -> tuple[str, Callable]:
+    """Choose the implementation of op `name` for tensors on `device`.
+
+    Args:
+        name: a declared op.
+        device: where the op's tensors live.
+        backend: force one backend (else `SIFT_BACKEND`, else the automatic order).
+
+    Returns:
+        `(backend_name, fn)`.
+
+    Raises:
+        RuntimeError: a forced backend cannot run here or has no implementation of `name`.
+    """
+    device = torch.device(device)
+    op = _OPS[name]
+    wanted = backend if backend is not None else forced_backend()
+    if wanted is not None:
+        if wanted not in op.impls:
+            raise RuntimeError(f"op {name!r} has no {wanted!r} implementation (has: {sorted(op.impls)})")
+        why = backend_unavailable_reason(wanted, device)
+        if why is not None:
+            raise RuntimeError(f"backend {wanted!r} was requested for op {name!r} but cannot run: {why}")
+        return wanted, op.impls[wanted]
+    for cand in _auto_order(device):
+        if cand not in op.impls:
+            continue
+        why = backend_unavailable_reason(cand, device)
+        if why is None:
+            return cand, op.impls[cand]
+        if (name, cand) not in _warned and cand != "torch":
+            _warned.add((name, cand))
+            log.warning("sift: %s falls back from %s on %s: %s", name, cand, device.type, why)
+    return "torch", op.reference
+
+
+def call(name: str, *args, backend: str | None = None, device: torch.device | str | None = None, **kwargs):
+    """Run op `name`, dispatching on `device` (default: the first tensor argument's)."""
+    if device is None:
+        device = _first_device(args) or torch.device("cpu")
+    _, fn = resolve(name, device, backend)
+    return fn(*args, **kwargs)
+
+
+def _first_device(args: Sequence) -> torch.device | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0].device
+    return None
+
+
+def ops() -> dict[str, Op]:
+    """All declared ops (for `python -m sift.env`)."""
+    return dict(_OPS)
+
+
+# ---------------------------------------------------------------------------------------
+# sparse_adamw_: one fused SparseAdamW step over a list of tensors of one device and dtype.
+#
+# For tensor i with k_i chosen entries (flat positions indices[i], sorted ascending):
+#   g      = grads[i]              if compact_grads  ([k_i] fp32, already gathered)
+#          = grads[i].view(-1)[indices[i]]         otherwise (dense grad, param's shape)
+#   g      = -g if maximize
+#   m      = beta1 * m + (1 - beta1) * g           (exp_avgs[i], [k_i] fp32)
+#   v      = beta2 * v + (1 - beta2) * g * g       (exp_avg_sqs[i], [k_i] fp32)
+#   t      = steps[i]                               (0-d fp32, already incremented)
+#   w      = params[i].view(-1)[indices[i]]  (fp32 params)
+#          = bases[i] + deltas[i]            (bf16/fp16 params: the exact fp32 weight)
+#   upd    = -lr * weight_decay * w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+#   deltas[i] += upd                                ([k_i] fp32: total increment since selection)
+#   params[i].view(-1)[indices[i]] = w + upd  (fp32) | round(bases[i] + deltas[i]) (bf16/fp16)
+# Entries not in indices[i] are never written. `bases` is empty for fp32 params, else
+# bases[i] is [k_i] in the param dtype: the values at selection time.
+# ---------------------------------------------------------------------------------------
+
+
+def sparse_adamw_ref(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    deltas: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    compact_grads: bool,
+) -> None:
+    """Plain-torch reference of one fused SparseAdamW step (see the contract above)."""
+    for i, p in enumerate(params):
+        flat = p.view(-1)
+        idx = indices[i].long()
+        g = grads[i] if compact_grads else grads[i].reshape(-1)[idx]
+        g = g.float()
+        if maximize:
+            g = -g
+        m, v, d = exp_avgs[i], exp_avg_sqs[i], deltas[i]
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t = steps[i].double()
+        bc1 = 1 - beta1**t
+        bc2 = 1 - beta2**t
+        lr_f = lr.double() if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+        step_size = (lr_f / bc1).float().to(p.device)
+        bc2_sqrt = bc2.sqrt().float().to(p.device)
+        lr32 = lr_f.float().to(p.device)
+        w = flat[idx].float() if not bases else bases[i].float() + d
+        upd = -lr32 * weight_decay * w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
+        d.add_(upd)
+        if bases:
+            flat[idx] = (bases[i].float() + d).to(p.dtype)
+        else:
+            flat[idx] = w + upd
+
+
+define("sparse_adamw_", sparse_adamw_ref)
+
+
+@register("sparse_adamw_", "cpp")
+def _sparse_adamw_cpp(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, *, lr, beta1, beta2,
+                      eps, weight_decay, maximize, compact_grads):
+    lr = float(lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
+    torch.ops.sift.sparse_adamw_(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, lr, beta1,
+                                 beta2, eps, weight_decay, maximize, compact_grads)
+
+
+@register("sparse_adamw_", "triton")
+def _sparse_adamw_triton(*args, **kwargs):
+    from sift.triton_kernels.sparse_adamw import sparse_adamw_
+
+    sparse_adamw_(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Sparse delta ops (issue: sparse deltas) are declared below this line.
+# ---------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------
+# Head-importance ops (issue: HiFi heads) are declared below this line.
+# ---------------------------------------------------------------------------------------

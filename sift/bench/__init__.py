@@ -1,0 +1,1 @@
+"""Microbenchmarks and memory benchmarks: `python -m sift.bench [adamw|delta|heads|memory|all]`."""

@@ -1,0 +1,122 @@
+"""Shared benchmark harness: timing, markdown tables headed by the machine, JSON results.
+
+Benchmarks measure; tests assert. Nothing here makes a pass/fail decision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from sift.env import machine_header
+
+
+def time_cpu(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> dict[str, float]:
+    """Time `fn` on the CPU with `time.perf_counter`.
+
+    Args:
+        fn: the work to time (called `warmup + repeat` times).
+        warmup: untimed calls first.
+        repeat: timed calls.
+
+    Returns:
+        `{"median_ms", "p20_ms", "p80_ms"}` over the timed calls.
+
+    Example:
+        >>> time_cpu(lambda: sum(range(1000)), warmup=1, repeat=5)["median_ms"] > 0
+        True
+    """
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _summary(samples)
+
+
+def time_gpu(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
+    """Time `fn` on the GPU with `triton.testing.do_bench` (CUDA events, L2 flushed).
+
+    Returns:
+        `{"median_ms", "p20_ms", "p80_ms"}`.
+    """
+    from triton.testing import do_bench
+
+    med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return {"median_ms": float(med), "p20_ms": float(p20), "p80_ms": float(p80)}
+
+
+def time_fn(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict[str, float]:
+    """`time_gpu` for CUDA devices, `time_cpu` otherwise."""
+    if torch.device(device).type == "cuda":
+        return time_gpu(fn, **{k: v for k, v in kwargs.items() if k in ("warmup_ms", "rep_ms")})
+    return time_cpu(fn, **{k: v for k, v in kwargs.items() if k in ("warmup", "repeat")})
+
+
+def _summary(samples: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def q(frac: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(frac * (len(ordered) - 1))))]
+
+    return {"median_ms": statistics.median(ordered), "p20_ms": q(0.2), "p80_ms": q(0.8)}
+
+
+def header_lines() -> list[str]:
+    """Markdown lines naming the machine (CPU, cores, GPU, versions, git SHA)."""
+    h = machine_header()
+    return [
+        f"Machine: {h['cpu']} ({h['cores']} cores, torch threads {h['torch_threads']}); GPU: {h['gpu']}; "
+        f"torch {h['torch']}; triton {h['triton']}; python {h['python']}; git {h['git']}"
+    ]
+
+
+def markdown_table(title: str, columns: Sequence[str], rows: Sequence[dict[str, object]]) -> str:
+    """Render `rows` (dicts keyed by `columns`) as a markdown table headed by the machine."""
+    lines = [f"### {title}", "", *header_lines(), ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 100:
+            return f"{value:.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def results_dir() -> str:
+    """Where results are written: `$SIFT_BENCH_DIR`, else `bench/results` in a checkout, else cwd."""
+    env = os.environ.get("SIFT_BENCH_DIR")
+    if env:
+        return env
+    repo_bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "results")
+    return os.path.normpath(repo_bench) if os.path.isdir(os.path.dirname(repo_bench)) else os.getcwd()
+
+
+def save_results(name: str, rows: Sequence[dict[str, object]], markdown: str, extra: dict | None = None) -> str:
+    """Write `<name>-<device>.json` and `.md` under `results_dir()`; returns the JSON path."""
+    out = results_dir()
+    os.makedirs(out, exist_ok=True)
+    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    path = os.path.join(out, f"{name}-{tag}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine_header(), "rows": list(rows), **(extra or {})}, f, indent=1)
+    with open(os.path.join(out, f"{name}-{tag}.md"), "w") as f:
+        f.write(markdown + "\n")
+    return path

@@ -1,0 +1,96 @@
+"""`python -m sift.env`: versions, the active backend of every op, and why any is off."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+import torch
+
+from sift import _ops
+from sift._ext import extension_status
+
+
+def _git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_header() -> dict[str, str]:
+    """The machine a result was measured on: CPU, cores, GPU, versions, git SHA."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "not installed"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": _cpu_name(),
+        "cores": str(os.cpu_count()),
+        "torch_threads": str(torch.get_num_threads()),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git": _git_sha(),
+    }
+
+
+def report() -> str:
+    """Human-readable environment report (what `python -m sift.env` prints)."""
+    lines = ["# sift environment", ""]
+    for key, value in machine_header().items():
+        lines.append(f"{key:>14}: {value}")
+    ext = extension_status()
+    lines.append(f"{'C++ extension':>14}: " + (f"loaded ({ext['how']})" if ext["ok"] else f"off: {ext['why']}"))
+    forced = os.environ.get("SIFT_BACKEND", "") or "auto"
+    lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
+    lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")
+    lines.append("")
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    lines.append("| op | device | active backend | other backends |")
+    lines.append("|---|---|---|---|")
+    for name, op in sorted(_ops.ops().items()):
+        for dev in devices:
+            try:
+                active, _ = _ops.resolve(name, dev)
+            except Exception as exc:
+                active = f"error: {exc}"
+            others = []
+            for backend in sorted(op.impls):
+                if backend == active:
+                    continue
+                why = _ops.backend_unavailable_reason(backend, dev)
+                others.append(f"{backend}: {'available' if why is None else 'off (' + why + ')'}")
+            lines.append(f"| {name} | {dev.type} | {active} | {'; '.join(others) or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
