@@ -10,7 +10,7 @@ Environment switches:
 import glob
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ext_modules = []
 cmdclass = {}
@@ -40,7 +40,7 @@ else:
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
 setup(
-    packages=["sift", "sift.bench", "sift.integrations", "sift.heads", "sift.triton_kernels"],
+    packages=find_packages(include=["sift", "sift.*"]) + ["sift.triton_kernels"],
     package_dir={"sift.triton_kernels": "triton_kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

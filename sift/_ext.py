@@ -29,6 +29,19 @@ def _source_dir() -> str | None:
     return None
 
 
+def _prebuilt_stale_reason() -> str | None:
+    """In a source checkout, a prebuilt sift._C older than csrc/ is stale: rebuild instead."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    built = glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd"))
+    src = _source_dir()
+    if not built or src is None:
+        return None
+    newest_source = max(os.path.getmtime(f) for f in glob.glob(os.path.join(src, "*.cpp")))
+    if newest_source > min(os.path.getmtime(f) for f in built):
+        return "prebuilt sift._C is older than csrc/ (edited sources)"
+    return None
+
+
 def _jit_build() -> None:
     from torch.utils.cpp_extension import load
 
@@ -59,13 +72,15 @@ def load_extension() -> bool:
         if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
             _state["why"] = "SIFT_SKIP_EXT=1"
             return False
-        try:
-            from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
+        prebuilt_error = _prebuilt_stale_reason()
+        if prebuilt_error is None:
+            try:
+                from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
 
-            _state.update(ok=True, how="prebuilt sift._C")
-            return True
-        except ImportError as exc:
-            prebuilt_error = str(exc)
+                _state.update(ok=True, how="prebuilt sift._C")
+                return True
+            except ImportError as exc:
+                prebuilt_error = str(exc)
         try:
             _jit_build()
             _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")

@@ -1,0 +1,621 @@
+"""`SparseAdamW`: AdamW restricted to a fixed sparse set of entries per weight (SIFT).
+
+SIFT (Song et al., "Sparse is Enough in Fine-tuning Pre-trained Large Language Models",
+Sec. 4) updates only the top-x% gradient components of each weight, chosen on the first
+batch(es) and then kept fixed, so Adam moments exist for those entries only. Per sparse
+weight with k chosen entries the optimizer keeps
+
+    indices     [k] int32 (int64 for >= 2**31 elements), sorted flat positions
+    exp_avg     [k] fp32
+    exp_avg_sq  [k] fp32
+    delta       [k] fp32, the exact total increment since selection
+    base        [k] in the weight dtype, bf16/fp16 weights only: values at selection time
+    step        0-d fp32 tensor on the weight's device
+
+i.e. 16 bytes per trainable entry for fp32 weights and 18 for bf16/fp16 ones. bf16/fp16
+weights are written as round(base + delta), so no update is lost to rounding however small
+it is against the weight's ulp.
+
+Groups with `density=1.0` are plain dense AdamW (torch's math), for a classifier head or
+LayerNorms. The fused step runs through `sift._ops` (Triton on CUDA, C++ on CPU, the torch
+reference anywhere).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from sift import _ops
+
+_SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
+    lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+    if not isinstance(lr_value, (int, float)) or not lr_value >= 0.0:
+        raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
+    """Raise ValueError unless `indices` is a sorted, unique, in-range 1-D integer tensor."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} must be int32 or int64, got {indices.dtype}")
+    if indices.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.numel() == 0:
+        raise ValueError(f"{what} is empty: a sparse weight needs at least one entry")
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= numel:
+        raise ValueError(f"{what} out of range: values span [{lo}, {hi}] for a weight of {numel} elements")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"{what} must be sorted ascending without duplicates")
+
+
+class SparseAdamW(torch.optim.Optimizer):
+    """AdamW over a fixed sparse subset of each weight's entries (SIFT).
+
+    Args:
+        params: tensors or param-group dicts, as for any torch optimizer. Groups may set
+            their own `lr`, `betas`, `eps`, `weight_decay` and `density`.
+        lr: learning rate (a float, or a 1-element tensor for CUDA-graph capture).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay, applied to the chosen entries only.
+        density: fraction of each weight's entries to train, in (0, 1]; the top
+            `ceil(density * numel)` (at least 1) are kept. `1.0` makes the group dense AdamW.
+        select_steps: how many `step()` calls accumulate |grad| before the entries are chosen.
+            The last of them also applies the first update; earlier ones update nothing.
+        selection: "magnitude" (SIFT's top-|grad|) or "random" (seeded baseline).
+        seed: seed of `selection="random"`.
+        maximize: maximise the objective instead.
+        compact_grads: memory-efficient mode (SIFT Fig. 4). A post-accumulate-grad hook on
+            each sparse weight gathers `grad[indices]` into a compact fp32 buffer and frees
+            the dense gradient at once, so at most one dense weight gradient exists at a
+            time. Selection then also happens in the hook, at the first backward of the last
+            selection step. Micro-batch accumulation adds into the compact buffers.
+        backend: force a kernel backend ("torch", "cpp", "triton"); default: automatic
+            (see `python -m sift.env`).
+
+    Example:
+        >>> model = torch.nn.Linear(64, 32)
+        >>> opt = SparseAdamW(model.parameters(), lr=1e-3, density=0.05)
+        >>> model(torch.randn(8, 64)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state[model.weight]["indices"].shape
+        torch.Size([103])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        density: float = 0.01,
+        *,
+        select_steps: int = 1,
+        selection: str = "magnitude",
+        seed: int = 0,
+        maximize: bool = False,
+        compact_grads: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        _check_hyper(lr, betas, eps, weight_decay, density)
+        if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
+            raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
+        if selection not in ("magnitude", "random"):
+            raise ValueError(f"selection must be 'magnitude' or 'random', got {selection!r}")
+        if backend is not None and backend not in _ops.BACKENDS:
+            raise ValueError(f"backend must be one of {_ops.BACKENDS} or None, got {backend!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
+                        maximize=maximize)
+        self.select_steps = select_steps
+        self.selection = selection
+        self.seed = seed
+        self.compact_grads = compact_grads
+        self.backend = backend
+        self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
+        self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
+        self._selection_seen: set[torch.Tensor] = set()  # params that took part in this step's selection
+        self._prepared = False
+        self._hook_handles: list[Any] = []
+        super().__init__(params, defaults)
+        if compact_grads:
+            self._attach_hooks()
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after validating all of it (nothing is added on error)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        merged = {**self.defaults, **param_group} if hasattr(self, "defaults") else param_group
+        _check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+        for j, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must be tensors, got {type(p).__name__} at position {j}")
+            if not p.is_floating_point():
+                raise ValueError(f"params must be floating point; param {j} of the new group has dtype {p.dtype}")
+            if merged["density"] < 1.0 and p.dtype not in _SPARSE_DTYPES:
+                raise ValueError(
+                    f"sparse groups support float32, bfloat16 and float16 params; param {j} has dtype {p.dtype}"
+                )
+            if merged["density"] < 1.0 and not p.is_contiguous():
+                raise ValueError(f"sparse groups need contiguous params; param {j} is not contiguous")
+        group = dict(param_group)
+        group["params"] = params
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        if "density" in group:
+            group["density"] = float(group["density"])
+        super().add_param_group(group)
+        if getattr(self, "compact_grads", False) and self._hook_handles:
+            self._attach_hooks(group["params"])
+
+    def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
+        for group in self.param_groups:
+            if group["density"] < 1.0:
+                for p in group["params"]:
+                    yield group, p
+
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(param is p for p in group["params"]):
+                return group
+        raise ValueError("param is not managed by this optimizer")
+
+    # --------------------------------------------------------------- selection
+
+    def _num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
+        return max(1, math.ceil(group["density"] * p.numel()))
+
+    def _choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        k = self._num_selected(group, p)
+        if self.selection == "random":
+            position = next(i for i, q in enumerate(q for _, q in self._sparse_params()) if q is p)
+            gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + position)
+            score = torch.rand(p.numel(), generator=gen, device=p.device)
+        assert score is not None
+        chosen = torch.topk(score.reshape(-1), k, sorted=False).indices
+        return torch.sort(chosen).values.to(_index_dtype(p.numel()))
+
+    def _init_sparse_state(self, p: torch.Tensor, indices: torch.Tensor) -> None:
+        state = self.state[p]
+        k = indices.numel()
+        zeros = dict(dtype=torch.float32, device=p.device)
+        state.clear()
+        state["indices"] = indices.to(p.device)
+        state["exp_avg"] = torch.zeros(k, **zeros)
+        state["exp_avg_sq"] = torch.zeros(k, **zeros)
+        state["delta"] = torch.zeros(k, **zeros)
+        if p.dtype != torch.float32:
+            state["base"] = p.detach().view(-1)[state["indices"].long()].clone()
+        state["step"] = torch.zeros((), **zeros)
+        if self.compact_grads:
+            self._compact[p] = torch.zeros(k, **zeros)
+
+    def _selection_update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, final: bool) -> None:
+        """Feed one gradient into p's selection; choose its entries when `final`."""
+        state = self.state[p]
+        magnitude = grad.detach().abs().float() if self.selection == "magnitude" else None
+        if "score" in state and magnitude is not None:
+            state["score"].add_(magnitude)
+            magnitude = state["score"]
+        if final:
+            calls = state.get("selection_calls", 0)
+            self._init_sparse_state(p, self._choose(group, p, magnitude))
+            state["selection_calls"] = calls
+        elif magnitude is not None and "score" not in state:
+            state["score"] = magnitude.clone()
+
+    def _prepare(self) -> None:
+        """Run this step's selection for params with dense grads (once per step)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if self.compact_grads:
+            return
+        for group, p in self._sparse_params():
+            if p.grad is None or "indices" in self.state[p]:
+                continue
+            calls = self.state[p].get("selection_calls", 0) + 1
+            self._selection_update(group, p, p.grad, final=calls >= self.select_steps)
+            self.state[p]["selection_calls"] = calls
+
+    def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
+        """Choose the trainable entries of `param` yourself.
+
+        Entries kept from an earlier selection keep their moments, increment and base;
+        new entries start from zero moments. The step count is kept.
+
+        Args:
+            param: a param of a sparse group (density < 1) of this optimizer.
+            indices: [k] sorted unique flat positions (int32 or int64), or a bool mask of
+                `param`'s shape.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.randn(4, 4))
+            >>> opt = SparseAdamW([w], density=0.5)
+            >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
+        """
+        group = self._group_of(param)
+        if group["density"] >= 1.0:
+            raise ValueError("set_indices needs a param of a sparse group (density < 1); this one is dense")
+        if isinstance(indices, torch.Tensor) and indices.dtype == torch.bool:
+            if indices.shape != param.shape:
+                raise ValueError(f"mask must have the param's shape {tuple(param.shape)}, got {tuple(indices.shape)}")
+            indices = indices.reshape(-1).nonzero().reshape(-1)
+        _check_indices(indices, param.numel(), "indices")
+        indices = indices.to(device=param.device, dtype=_index_dtype(param.numel()))
+        old = dict(self.state.get(param, {}))
+        self._init_sparse_state(param, indices)
+        state = self.state[param]
+        state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
+        if "indices" in old:
+            state["step"].copy_(old["step"])
+            old_idx = old["indices"].long()
+            pos = torch.searchsorted(old_idx, indices.long()).clamp_max(old_idx.numel() - 1)
+            kept = old_idx[pos] == indices.long()
+            for key in ("exp_avg", "exp_avg_sq", "delta"):
+                state[key][kept] = old[key][pos[kept]]
+            if "base" in old:
+                state["base"][kept] = old["base"][pos[kept]]
+
+    # ---------------------------------------------------------- gradient hooks
+
+    def _attach_hooks(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        wanted = params if params is not None else [p for _, p in self._sparse_params()]
+        sparse = {id(p) for _, p in self._sparse_params()}
+        for p in wanted:
+            if id(p) in sparse and p.requires_grad:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks of `compact_grads` mode."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    @torch.no_grad()
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise ValueError("sparse-layout gradients are not supported; use dense gradients")
+        state = self.state[p]
+        if "indices" not in state:
+            group = self._group_of(p)
+            final = state.get("selection_calls", 0) + 1 >= self.select_steps
+            self._selection_update(group, p, grad, final=final)
+            self._selection_seen.add(p)
+        if "indices" in state:
+            compact = self._compact[p]
+            gathered = grad.reshape(-1)[state["indices"].long()]
+            if p in self._grad_ready:
+                compact.add_(gathered)
+            else:
+                compact.copy_(gathered)
+                self._grad_ready.add(p)
+        p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero dense grads as torch does, and drop gathered compact grads."""
+        super().zero_grad(set_to_none)
+        self._grad_ready.clear()
+
+    def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this step will use for a selected sparse param, as [k] values.
+
+        In `compact_grads` mode, the gathered buffer (None before any backward); otherwise
+        `param.grad.view(-1)[indices]` (a new tensor).
+        """
+        state = self.state.get(param, {})
+        if "indices" not in state:
+            return None
+        if self.compact_grads:
+            return self._compact[param] if param in self._grad_ready else None
+        return None if param.grad is None else param.grad.reshape(-1)[state["indices"].long()]
+
+    # -------------------------------------------------------------------- step
+
+    def _validate_grads(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise ValueError(f"sparse-layout gradients are not supported (group {gi}, param {pi})")
+                if g.shape != p.shape or g.dtype != p.dtype:
+                    raise ValueError(
+                        f"grad of group {gi}, param {pi} has shape {tuple(g.shape)} and dtype {g.dtype}; "
+                        f"expected {tuple(p.shape)} and {p.dtype}"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (selection first, on the steps that select).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate_grads()
+        self._prepare()
+        if self.compact_grads:
+            for p in self._selection_seen:
+                self.state[p]["selection_calls"] = self.state[p].get("selection_calls", 0) + 1
+        for group in self.param_groups:
+            if group["density"] >= 1.0:
+                self._dense_step(group)
+            else:
+                self._sparse_step(group)
+        self._prepared = False
+        self._selection_seen.clear()
+        self._grad_ready.clear()
+        return loss
+
+    def _sparse_step(self, group: dict[str, Any]) -> None:
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or "indices" not in state:
+                continue
+            if self.compact_grads:
+                if p not in self._grad_ready:
+                    continue
+            elif p.grad is None:
+                continue
+            buckets[(p.device, p.dtype, state["indices"].dtype)].append(p)
+        beta1, beta2 = group["betas"]
+        for (device, dtype, _), params in buckets.items():
+            states = [self.state[p] for p in params]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+            if self.compact_grads:
+                grads = [self._compact[p] for p in params]
+            else:
+                grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+            _, fn = _ops.resolve("sparse_adamw_", device, self.backend)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != device:
+                lr = lr.to(device)
+            fn(
+                [p.detach() for p in params],
+                grads,
+                [s["indices"] for s in states],
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["delta"] for s in states],
+                [s["base"] for s in states] if dtype != torch.float32 else [],
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+                compact_grads=self.compact_grads,
+            )
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        """torch's AdamW math (single-tensor form); step counts live on the CPU as in torch."""
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = -p.grad if group["maximize"] else p.grad
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            step = state["step"].item()
+            p.mul_(1 - lr * group["weight_decay"])
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+            denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
+            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+
+    # ------------------------------------------------------------- state dict
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, plus this optimizer's selection settings under "sift"."""
+        sd = super().state_dict()
+        sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
+                      "format": 1}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by `state_dict()`; validates everything before changing anything.
+
+        Raises:
+            ValueError: groups, param counts, or any sparse state do not fit the params.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
+            )
+        id_map: dict[int, torch.Tensor] = {}
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {gi}: state_dict has {len(saved['params'])} params, the optimizer "
+                    f"{len(group['params'])}"
+                )
+            id_map.update(zip(saved["params"], group["params"]))
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_map:
+                raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
+            p = id_map[pid]
+            new_state[p] = self._load_param_state(p, saved_state, f"state of param {pid}")
+        # Everything validated: install.
+        self.state = defaultdict(dict, new_state)
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = tuple(value) if key == "betas" else value
+        meta = state_dict.get("sift", {})
+        self.select_steps = meta.get("select_steps", self.select_steps)
+        self.selection = meta.get("selection", self.selection)
+        self.seed = meta.get("seed", self.seed)
+        self._compact.clear()
+        self._grad_ready.clear()
+        if self.compact_grads:
+            for p, state in self.state.items():
+                if "indices" in state:
+                    self._compact[p] = torch.zeros(state["indices"].numel(), dtype=torch.float32, device=p.device)
+
+    def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], what: str) -> dict[str, Any]:
+        group = self._group_of(p)
+        out: dict[str, Any] = {}
+        if group["density"] >= 1.0 or "indices" not in saved:
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    if key in ("exp_avg", "exp_avg_sq") and value.shape != p.shape:
+                        raise ValueError(f"{what}: {key} has shape {tuple(value.shape)}, param {tuple(p.shape)}")
+                    if key == "step":
+                        value = value.detach().clone().float().cpu() if group["density"] >= 1.0 else \
+                            value.detach().clone().float().to(p.device)
+                    elif key == "score":
+                        value = value.detach().to(device=p.device, dtype=torch.float32).clone()
+                    else:
+                        value = value.detach().to(device=p.device, dtype=p.dtype).clone()
+                out[key] = value
+            return out
+        missing = [k for k in _SPARSE_KEYS if k not in saved]
+        if p.dtype != torch.float32 and "base" not in saved:
+            missing.append("base")
+        if missing:
+            raise ValueError(f"{what}: missing {', '.join(missing)}")
+        indices = saved["indices"]
+        _check_indices(indices, p.numel(), f"{what}: indices")
+        k = indices.numel()
+        for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if p.dtype != torch.float32 else ()):
+            value = saved[key]
+            if not isinstance(value, torch.Tensor) or value.shape != (k,):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{what}: {key} must have shape ({k},) to match indices, got {shape}")
+        out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(p.numel())).clone()
+        for key in ("exp_avg", "exp_avg_sq", "delta"):
+            out[key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
+        if p.dtype != torch.float32:
+            out["base"] = saved["base"].detach().to(device=p.device, dtype=p.dtype).clone()
+        out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
+        if "selection_calls" in saved:
+            out["selection_calls"] = int(saved["selection_calls"])
+        return out
+
+    # ------------------------------------------------------------- reporting
+
+    def state_bytes(self) -> dict[str, float]:
+        """Optimizer-state memory: total bytes, trainable entries, and bytes per entry.
+
+        Counts the sparse state (indices, moments, delta, base, step) and the dense state
+        of dense groups; compact gradient buffers are reported separately.
+        """
+        total = entries = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                tensors = [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "score"]
+                total += sum(t.numel() * t.element_size() for t in tensors)
+                if "indices" in state:
+                    entries += state["indices"].numel()
+                elif "exp_avg" in state:
+                    entries += p.numel()
+        grad_bytes = sum(t.numel() * t.element_size() for t in self._compact.values())
+        return {
+            "state_bytes": float(total),
+            "trainable_entries": float(entries),
+            "bytes_per_entry": total / entries if entries else 0.0,
+            "compact_grad_bytes": float(grad_bytes),
+        }
+
+
+@torch.no_grad()
+def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients `optimizer` will apply, by their global norm.
+
+    The norm is taken over what the next `step()` uses: the chosen entries of each sparse
+    weight (its compact buffer in `compact_grads` mode, `grad[indices]` otherwise) and the
+    full gradients of dense groups, so both modes clip identically. Call it between
+    `backward()` and `step()`; on a selecting step it runs the selection first.
+
+    Args:
+        optimizer: the SparseAdamW whose gradients to clip.
+        max_norm: the largest allowed global norm (> 0).
+        norm_type: p of the p-norm (`inf` allowed).
+
+    Returns:
+        The global norm before clipping (0-d fp32 tensor).
+
+    Example:
+        >>> model = torch.nn.Linear(8, 8)
+        >>> opt = SparseAdamW(model.parameters(), density=0.25)
+        >>> model(torch.randn(4, 8)).sum().backward()
+        >>> norm = clip_grad_norm_(opt, max_norm=1.0)
+    """
+    if not isinstance(optimizer, SparseAdamW):
+        raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    optimizer._prepare()
+    used: list[torch.Tensor] = []  # what the step reads
+    scaled: list[torch.Tensor] = []  # what to scale in place
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if group["density"] >= 1.0:
+                if p.grad is not None:
+                    used.append(p.grad)
+                    scaled.append(p.grad)
+                continue
+            grad = optimizer.compact_grad(p)
+            if grad is not None:
+                used.append(grad)
+                scaled.append(grad if optimizer.compact_grads else p.grad)
+    if not used:
+        return torch.zeros(())
+    device = used[0].device
+    norms = [torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in used]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in scaled:
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    return total

@@ -1,0 +1,243 @@
+"""Fused SparseAdamW step: one launch for all sparse tensors of one device and dtype.
+
+For tensor i with k_i chosen entries at sorted flat positions `idx_i` (the contract is
+`sparse_adamw_ref` in `sift/_ops.py`):
+
+    g = grad_i[idx_i]                (dense grad)  or  compact_grad_i   ([k_i] fp32)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g^2
+    w = param_i[idx_i]               (fp32 params) or  base_i + delta_i (bf16/fp16 params)
+    upd = -lr * wd * w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    delta_i += upd
+    param_i[idx_i] = w + upd         (fp32)        or  round(base_i + delta_i)
+
+Multi-tensor layout. A segment table `table[n_tensors, 9]` (int64) holds per tensor:
+`k_i` and the addresses of param, grad, indices, exp_avg, exp_avg_sq, delta, base (0 if none)
+and step (a 0-d fp32 device tensor, so bias correction needs no host sync). A block table
+`blocks[n_blocks, 2]` maps each program to (tensor, first entry); a block never straddles
+two tensors. The block table depends only on the k_i and is built once; the segment table
+is rebuilt only when an address changes (a new dense gradient each step in plain mode).
+
+Hyper-parameters are runtime scalars (a new value never recompiles); `lr` may instead
+live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.int32: tl.int32, torch.int64: tl.int64}
+
+
+@triton.jit
+def _sparse_adamw_kernel(
+    table_ptr,
+    blocks_ptr,
+    lr_ptr,
+    lr,
+    beta1,
+    beta2,
+    log2_beta1,
+    log2_beta2,
+    eps,
+    weight_decay,
+    W_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    I_DTYPE: tl.constexpr,
+    COMPACT_GRAD: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    LR_ON_DEVICE: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(blocks_ptr + 2 * pid)
+    start = tl.load(blocks_ptr + 2 * pid + 1)
+    row = table_ptr + tensor * 9
+    n = tl.load(row)
+    w_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + 2).to(tl.pointer_type(G_DTYPE))
+    i_ptr = tl.load(row + 3).to(tl.pointer_type(I_DTYPE))
+    m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    d_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    step_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    idx = tl.load(i_ptr + offs, mask=mask, other=0).to(tl.int64)
+    if COMPACT_GRAD:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+
+    step = tl.load(step_ptr)
+    bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias_correction2 = 1.0 - tl.exp2(step * log2_beta2)
+    if LR_ON_DEVICE:
+        lr_value = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr_value = lr
+    step_size = lr_value / bias_correction1
+    inv_bc2_sqrt = 1.0 / tl.sqrt_rn(bias_correction2)
+
+    if HAS_BASE:
+        b_ptr = tl.load(row + 7).to(tl.pointer_type(W_DTYPE))
+        base = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = base + d
+    else:
+        w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+
+    upd = -(lr_value * weight_decay) * w - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
+    d = d + upd
+    if HAS_BASE:
+        w_new = base + d
+    else:
+        w_new = w + upd
+
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(d_ptr + offs, d, mask=mask)
+    tl.store(w_ptr + idx, w_new.to(W_DTYPE), mask=mask)
+
+
+_BLOCK = 1024
+_block_cache: dict[tuple, torch.Tensor] = {}
+_table_cache: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+
+def _block_table(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    key = (sizes, str(device))
+    blocks = _block_cache.get(key)
+    if blocks is None:
+        rows = [(t, s) for t, k in enumerate(sizes) for s in range(0, k, _BLOCK)]
+        blocks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
+        _block_cache[key] = blocks
+    return blocks
+
+
+def _segment_table(key: tuple, columns: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    flat = tuple(x for col in columns for x in col)
+    cached = _table_cache.get(key)
+    if cached is not None and cached[0] == flat:
+        return cached[1]
+    host = torch.tensor(columns, dtype=torch.int64)
+    table = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    _table_cache[key] = (flat, table)
+    return table
+
+
+def sparse_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    deltas: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    compact_grads: bool,
+) -> None:
+    """One fused SparseAdamW step over tensors sharing one device, dtype and index dtype.
+
+    Args:
+        params: weights, any shape, contiguous; written only at their indices.
+        grads: dense grads (param shape and dtype) or, with `compact_grads`, [k_i] fp32.
+        indices: [k_i] sorted flat positions, all int32 or all int64.
+        exp_avgs, exp_avg_sqs, deltas: [k_i] fp32, updated in place.
+        bases: empty for fp32 params, else [k_i] in the param dtype.
+        steps: 0-d fp32 device tensors, already incremented for this step.
+        lr: float, or a 0-d device tensor read inside the kernel.
+        beta1, beta2, eps, weight_decay, maximize: AdamW hyper-parameters.
+        compact_grads: whether `grads` are already gathered.
+
+    Example:
+        >>> sparse_adamw_([w], [w.grad], [idx], [m], [v], [d], [], [step], lr=1e-3, beta1=0.9,
+        ...               beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False, compact_grads=False)
+    """
+    if not params:
+        return
+    device = params[0].device
+    w_dtype = params[0].dtype
+    i_dtype = indices[0].dtype
+    for i, p in enumerate(params):
+        if p.device != device or p.dtype != w_dtype or indices[i].dtype != i_dtype:
+            raise ValueError("params must share one device and dtype, and indices one dtype")
+        if not p.is_contiguous() or not grads[i].is_contiguous():
+            raise ValueError("params and grads must be contiguous")
+    if w_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params must be float32, bfloat16 or float16, got {w_dtype}")
+    has_base = bool(bases)
+    if has_base != (w_dtype != torch.float32):
+        raise ValueError("bases must be given exactly for bf16/fp16 params")
+    sizes = tuple(int(t.numel()) for t in indices)
+    columns = [
+        (
+            sizes[i],
+            params[i].data_ptr(),
+            grads[i].data_ptr(),
+            indices[i].data_ptr(),
+            exp_avgs[i].data_ptr(),
+            exp_avg_sqs[i].data_ptr(),
+            deltas[i].data_ptr(),
+            bases[i].data_ptr() if has_base else 0,
+            steps[i].data_ptr(),
+        )
+        for i in range(len(params))
+    ]
+    key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
+    table = _segment_table(key, columns, device)
+    blocks = _block_table(sizes, device)
+    n_blocks = blocks.shape[0]
+    if n_blocks == 0:
+        return
+    lr_on_device = isinstance(lr, torch.Tensor)
+    log2_beta1 = _log2(beta1)
+    log2_beta2 = _log2(beta2)
+    g_dtype = torch.float32 if compact_grads else w_dtype
+    _sparse_adamw_kernel[(n_blocks,)](
+        table,
+        blocks,
+        lr if lr_on_device else table,
+        0.0 if lr_on_device else float(lr),
+        float(beta1),
+        float(beta2),
+        log2_beta1,
+        log2_beta2,
+        float(eps),
+        float(weight_decay),
+        W_DTYPE=_TL_DTYPES[w_dtype],
+        G_DTYPE=_TL_DTYPES[g_dtype],
+        I_DTYPE=_TL_DTYPES[i_dtype],
+        COMPACT_GRAD=compact_grads,
+        HAS_BASE=has_base,
+        LR_ON_DEVICE=lr_on_device,
+        MAXIMIZE=bool(maximize),
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
+
+
+def _log2(beta: float) -> float:
+    import math
+
+    # beta == 0 gives bias correction 1 at every step: exp2(-inf) == 0.
+    return math.log2(beta) if beta > 0 else float("-inf")
