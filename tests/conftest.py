@@ -26,11 +26,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def triton_available() -> bool:
+    """Whether Triton kernels can run on CPU tensors here (through the interpreter)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cpp_available() -> bool:
@@ -39,4 +40,4 @@ def cpp_available() -> bool:
     return load_extension()
 
 
-requires_triton = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+requires_triton = pytest.mark.skipif(not triton_available(), reason="triton interpreter unavailable")

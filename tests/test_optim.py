@@ -1,0 +1,663 @@
+"""SparseAdamW against torch's AdamW, a masked dense oracle, and its own reference."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+import sift
+from sift import SparseAdamW, _ops
+from conftest import TOLERANCES, cpp_available, triton_available
+
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")),
+    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not triton_available(), reason="triton unavailable")),
+]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+          pytest.param(torch.float16, id="fp16")]
+SHAPES = [pytest.param((37, 29), id="37x29"), pytest.param((1, 1), id="1x1"), pytest.param((513,), id="513"),
+          pytest.param((3, 5, 7), id="3x5x7")]
+
+
+def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(23, 19), torch.nn.Tanh(), torch.nn.Linear(19, 7)).to(dtype)
+
+
+def _batch(step: int, n: int = 8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, 23, generator=torch.Generator().manual_seed(1000 + step)).to(dtype)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def _assert_states_equal(a: SparseAdamW, b: SparseAdamW, pa, pb, rtol=0.0, atol=0.0) -> None:
+    for qa, qb in zip(pa, pb):
+        torch.testing.assert_close(qa, qb, rtol=rtol, atol=atol)
+        sa, sb = a.state.get(qa, {}), b.state.get(qb, {})
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                torch.testing.assert_close(sa[key], sb[key], rtol=rtol, atol=atol, msg=f"state {key}")
+            else:
+                assert sa[key] == sb[key], key
+
+
+# ----------------------------------------------------------------- semantics
+
+
+def test_density_one_matches_torch_adamw_every_step():
+    model_a, model_b = _model(), _model()
+    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, weight_decay=0.1, density=1.0)
+    opt_b = torch.optim.AdamW(model_b.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(20):
+        x = _batch(step)
+        for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+            opt.zero_grad()
+            _loss(model, x).backward()
+            opt.step()
+        for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+            torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(opt_a.state[pa][key], opt_b.state[pb][key], rtol=1e-6, atol=1e-9)
+
+
+def _masked_adamw_oracle(w0, grads, mask, lr, betas, eps, wd, maximize=False):
+    """Dense fp64 AdamW whose update is applied only where `mask` is set."""
+    w = w0.double().clone()
+    m = torch.zeros_like(w)
+    v = torch.zeros_like(w)
+    out = []
+    for t, g in enumerate(grads, start=1):
+        g = g.double() * (-1 if maximize else 1)
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        upd = -lr * wd * w - lr / (1 - betas[0] ** t) * m / (v.sqrt() / math.sqrt(1 - betas[1] ** t) + eps)
+        w = torch.where(mask, w + upd, w)
+        out.append(w.clone())
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+def test_sparse_matches_masked_dense_oracle(backend, maximize):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(41, 27))
+    w0 = w.detach().clone()
+    grads = [torch.randn(41, 27) for _ in range(12)]
+    opt = SparseAdamW([w], lr=3e-2, weight_decay=0.05, density=0.07, maximize=maximize, backend=backend)
+    k = math.ceil(0.07 * w.numel())
+    mask = torch.zeros(w.numel(), dtype=torch.bool)
+    mask[torch.topk(grads[0].abs().reshape(-1), k).indices] = True
+    expected = _masked_adamw_oracle(w0, grads, mask.view_as(w), 3e-2, (0.9, 0.999), 1e-8, 0.05, maximize)
+    for g, want in zip(grads, expected):
+        w.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(w.detach().double(), want, rtol=2e-6, atol=2e-6)
+        # Untouched entries stay bit for bit.
+        assert torch.equal(w.detach().reshape(-1)[~mask], w0.reshape(-1)[~mask])
+    idx = opt.state[w]["indices"]
+    assert idx.dtype == torch.int32 and idx.numel() == k
+    assert torch.equal(idx.long(), mask.nonzero().reshape(-1))
+
+
+def test_selection_sizes_and_at_least_one():
+    tiny = torch.nn.Parameter(torch.randn(3))
+    big = torch.nn.Parameter(torch.randn(101, 3))
+    opt = SparseAdamW([tiny, big], density=0.01)
+    tiny.grad, big.grad = torch.randn(3), torch.randn(101, 3)
+    opt.step()
+    assert opt.state[tiny]["indices"].numel() == 1
+    assert opt.state[big]["indices"].numel() == math.ceil(0.01 * 303)
+
+
+def test_select_steps_accumulates_magnitude_and_updates_on_last():
+    w = torch.nn.Parameter(torch.zeros(50))
+    opt = SparseAdamW([w], lr=0.1, density=0.1, select_steps=2, weight_decay=0.0)
+    g1 = torch.zeros(50)
+    g1[:5] = 1.0
+    g2 = torch.zeros(50)
+    g2[10:15] = 3.0
+    g2[:5] = -0.5  # accumulated |g| keeps entries 0..4 ahead of 20..24
+    g2[20:25] = 1.2
+    w.grad = g1
+    opt.step()
+    assert torch.equal(w.detach(), torch.zeros(50)), "steps before the selection completes update nothing"
+    assert "indices" not in opt.state[w]
+    w.grad = g2
+    opt.step()
+    assert opt.state[w]["indices"].tolist() == [10, 11, 12, 13, 14]
+    assert (w.detach()[10:15] != 0).all() and (w.detach()[:10] == 0).all()
+
+
+def test_random_selection_is_seeded():
+    def chosen(seed):
+        w = torch.nn.Parameter(torch.zeros(1000))
+        opt = SparseAdamW([w], density=0.05, selection="random", seed=seed)
+        w.grad = torch.ones(1000)
+        opt.step()
+        return opt.state[w]["indices"]
+
+    assert torch.equal(chosen(3), chosen(3))
+    assert not torch.equal(chosen(3), chosen(4))
+
+
+def test_bf16_sub_ulp_updates_accumulate():
+    """A bf16 weight of 1.0 has an ulp of 2**-7; Adam moves it by ~lr=1e-4 per step."""
+    w = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    ref = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    opt = SparseAdamW([w], lr=1e-4, weight_decay=0.0, density=0.5)
+    opt_torch = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0)
+    for _ in range(300):
+        w.grad = torch.ones(64, dtype=torch.bfloat16)
+        ref.grad = torch.ones(64, dtype=torch.bfloat16)
+        opt.step()
+        opt_torch.step()
+    state = opt.state[w]
+    idx = state["indices"].long()
+    torch.testing.assert_close(state["delta"], torch.full((32,), -0.03), rtol=1e-3, atol=0)
+    expected = (state["base"].float() + state["delta"]).to(torch.bfloat16)
+    assert torch.equal(w.detach()[idx], expected)
+    assert (w.detach()[idx] < 1.0).all(), "sub-ulp updates were lost"
+    assert torch.equal(ref.detach(), torch.ones(64, dtype=torch.bfloat16)), "plain bf16 AdamW loses them"
+
+
+def test_param_groups_with_their_own_density_and_lr():
+    model = _model()
+    opt = SparseAdamW(
+        [
+            {"params": model[0].parameters(), "density": 0.1, "lr": 1e-2},
+            {"params": model[2].parameters(), "density": 1.0, "lr": 1e-3},
+        ],
+        lr=5e-2,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model, _batch(0)).backward()
+    opt.step()
+    w0, b0, w2, b2 = model.parameters()
+    assert opt.state[w0]["indices"].numel() == math.ceil(0.1 * w0.numel())
+    assert "indices" not in opt.state[w2] and opt.state[w2]["exp_avg"].shape == w2.shape
+    changed0 = (w0.detach() != before[0]).sum().item()
+    assert 0 < changed0 <= math.ceil(0.1 * w0.numel())
+    assert (w2.detach() != before[2]).all()
+    # First Adam step moves each trained entry by about lr (weight decay aside).
+    moved = (w0.detach() - before[0]).abs()
+    assert moved.max().item() == pytest.approx(1e-2, rel=1e-2)
+    assert (w2.detach() - before[2]).abs().max().item() == pytest.approx(1e-3, rel=2e-2)
+
+
+def test_frozen_and_gradless_params_are_skipped():
+    a = torch.nn.Parameter(torch.randn(10))
+    b = torch.nn.Parameter(torch.randn(10), requires_grad=False)
+    c = torch.nn.Parameter(torch.randn(10))
+    opt = SparseAdamW([a, b, c], density=0.3, compact_grads=True)
+    (a.sum() * 2).backward()
+    opt.step()
+    assert "indices" in opt.state[a]
+    assert not opt.state.get(b) and not opt.state.get(c)
+
+
+def test_lr_scheduler_drives_the_sparse_step():
+    w = torch.nn.Parameter(torch.zeros(20))
+    opt = SparseAdamW([w], lr=1.0, weight_decay=0.0, density=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    moves = []
+    for _ in range(3):
+        before = w.detach().clone()
+        w.grad = torch.ones(20)
+        opt.step()
+        sched.step()
+        moves.append((w.detach() - before).abs().max().item())
+    # Constant gradient: Adam's normalised step is exactly lr.
+    assert moves == pytest.approx([1.0, 0.5, 0.25], rel=1e-5)
+
+
+def test_set_indices_mask_and_moments_follow_their_indices():
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    opt = SparseAdamW([w], lr=1e-2, density=0.5)
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[0, :3] = True
+    opt.set_indices(w, mask)
+    assert opt.state[w]["indices"].tolist() == [0, 1, 2]
+    w.grad = torch.randn(4, 5)
+    opt.step()
+    old = {k: v.clone() for k, v in opt.state[w].items() if isinstance(v, torch.Tensor)}
+    opt.set_indices(w, torch.tensor([1, 2, 7]))
+    state = opt.state[w]
+    assert torch.equal(state["exp_avg"][:2], old["exp_avg"][1:3])
+    assert torch.equal(state["delta"][:2], old["delta"][1:3])
+    assert state["exp_avg"][2] == 0 and state["step"] == old["step"]
+
+
+# ----------------------------------------------------------- kernels vs ref
+
+
+def _kernel_inputs(shapes, dtype, density, compact, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps = ([] for _ in range(8))
+    for shape in shapes:
+        p = torch.randn(shape, generator=gen).to(dtype)
+        numel = p.numel()
+        k = max(1, math.ceil(density * numel))
+        idx = torch.sort(torch.randperm(numel, generator=gen)[:k]).values.to(torch.int32)
+        params.append(p)
+        indices.append(idx)
+        g = torch.randn(shape, generator=gen).to(dtype)
+        grads.append(g.reshape(-1)[idx.long()].float() if compact else g)
+        exp_avgs.append(torch.randn(k, generator=gen) * 0.1)
+        exp_avg_sqs.append(torch.rand(k, generator=gen) * 0.01)
+        deltas.append(torch.randn(k, generator=gen) * 1e-3)
+        if dtype != torch.float32:
+            bases.append(p.reshape(-1)[idx.long()].clone())
+        steps.append(torch.tensor(float(torch.randint(1, 50, (1,), generator=gen).item())))
+    return [params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
+@pytest.mark.parametrize("lr_tensor", [False, True], ids=["lr-float", "lr-tensor"])
+def test_kernel_matches_reference(backend, dtype, compact, lr_tensor):
+    shapes = [(37, 29), (1,), (513,), (3, 5, 7), (2049,)]
+    inputs = _kernel_inputs(shapes, dtype, 0.3, compact, seed=7)
+    expected = copy.deepcopy(inputs)
+    lr = torch.tensor(3e-3) if lr_tensor else 3e-3
+    kwargs = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=compact)
+    _, fn = _ops.resolve("sparse_adamw_", "cpu", backend)
+    fn(*inputs, **kwargs)
+    _ops.sparse_adamw_ref(*expected, **kwargs)
+    rtol, atol = TOLERANCES[dtype]
+    for got_list, want_list, name in zip(inputs, expected, ["params", "grads", "indices", "exp_avg", "exp_avg_sq",
+                                                           "delta", "base", "step"]):
+        for got, want in zip(got_list, want_list):
+            if name == "params":
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_optimizer_steps_side_by_side_with_reference(backend, dtype, shape):
+    """Every step: params and every state tensor equal the torch-reference optimizer's."""
+    torch.manual_seed(1)
+    pa = torch.nn.Parameter(torch.randn(shape).to(dtype))
+    pb = torch.nn.Parameter(pa.detach().clone())
+    opt_a = SparseAdamW([pa], lr=1e-2, density=0.2, backend=backend)
+    opt_b = SparseAdamW([pb], lr=1e-2, density=0.2, backend="torch")
+    rtol, atol = TOLERANCES[dtype]
+    for step in range(4):
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).to(dtype)
+        pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol)
+        for key in ("indices", "exp_avg", "exp_avg_sq", "delta", "step"):
+            torch.testing.assert_close(opt_a.state[pa][key], opt_b.state[pb][key], rtol=1e-5, atol=1e-7)
+
+
+def test_low_precision_kernel_error_within_twice_torch_rounding():
+    """Low-precision rule: the kernel's bf16 error against fp64 is at most 2x plain bf16 rounding."""
+    inputs = _kernel_inputs([(4099,)], torch.bfloat16, 0.5, False, seed=3)
+    exact = copy.deepcopy(inputs)
+    exact[0] = [p.double() for p in exact[0]]
+    kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False, compact_grads=False)
+    w = exact[6][0].double() + exact[5][0].double()
+    _ops.resolve("sparse_adamw_", "cpu")[1](*inputs, **kwargs)
+    g = exact[1][0].reshape(-1)[exact[2][0].long()].double()
+    m = 0.9 * exact[3][0].double() + 0.1 * g
+    v = 0.999 * exact[4][0].double() + 0.001 * g * g
+    t = exact[7][0].double()
+    want = w - 1e-2 / (1 - 0.9**t) * m / (v.sqrt() / (1 - 0.999**t).sqrt() + 1e-8)
+    got = inputs[0][0].reshape(-1)[inputs[2][0].long()].double()
+    kernel_err = (got - want).abs().max()
+    torch_err = (want.to(torch.bfloat16).double() - want).abs().max()
+    assert kernel_err <= 2 * torch_err
+
+
+# ---------------------------------------------------- hook mode, accumulation
+
+
+def _train(model, opt, steps, micro=1, clip=None, start=0):
+    dtype = next(model.parameters()).dtype
+    for step in range(start, start + steps):
+        x = _batch(step, n=8, dtype=dtype)
+        opt.zero_grad()
+        for chunk in x.chunk(micro):
+            (_loss(model, chunk) * chunk.shape[0] / x.shape[0]).backward()
+        if clip is not None:
+            sift.clip_grad_norm_(opt, clip)
+        opt.step()
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_hook_mode_equals_plain_mode(clip):
+    model_a, model_b = _model(), _model()
+    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1)
+    opt_b = SparseAdamW(model_b.parameters(), lr=1e-2, density=0.1, compact_grads=True)
+    for step in range(6):
+        _train(model_a, opt_a, 1, clip=clip, start=step)
+        _train(model_b, opt_b, 1, clip=clip, start=step)
+        _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()),
+                             rtol=1e-6, atol=1e-8)
+    for p in model_b.parameters():
+        assert p.grad is None, "hook mode frees dense gradients"
+
+
+def test_hook_mode_holds_at_most_one_dense_grad():
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
+    opt = SparseAdamW(model.parameters(), density=0.1, compact_grads=True)
+    alive = []
+
+    def count(_):
+        alive.append(sum(p.grad is not None for p in model.parameters()))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(count)
+    model(torch.randn(4, 16)).sum().backward()
+    assert max(alive) <= 1
+    opt.step()
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+def test_four_micro_batches_equal_one_batch(compact):
+    model_a, model_b = _model(), _model()
+    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1, compact_grads=compact)
+    opt_b = SparseAdamW(model_b.parameters(), lr=1e-2, density=0.1, compact_grads=compact)
+    # The selection step uses one whole batch in both (hook mode selects at the first
+    # backward of a step); accumulation is then compared over the following steps.
+    _train(model_a, opt_a, 1)
+    _train(model_b, opt_b, 1)
+    _train(model_a, opt_a, 5, micro=1, start=1)
+    _train(model_b, opt_b, 5, micro=4, start=1)
+    _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()),
+                         rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_uses_the_chosen_entries():
+    w = torch.nn.Parameter(torch.zeros(100))
+    opt = SparseAdamW([w], density=0.04)
+    g = torch.zeros(100)
+    g[:4] = torch.tensor([3.0, 4.0, 0.0, 0.0]) + 10  # chosen: the four largest
+    g[4:] = 0.1
+    w.grad = g.clone()
+    norm = sift.clip_grad_norm_(opt, max_norm=1.0)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(g[:4]))
+    torch.testing.assert_close(torch.linalg.vector_norm(w.grad[:4]), torch.tensor(1.0), rtol=1e-5, atol=0)
+
+
+# ----------------------------------------------------------------- state dict
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_state_dict_mid_run_continues_identically(compact, dtype):
+    model_a = _model(dtype=dtype)
+    opt_a = SparseAdamW(
+        [{"params": model_a[0].parameters(), "density": 0.1}, {"params": model_a[2].parameters(), "density": 1.0}],
+        lr=1e-2, compact_grads=compact,
+    )
+    _train(model_a, opt_a, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model_b = _model(seed=99, dtype=dtype)
+    model_b.load_state_dict(saved["model"])
+    opt_b = SparseAdamW(
+        [{"params": model_b[0].parameters(), "density": 0.1}, {"params": model_b[2].parameters(), "density": 1.0}],
+        lr=1.0, compact_grads=compact,
+    )
+    opt_b.load_state_dict(saved["opt"])
+    _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()))
+    _train(model_a, opt_a, 3, start=3)
+    _train(model_b, opt_b, 3, start=3)
+    _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()))
+
+
+def test_state_bytes_within_budget():
+    for dtype, expected in ((torch.float32, 16), (torch.bfloat16, 18)):
+        w = torch.nn.Parameter(torch.randn(1000, 100).to(dtype))
+        opt = SparseAdamW([w], density=0.01)
+        w.grad = torch.randn(1000, 100).to(dtype)
+        opt.step()
+        report = opt.state_bytes()
+        assert report["trainable_entries"] == 1000
+        assert report["bytes_per_entry"] == pytest.approx(expected + 4 / 1000)  # + the 0-d step
+        assert report["bytes_per_entry"] <= 20
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param(dict(density=0.0), "density", id="density-0"),
+        pytest.param(dict(density=1.5), "density", id="density-1.5"),
+        pytest.param(dict(lr=-1e-3), "lr", id="lr-negative"),
+        pytest.param(dict(eps=-1.0), "eps", id="eps-negative"),
+        pytest.param(dict(betas=(1.0, 0.9)), r"betas\[0\]", id="beta1-1"),
+        pytest.param(dict(betas=(0.9, -0.1)), r"betas\[1\]", id="beta2-negative"),
+        pytest.param(dict(weight_decay=-0.1), "weight_decay", id="wd-negative"),
+        pytest.param(dict(select_steps=0), "select_steps", id="select-steps-0"),
+        pytest.param(dict(selection="best"), "selection", id="selection-unknown"),
+        pytest.param(dict(backend="cuda"), "backend", id="backend-unknown"),
+    ],
+)
+def test_bad_hyperparameters_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SparseAdamW([torch.nn.Parameter(torch.randn(3))], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "param, match",
+    [
+        pytest.param(torch.zeros(3, dtype=torch.int64), "floating point", id="int"),
+        pytest.param(torch.zeros(3, dtype=torch.complex64), "floating point", id="complex"),
+        pytest.param(torch.zeros(3, dtype=torch.float64), "float32, bfloat16 and float16", id="fp64-sparse"),
+    ],
+)
+def test_bad_params_raise(param, match):
+    with pytest.raises(ValueError, match=match):
+        SparseAdamW([param], density=0.5)
+
+
+def test_bad_group_added_later_leaves_optimizer_unchanged():
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = SparseAdamW([w], density=0.5)
+    with pytest.raises(ValueError, match="density"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "density": 2.0})
+    assert len(opt.param_groups) == 1
+
+
+def test_sparse_layout_grad_raises_and_changes_nothing():
+    w = torch.nn.Parameter(torch.randn(10))
+    before = w.detach().clone()
+    opt = SparseAdamW([w], density=0.5)
+    w.grad = torch.randn(10).to_sparse()
+    with pytest.raises(ValueError, match="sparse-layout"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and not opt.state.get(w)
+
+
+@pytest.mark.parametrize(
+    "indices, match",
+    [
+        pytest.param(torch.tensor([0, 3, 20]), "out of range", id="out-of-range"),
+        pytest.param(torch.tensor([-1, 3]), "out of range", id="negative"),
+        pytest.param(torch.tensor([3, 1]), "sorted", id="unsorted"),
+        pytest.param(torch.tensor([1, 1, 2]), "sorted ascending without duplicates", id="duplicated"),
+        pytest.param(torch.tensor([1.0, 2.0]), "int32 or int64", id="float"),
+        pytest.param(torch.tensor([[1, 2]]), "1-D", id="2d"),
+        pytest.param(torch.zeros(4, 4, dtype=torch.bool), "shape", id="mask-shape"),
+    ],
+)
+def test_set_indices_bad_input_raises_and_keeps_state(indices, match):
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    opt = SparseAdamW([w], density=0.5)
+    opt.set_indices(w, torch.tensor([1, 2]))
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.set_indices(w, indices)
+    _assert_state_dicts_equal(opt.state_dict(), before)
+
+
+def _assert_state_dicts_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid in a["state"]:
+        for key, value in a["state"][pid].items():
+            other = b["state"][pid][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def _trained_opt():
+    model = _model()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
+    _train(model, opt, 2)
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        pytest.param(lambda sd: sd["param_groups"].pop(), "param groups", id="group-count"),
+        pytest.param(lambda sd: sd["param_groups"][0]["params"].pop(), "params", id="param-count"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("indices", sd["state"][0]["indices"] + 10_000),
+                     "out of range", id="indices-out-of-range"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("indices", sd["state"][0]["indices"].flip(0)),
+                     "sorted", id="indices-unsorted"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("exp_avg", sd["state"][0]["exp_avg"][:-1]),
+                     "exp_avg must have shape", id="moment-length"),
+        pytest.param(lambda sd: sd["state"][0].pop("delta"), "missing delta", id="missing-key"),
+        pytest.param(lambda sd: sd["state"].__setitem__(17, {}), "param id 17", id="unknown-param"),
+    ],
+)
+def test_mismatched_state_dict_raises_and_keeps_state(corrupt, match):
+    _, source = _trained_opt()
+    sd = copy.deepcopy(source.state_dict())
+    corrupt(sd)
+    _, target = _trained_opt()
+    target.param_groups[0]["lr"] = 0.123
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(sd)
+    _assert_state_dicts_equal(target.state_dict(), before)
+
+
+def test_forced_backend_that_cannot_run_raises(monkeypatch):
+    monkeypatch.setenv("SIFT_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if torch.cuda.is_available():
+        pytest.skip("triton can run here")
+    with pytest.raises(RuntimeError, match="requested"):
+        _ops.resolve("sparse_adamw_", "cpu")
+    monkeypatch.setenv("SIFT_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="SIFT_BACKEND"):
+        _ops.resolve("sparse_adamw_", "cpu")
+
+
+def test_env_report_names_every_op():
+    from sift.env import report
+
+    text = report()
+    for name in _ops.ops():
+        assert f"| {name} | cpu |" in text
+
+
+# ------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_on_cuda_matches_reference(dtype):
+    inputs = _kernel_inputs([(4096, 37), (1,), (12345,)], dtype, 0.05, False, seed=11)
+    inputs = [[t.cuda() for t in group] for group in inputs]
+    expected = copy.deepcopy(inputs)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
+    _ops.resolve("sparse_adamw_", "cuda", "triton")[1](*inputs, **kwargs)
+    _ops.sparse_adamw_ref(*expected, **kwargs)
+    rtol, atol = TOLERANCES[dtype]
+    for got, want in zip(inputs[0], expected[0]):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for group in (3, 4, 5):
+        for got, want in zip(inputs[group], expected[group]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_follows_lr_tensor():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(1000, 100, device="cuda"))
+    ref = torch.nn.Parameter(w.detach().clone())
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = SparseAdamW([w], lr=lr, density=0.05)
+    opt_ref = SparseAdamW([ref], lr=1e-2, density=0.05, backend="torch")
+    g = torch.randn(1000, 100, device="cuda")
+    w.grad, ref.grad = g.clone(), g.clone()
+    opt.step()  # selection happens eagerly
+    opt_ref.step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()  # warm-up on the side stream (compiles the kernel)
+    torch.cuda.current_stream().wait_stream(stream)
+    opt_ref.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for new_lr in (5e-3, 1e-3):
+        lr.fill_(new_lr)
+        opt_ref.param_groups[0]["lr"] = new_lr
+        graph.replay()
+        opt_ref.step()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(w, ref, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------- missing dependencies
+
+_FALLBACK_SCRIPT = """
+import logging, sys
+{block}
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+import torch, sift
+from sift import _ops
+w = torch.nn.Parameter(torch.randn(50))
+opt = sift.SparseAdamW([w], density=0.1)
+w.grad = torch.randn(50)
+opt.step()
+print("BACKEND", _ops.resolve("sparse_adamw_", "cpu")[0])
+"""
+
+
+@pytest.mark.parametrize(
+    "block, env",
+    [
+        pytest.param("sys.modules['triton'] = None", {}, id="no-triton"),
+        pytest.param("", {"SIFT_SKIP_EXT": "1"}, id="no-cpp-extension"),
+    ],
+)
+def test_import_and_step_work_without_optional_backends(block, env):
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT.format(block=block)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
+    )
+    assert out.returncode == 0, out.stderr
+    if env.get("SIFT_SKIP_EXT") == "1":
+        assert "BACKEND torch" in out.stdout
+        assert out.stderr.count("falls back from cpp") == 1, out.stderr
+    else:
+        assert "BACKEND cpp" in out.stdout
