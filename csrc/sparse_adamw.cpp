@@ -149,7 +149,9 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   const Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2), static_cast<float>(eps),
                 static_cast<float>(weight_decay), maximize};
   const auto dtype = n ? params[0].scalar_type() : at::kFloat;
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
+  // A grain of 16 chunks (8192 entries) keeps small steps on the calling thread, where
+  // waking the pool would cost more than the work.
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Segment& s = work[c];
       const int64_t i = s.tensor;

@@ -51,6 +51,7 @@ def _sparse_adamw_kernel(
     HAS_BASE: tl.constexpr,
     LR_ON_DEVICE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -65,6 +66,13 @@ def _sparse_adamw_kernel(
     v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     d_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        # Addresses read from a table carry no alignment facts; without these hints the
+        # compiler cannot emit 16-byte vector loads for the contiguous compact arrays.
+        i_ptr = tl.multiple_of(i_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        d_ptr = tl.multiple_of(d_ptr, 16)
 
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
@@ -203,6 +211,7 @@ def sparse_adamw_(
         )
         for i in range(len(params))
     ]
+    aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
     key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
     table = _segment_table(key, columns, device)
     blocks = _block_table(sizes, device)
@@ -231,6 +240,7 @@ def sparse_adamw_(
         HAS_BASE=has_base,
         LR_ON_DEVICE=lr_on_device,
         MAXIMIZE=bool(maximize),
+        ALIGNED=aligned,
         BLOCK=_BLOCK,
         num_warps=4,
     )
