@@ -1,5 +1,6 @@
 """sift: fused kernels for sparse fine-tuning (SIFT, HiFi) of pretrained transformers."""
 
+from sift import heads
 from sift.optim import SparseAdamW, clip_grad_norm_
 
 __version__ = "0.1.0"
