@@ -317,11 +317,14 @@ class SparseAdamW(torch.optim.Optimizer):
             self._selection_seen.add(p)
         if "indices" in state:
             compact = self._compact[p]
-            gathered = grad.reshape(-1)[state["indices"].long()]
+            flat = grad.reshape(-1)
             if p in self._grad_ready:
-                compact.add_(gathered)
+                compact.add_(torch.index_select(flat, 0, state["indices"]))
+            elif flat.dtype == torch.float32:
+                torch.index_select(flat, 0, state["indices"], out=compact)
+                self._grad_ready.add(p)
             else:
-                compact.copy_(gathered)
+                compact.copy_(torch.index_select(flat, 0, state["indices"]))
                 self._grad_ready.add(p)
         p.grad = None
 
