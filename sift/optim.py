@@ -98,6 +98,13 @@ class SparseAdamW(torch.optim.Optimizer):
             the dense gradient at once, so at most one dense weight gradient exists at a
             time. Selection then also happens in the hook, at the first backward of the last
             selection step. Micro-batch accumulation adds into the compact buffers.
+        max_grad_norm: if set, `step()` first clips the gradients it uses to this global
+            norm with `sift.clip_grad_norm_` (for loops that cannot call it themselves).
+        process_group: data parallelism without DDP, for `compact_grads` mode (whose hooks
+            free the dense gradients DDP would reduce). With a process group, the dense
+            gradient is averaged across ranks before selection (so every rank chooses the
+            same entries), and `step()` averages the compact buffers and the dense groups'
+            gradients. Plain mode needs none of this: wrap the model in DDP as usual.
         backend: force a kernel backend ("torch", "cpp", "triton"); default: automatic
             (see `python -m sift.env`).
 
@@ -124,6 +131,8 @@ class SparseAdamW(torch.optim.Optimizer):
         seed: int = 0,
         maximize: bool = False,
         compact_grads: bool = False,
+        max_grad_norm: float | None = None,
+        process_group: Any = None,
         backend: str | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay, density)
@@ -131,6 +140,10 @@ class SparseAdamW(torch.optim.Optimizer):
             raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
         if selection not in ("magnitude", "random"):
             raise ValueError(f"selection must be 'magnitude' or 'random', got {selection!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        if process_group is not None and not compact_grads:
+            raise ValueError("process_group is for compact_grads mode; in plain mode wrap the model in DDP")
         if backend is not None and backend not in _ops.BACKENDS:
             raise ValueError(f"backend must be one of {_ops.BACKENDS} or None, got {backend!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
@@ -140,6 +153,8 @@ class SparseAdamW(torch.optim.Optimizer):
         self.seed = seed
         self.compact_grads = compact_grads
         self.backend = backend
+        self.max_grad_norm = max_grad_norm
+        self.process_group = process_group
         self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
         self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
         self._selection_seen: set[torch.Tensor] = set()  # params that took part in this step's selection
@@ -312,6 +327,8 @@ class SparseAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if "indices" not in state:
             group = self._group_of(p)
+            if self.process_group is not None:
+                grad = self._average_across_ranks(grad)
             final = state.get("selection_calls", 0) + 1 >= self.select_steps
             self._selection_update(group, p, grad, final=final)
             self._selection_seen.add(p)
@@ -327,6 +344,28 @@ class SparseAdamW(torch.optim.Optimizer):
                 compact.copy_(torch.index_select(flat, 0, state["indices"]))
                 self._grad_ready.add(p)
         p.grad = None
+
+    def _average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.process_group)
+        if world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+            tensor.div_(world)
+        return tensor
+
+    def _sync_grads(self) -> None:
+        """compact_grads + process_group: average what this step uses across ranks.
+
+        Every rank must have run backward over the same params (as with DDP).
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["density"] >= 1.0:
+                    if p.grad is not None:
+                        self._average_across_ranks(p.grad)
+                elif p in self._grad_ready:
+                    self._average_across_ranks(self._compact[p])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero dense grads as torch does, and drop gathered compact grads."""
@@ -375,6 +414,10 @@ class SparseAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._validate_grads()
         self._prepare()
+        if self.process_group is not None:
+            self._sync_grads()
+        if self.max_grad_norm is not None:
+            clip_grad_norm_(self, self.max_grad_norm)
         if self.compact_grads:
             for p in self._selection_seen:
                 self.state[p]["selection_calls"] = self.state[p].get("selection_calls", 0) + 1

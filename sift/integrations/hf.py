@@ -1,0 +1,77 @@
+"""transformers `Trainer` integration: `SparseTrainer` builds a `SparseAdamW` from the
+Trainer's own arguments and clips the gradients the optimizer actually uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
+
+from sift.optim import SparseAdamW, clip_grad_norm_
+
+
+class SparseTrainer(Trainer):
+    """A `transformers.Trainer` that fine-tunes with `sift.SparseAdamW`.
+
+    Weights (params with two or more dimensions) are trained sparsely at `density`;
+    biases and norm scales (one dimension) densely, unless `dense_1d=False`. Learning rate,
+    betas, eps and weight decay (with the Trainer's usual no-decay set) come from
+    `TrainingArguments`; the Trainer's LR scheduler drives the optimizer unchanged.
+    `max_grad_norm` clips with `sift.clip_grad_norm_`, i.e. over the entries the optimizer
+    uses, which also works in `compact_grads` mode where no dense gradient is left.
+
+    Args:
+        *args: passed to `transformers.Trainer`.
+        density: fraction of each weight's entries to train, in (0, 1].
+        compact_grads: gradient-hook mode of `SparseAdamW` (single process only: with
+            several processes use plain mode, which the Trainer's DDP handles).
+        select_steps: `SparseAdamW(select_steps=...)`.
+        dense_1d: train one-dimensional params densely.
+        **kwargs: passed to `transformers.Trainer`.
+
+    Example:
+        >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
+        ...                         density=0.01)
+        >>> trainer.train()
+    """
+
+    def __init__(self, *args: Any, density: float = 0.01, compact_grads: bool = False, select_steps: int = 1,
+                 dense_1d: bool = True, **kwargs: Any) -> None:
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.sift_density = density
+        self.sift_compact_grads = compact_grads
+        self.sift_select_steps = select_steps
+        self.sift_dense_1d = dense_1d
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+        for name, p in opt_model.named_parameters():
+            if not p.requires_grad:
+                continue
+            density = 1.0 if (self.sift_dense_1d and p.dim() < 2) else self.sift_density
+            weight_decay = self.args.weight_decay if name in decay else 0.0
+            groups.setdefault((density, weight_decay), []).append(p)
+        self.optimizer = SparseAdamW(
+            [{"params": ps, "density": d, "weight_decay": wd} for (d, wd), ps in groups.items()],
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            select_steps=self.sift_select_steps,
+            compact_grads=self.sift_compact_grads,
+        )
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        return clip_grad_norm_(optimizer, self.args.max_grad_norm)

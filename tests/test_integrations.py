@@ -1,0 +1,125 @@
+"""SparseAdamW inside real training set-ups: the transformers Trainer and data parallelism."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sift
+from sift import SparseAdamW
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 12, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+
+
+def _single_process(steps: int) -> list[torch.Tensor]:
+    model = _model()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = _model()
+        if mode == "ddp-plain":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+        else:
+            net = model
+            opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5, compact_grads=True,
+                              process_group=dist.group.WORLD)
+        for step in range(steps):
+            x, y = _data(step)
+            shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
+            opt.step()
+        if rank == 0:
+            torch.save([p.detach().clone() for p in model.parameters()], out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp-plain", "hook-process-group"])
+def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path, mode):
+    steps = 4
+    out = str(tmp_path / "params.pt")
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), mode, steps, out), nprocs=2, join=True)
+    got = torch.load(out, weights_only=True)
+    for a, b in zip(got, _single_process(steps)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_process_group_requires_compact_grads():
+    with pytest.raises(ValueError, match="process_group is for compact_grads"):
+        SparseAdamW([torch.nn.Parameter(torch.randn(3))], process_group=object())
+
+
+def test_max_grad_norm_equals_explicit_clip():
+    a, b = _model(), _model()
+    opt_a = SparseAdamW(a.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.1)
+    opt_b = SparseAdamW(b.parameters(), lr=1e-2, density=0.2)
+    for step in range(3):
+        x, y = _data(step)
+        for model, opt, clip in ((a, opt_a, False), (b, opt_b, True)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if clip:
+                sift.clip_grad_norm_(opt, 0.1)
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb)
+
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+def test_trainer_fine_tunes_sparsely(tmp_path, compact):
+    from sift.integrations.hf import SparseTrainer
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, num_labels=2)
+    model = transformers.BertForSequenceClassification(config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (10,), generator=gen), "labels": int(i % 2)} for i in range(16)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2,
+        max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+    )
+    trainer = SparseTrainer(model=model, args=args, train_dataset=data, density=0.05, compact_grads=compact)
+    trainer.train()
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert isinstance(opt, SparseAdamW)
+    changed_weights = 0
+    for name, p in model.named_parameters():
+        moved = (p.detach() != before[name]).reshape(-1)
+        state = opt.state.get(p, {})
+        if p.dim() >= 2 and p.requires_grad and "indices" in state:
+            outside = torch.ones_like(moved)
+            outside[state["indices"].long()] = False
+            assert not moved[outside].any(), f"{name} changed outside its chosen entries"
+            changed_weights += int(moved.any())
+    assert changed_weights > 0
+    assert any(isinstance(h.get("grad_norm"), float) for h in trainer.state.log_history)
