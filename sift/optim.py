@@ -55,6 +55,16 @@ def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any)
         raise ValueError(f"density must be in (0, 1], got {density!r}")
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # FSDP2 shards params as DTensors; sparse state lives on each rank's local shard.
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (a view of its storage), else `t` itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
@@ -181,8 +191,13 @@ class SparseAdamW(torch.optim.Optimizer):
                 raise ValueError(
                     f"sparse groups support float32, bfloat16 and float16 params; param {j} has dtype {p.dtype}"
                 )
-            if merged["density"] < 1.0 and not p.is_contiguous():
+            if merged["density"] < 1.0 and not _local(p).is_contiguous():
                 raise ValueError(f"sparse groups need contiguous params; param {j} is not contiguous")
+            if getattr(self, "compact_grads", False) and _is_dtensor(p):
+                raise ValueError(
+                    "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
+                    "hooks; use plain mode with FSDP2"
+                )
         group = dict(param_group)
         group["params"] = params
         if "betas" in group:
@@ -208,17 +223,18 @@ class SparseAdamW(torch.optim.Optimizer):
     # --------------------------------------------------------------- selection
 
     def _num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
-        return max(1, math.ceil(group["density"] * p.numel()))
+        # round() first: 0.2 * 35 is 7.000000000000001 in binary floating point.
+        return max(1, math.ceil(round(group["density"] * _local(p).numel(), 6)))
 
     def _choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         k = self._num_selected(group, p)
         if self.selection == "random":
             position = next(i for i, q in enumerate(q for _, q in self._sparse_params()) if q is p)
             gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + position)
-            score = torch.rand(p.numel(), generator=gen, device=p.device)
+            score = torch.rand(_local(p).numel(), generator=gen, device=p.device)
         assert score is not None
         chosen = torch.topk(score.reshape(-1), k, sorted=False).indices
-        return torch.sort(chosen).values.to(_index_dtype(p.numel()))
+        return torch.sort(chosen).values.to(_index_dtype(_local(p).numel()))
 
     def _init_sparse_state(self, p: torch.Tensor, indices: torch.Tensor) -> None:
         state = self.state[p]
@@ -230,7 +246,7 @@ class SparseAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"] = torch.zeros(k, **zeros)
         state["delta"] = torch.zeros(k, **zeros)
         if p.dtype != torch.float32:
-            state["base"] = p.detach().view(-1)[state["indices"].long()].clone()
+            state["base"] = _local(p.detach()).view(-1)[state["indices"].long()].clone()
         state["step"] = torch.zeros((), **zeros)
         if self.compact_grads:
             self._compact[p] = torch.zeros(k, **zeros)
@@ -238,7 +254,7 @@ class SparseAdamW(torch.optim.Optimizer):
     def _selection_update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, final: bool) -> None:
         """Feed one gradient into p's selection; choose its entries when `final`."""
         state = self.state[p]
-        magnitude = grad.detach().abs().float() if self.selection == "magnitude" else None
+        magnitude = _local(grad.detach()).abs().float() if self.selection == "magnitude" else None
         if "score" in state and magnitude is not None:
             state["score"].add_(magnitude)
             magnitude = state["score"]
@@ -257,7 +273,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if self.compact_grads:
             return
         for group, p in self._sparse_params():
-            if p.grad is None or "indices" in self.state[p]:
+            if p.grad is None or "indices" in self.state[p] or _local(p).numel() == 0:
                 continue
             calls = self.state[p].get("selection_calls", 0) + 1
             self._selection_update(group, p, p.grad, final=calls >= self.select_steps)
@@ -282,12 +298,13 @@ class SparseAdamW(torch.optim.Optimizer):
         group = self._group_of(param)
         if group["density"] >= 1.0:
             raise ValueError("set_indices needs a param of a sparse group (density < 1); this one is dense")
+        local = _local(param)
         if isinstance(indices, torch.Tensor) and indices.dtype == torch.bool:
-            if indices.shape != param.shape:
-                raise ValueError(f"mask must have the param's shape {tuple(param.shape)}, got {tuple(indices.shape)}")
+            if indices.shape != local.shape:
+                raise ValueError(f"mask must have the param's shape {tuple(local.shape)}, got {tuple(indices.shape)}")
             indices = indices.reshape(-1).nonzero().reshape(-1)
-        _check_indices(indices, param.numel(), "indices")
-        indices = indices.to(device=param.device, dtype=_index_dtype(param.numel()))
+        _check_indices(indices, local.numel(), "indices")
+        indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
         old = dict(self.state.get(param, {}))
         self._init_sparse_state(param, indices)
         state = self.state[param]
@@ -383,7 +400,7 @@ class SparseAdamW(torch.optim.Optimizer):
             return None
         if self.compact_grads:
             return self._compact[param] if param in self._grad_ready else None
-        return None if param.grad is None else param.grad.reshape(-1)[state["indices"].long()]
+        return None if param.grad is None else _local(param.grad).reshape(-1)[state["indices"].long()]
 
     # -------------------------------------------------------------------- step
 
@@ -451,13 +468,13 @@ class SparseAdamW(torch.optim.Optimizer):
             if self.compact_grads:
                 grads = [self._compact[p] for p in params]
             else:
-                grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+                grads = [_local(p.grad).contiguous() for p in params]
             _, fn = _ops.resolve("sparse_adamw_", device, self.backend)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
                 lr = lr.to(device)
             fn(
-                [p.detach() for p in params],
+                [_local(p.detach()) for p in params],
                 grads,
                 [s["indices"] for s in states],
                 [s["exp_avg"] for s in states],
@@ -571,14 +588,14 @@ class SparseAdamW(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"{what}: missing {', '.join(missing)}")
         indices = saved["indices"]
-        _check_indices(indices, p.numel(), f"{what}: indices")
+        _check_indices(indices, _local(p).numel(), f"{what}: indices")
         k = indices.numel()
         for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if p.dtype != torch.float32 else ()):
             value = saved[key]
             if not isinstance(value, torch.Tensor) or value.shape != (k,):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"{what}: {key} must have shape ({k},) to match indices, got {shape}")
-        out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(p.numel())).clone()
+        out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(_local(p).numel())).clone()
         for key in ("exp_avg", "exp_avg_sq", "delta"):
             out[key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
         if p.dtype != torch.float32:
@@ -605,7 +622,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 if "indices" in state:
                     entries += state["indices"].numel()
                 elif "exp_avg" in state:
-                    entries += p.numel()
+                    entries += _local(p).numel()
         grad_bytes = sum(t.numel() * t.element_size() for t in self._compact.values())
         return {
             "state_bytes": float(total),
@@ -643,24 +660,40 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
     optimizer._prepare()
+    mesh_group = None
     used: list[torch.Tensor] = []  # what the step reads
     scaled: list[torch.Tensor] = []  # what to scale in place
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if _is_dtensor(p):
+                mesh_group = p.device_mesh.get_group()
             if group["density"] >= 1.0:
                 if p.grad is not None:
-                    used.append(p.grad)
-                    scaled.append(p.grad)
+                    used.append(_local(p.grad))
+                    scaled.append(_local(p.grad))
                 continue
             grad = optimizer.compact_grad(p)
             if grad is not None:
                 used.append(grad)
-                scaled.append(grad if optimizer.compact_grads else p.grad)
-    if not used:
+                scaled.append(grad if optimizer.compact_grads else _local(p.grad))
+    if not used and mesh_group is None:
         return torch.zeros(())
-    device = used[0].device
+    device = used[0].device if used else torch.device("cpu")
     norms = [torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in used]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    stacked = torch.stack(norms) if norms else torch.zeros(1, device=device)
+    if mesh_group is None:
+        total = torch.linalg.vector_norm(stacked, norm_type)
+    else:
+        # FSDP2: each rank holds a shard; combine the shard norms into the global norm.
+        import torch.distributed as dist
+
+        if math.isinf(norm_type):
+            total = stacked.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=mesh_group)
+        else:
+            total = stacked.pow(norm_type).sum()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh_group)
+            total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in scaled:
         g.mul_(coef.to(device=g.device, dtype=g.dtype))

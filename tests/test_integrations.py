@@ -68,6 +68,64 @@ def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path, mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _fsdp_worker(rank: int, world: int, init_file: str, steps: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = _model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+        for step in range(steps):
+            x, y = _data(step)
+            shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+            opt.step()
+        local = [(p.to_local().detach().clone(), opt.state[p]["indices"].clone()) for p in model.parameters()]
+        torch.save(local, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_train_like_one_process_on_their_entries(tmp_path):
+    """FSDP2 (DTensor params): each rank selects and steps on its own shard (plain mode)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    steps, world = 4, 2
+    out = str(tmp_path / "params")
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), steps, out), nprocs=world, join=True)
+    shards = [torch.load(f"{out}.{r}", weights_only=True) for r in range(world)]
+    model = _model()
+    x, y = _data(0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for i, p in enumerate(model.parameters()):  # each rank chose the top-k of its own shard
+        for r, grad_shard in enumerate(torch.chunk(p.grad, world, dim=0)):
+            k = shards[r][i][1].numel()
+            assert k == max(1, -(-grad_shard.numel() // 5))  # ceil(0.2 * numel)
+            top = torch.topk(grad_shard.abs().reshape(-1), k).indices.sort().values
+            assert torch.equal(shards[r][i][1].long(), top)
+    model.zero_grad()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+    expected_params = []
+    for i, p in enumerate(model.parameters()):
+        offset, chosen = 0, []
+        for r in range(world):
+            local, idx = shards[r][i]
+            chosen.append(idx.long() + offset)
+            offset += local.numel()
+        opt.set_indices(p, torch.cat(chosen))
+        expected_params.append(torch.cat([shards[r][i][0] for r in range(world)]))
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    for p, want in zip(model.parameters(), expected_params):
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_process_group_requires_compact_grads():
     with pytest.raises(ValueError, match="process_group is for compact_grads"):
         SparseAdamW([torch.nn.Parameter(torch.randn(3))], process_group=object())

@@ -117,6 +117,15 @@ def test_selection_sizes_and_at_least_one():
     assert opt.state[big]["indices"].numel() == math.ceil(0.01 * 303)
 
 
+def test_selection_size_is_not_inflated_by_float_rounding():
+    """0.2 * 35 == 7.000000000000001 in floating point; ceil must still give 7."""
+    w = torch.nn.Parameter(torch.randn(35))
+    opt = SparseAdamW([w], density=0.2)
+    w.grad = torch.randn(35)
+    opt.step()
+    assert opt.state[w]["indices"].numel() == 7
+
+
 def test_select_steps_accumulates_magnitude_and_updates_on_last():
     w = torch.nn.Parameter(torch.zeros(50))
     opt = SparseAdamW([w], lr=0.1, density=0.1, select_steps=2, weight_decay=0.0)
