@@ -277,31 +277,33 @@ define("singular_values", singular_values_ref)
 _eigvalsh_pool = None
 
 
-def _eigvalsh_batched(g: torch.Tensor) -> torch.Tensor:
-    # LAPACK's syevd runs one matrix at a time on one thread (torch does not parallelise the
-    # batch), so on CPU the batch is split over torch's intra-op thread count; the GIL is
-    # released inside the op.
-    global _eigvalsh_pool
-    n_threads = torch.get_num_threads()
-    if g.device.type != "cpu" or n_threads < 2 or g.shape[0] < 4 * n_threads:
-        return torch.linalg.eigvalsh(g)
-    if _eigvalsh_pool is None or _eigvalsh_pool._max_workers != n_threads:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _eigvalsh_pool = ThreadPoolExecutor(n_threads, thread_name_prefix="sift-eigvalsh")
-    return torch.cat(list(_eigvalsh_pool.map(torch.linalg.eigvalsh, g.chunk(n_threads))))
+def _gram_eigvalsh(x3: torch.Tensor) -> torch.Tensor:
+    # [B, S, D] -> [B, min(S, D)] descending, fp64.
+    xd = x3.to(torch.float64)
+    gram = xd.mT @ xd if x3.shape[-2] >= x3.shape[-1] else xd @ xd.mT
+    return torch.linalg.eigvalsh(gram).clamp_min_(0).sqrt_().flip(-1)
 
 
 @register("singular_values", "torch")
 def singular_values_gram_eigvalsh(x: torch.Tensor) -> torch.Tensor:
     """Fast plain-torch path: fp64 Gram of the shorter side, then batched `eigvalsh`."""
+    global _eigvalsh_pool
     *batch, s, d = x.shape
-    k = min(s, d)
-    xd = x.to(torch.float64)
-    gram = xd.mT @ xd if s >= d else xd @ xd.mT
-    eig = _eigvalsh_batched(gram.reshape(-1, k, k))
-    sigma = eig.clamp_min(0).sqrt().flip(-1)
-    return sigma.reshape(*batch, k).to(_singular_values_dtype(x))
+    x3 = x.reshape(-1, s, d)
+    n_threads = torch.get_num_threads()
+    if x.device.type != "cpu" or n_threads < 2 or x3.shape[0] < 4 * n_threads:
+        sigma = _gram_eigvalsh(x3)
+    else:
+        # LAPACK's syevd solves one matrix at a time on one thread (torch does not parallelise
+        # over the batch), so each thread takes whole chunks: upcast, Gram and eigvalsh stay
+        # cache-local, and the GIL is released inside every op.
+        if _eigvalsh_pool is None or _eigvalsh_pool._max_workers != n_threads:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _eigvalsh_pool = ThreadPoolExecutor(n_threads, thread_name_prefix="sift-eigvalsh")
+        chunk = max(1, min(256, -(-x3.shape[0] // n_threads)))
+        sigma = torch.cat(list(_eigvalsh_pool.map(_gram_eigvalsh, x3.split(chunk))))
+    return sigma.reshape(*batch, min(s, d)).to(_singular_values_dtype(x))
 
 
 @register("singular_values", "triton")

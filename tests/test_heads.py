@@ -52,9 +52,9 @@ def _spectrum_matrices(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def _assert_singular_values_close(got: torch.Tensor, x: torch.Tensor) -> None:
-    ref = torch.linalg.svdvals(x.double())
+    ref = torch.linalg.svdvals(x.double().cpu())
     assert got.shape == ref.shape
-    got = got.double()
+    got = got.double().cpu()
     top = ref[..., :1]
     torch.testing.assert_close(got[..., 0], ref[..., 0], rtol=1e-5, atol=0)
     big = ref > 1e-3 * top
@@ -131,6 +131,9 @@ def test_singular_values_threaded_batch_matches_reference():
     _assert_singular_values_close(got, x)
 
 
+# The Triton kernel runs natively on CUDA, else on CPU tensors under TRITON_INTERPRET=1.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 TRITON_CASES = [
     pytest.param((2, 13, 6), torch.float32, id="S>D-13x6-fp32"),
     pytest.param((2, 5, 11), torch.bfloat16, id="S<D-5x11-bf16"),
@@ -141,9 +144,9 @@ TRITON_CASES = [
 @pytest.mark.skipif(not triton_available(), reason="triton unavailable")
 @pytest.mark.parametrize("shape,dtype", TRITON_CASES)
 def test_singular_values_triton_matches_fp64_svdvals(shape, dtype):
-    x = _spectrum_matrices(shape, seed=7).to(dtype)
+    x = _spectrum_matrices(shape, seed=7).to(TRITON_DEVICE, dtype)
     got = heads.singular_values(x, backend="triton")
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.float32 and got.device == x.device
     _assert_singular_values_close(got, x)
 
 
@@ -153,10 +156,45 @@ def test_singular_values_triton_strided_and_rank_deficient():
     base = torch.randn(2, 6, 12, dtype=torch.float32).mT  # [2, 12, 6], strided
     base[1, 4:] = 0.0  # padding rows
     x = torch.cat([base, torch.zeros(1, 12, 6)])
-    got = heads.singular_values(x, backend="triton")
+    got = heads.singular_values(x.to(TRITON_DEVICE), backend="triton").cpu()
     ref = torch.linalg.svdvals(x.double())
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
     assert (got[2] == 0).all()
+
+
+GPU_SHAPES = [
+    pytest.param((256, 128, 64), torch.float32, id="bench-128x64-fp32"),
+    pytest.param((64, 512, 128), torch.float32, id="bench-512x128-fp32"),
+    pytest.param((128, 128, 64), torch.bfloat16, id="128x64-bf16"),
+    pytest.param((3, 5, 200, 96), torch.float32, id="odd-200x96-batch3x5"),
+    pytest.param((40, 37, 128), torch.float16, id="S<D-37x128-fp16"),
+    pytest.param((16, 300, 128), torch.float64, id="300x128-fp64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", GPU_SHAPES)
+def test_singular_values_cuda_kernel_matches_fp64_svdvals(shape, dtype):
+    assert _ops.resolve("singular_values", "cuda")[0] == "triton"
+    x = _spectrum_matrices(shape, seed=9).to("cuda", dtype)
+    got = heads.singular_values(x)
+    assert got.device.type == "cuda"
+    _assert_singular_values_close(got, x)
+    gaussian = torch.randn(*shape, device="cuda").to(dtype)
+    _assert_singular_values_close(heads.singular_values(gaussian), gaussian)
+
+
+@pytest.mark.gpu
+def test_score_heads_cuda_matches_cpu(minilm):
+    model, tokenizer = minilm
+    data = dict(tokenizer(TEXTS, padding=True, return_tensors="pt"))
+    cpu = heads.score_heads(model, data, n_samples=12, progress=False)
+    gpu_model = copy.deepcopy(model).cuda()
+    gpu = heads.score_heads(gpu_model, data, n_samples=12, progress=False)
+    # Information richness is a count: a head whose share sits within float noise of xi may
+    # flip by one in one sample (1/12 of the mean).
+    assert (cpu.info - gpu.info).abs().max() <= 1 / 12 + 1e-9
+    torch.testing.assert_close(cpu.corr, gpu.corr, rtol=1e-3, atol=1e-6)
 
 
 def test_singular_values_zero_and_empty():
