@@ -683,3 +683,12 @@ def test_hifi_finetune_updates_only_chosen_heads(minilm):
         rows = slice(32 * head, 32 * (head + 1))
         assert (params[name][rows] != before[name][rows]).any(), (layer, head)
     assert not any(f"encoder.layer.{i}." in n for n in indices for i in range(3))
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+def test_singular_values_triton_fma_gram_fallback_matches():
+    """The rank-1 FMA Gram (used when fp64 tl.dot does not compile) gives the same values."""
+    from sift.triton_kernels.singular_values import singular_values as triton_singular_values
+
+    x = _spectrum_matrices((2, 9, 7), seed=8).float().to(TRITON_DEVICE)
+    _assert_singular_values_close(triton_singular_values(x, gram_by_dot=False), x)

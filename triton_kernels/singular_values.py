@@ -65,6 +65,7 @@ def _gram_jacobi_singular_values_kernel(
     max_sweeps,
     N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    GRAM_BY_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = N // 2
@@ -73,14 +74,21 @@ def _gram_jacobi_singular_values_kernel(
     x_base = x_ptr + pid * stride_x_batch
 
     gram = tl.zeros([N, N], dtype=tl.float64)
-    for r0 in range(0, n_reduce, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        x = tl.load(
-            x_base + offs_r[:, None] * stride_x_reduce + offs[None, :] * stride_x_keep,
-            mask=(offs_r[:, None] < n_reduce) & keep_mask[None, :],
-            other=0.0,
-        ).to(tl.float64)
-        gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee")
+    if GRAM_BY_DOT:
+        for r0 in range(0, n_reduce, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            x = tl.load(
+                x_base + offs_r[:, None] * stride_x_reduce + offs[None, :] * stride_x_keep,
+                mask=(offs_r[:, None] < n_reduce) & keep_mask[None, :],
+                other=0.0,
+            ).to(tl.float64)
+            gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee", out_dtype=tl.float64)
+    else:
+        # Rank-1 updates with plain fp64 FMAs, for Triton builds without an fp64 tl.dot.
+        for r in range(0, n_reduce):
+            row = x_base + r * stride_x_reduce + offs * stride_x_keep
+            x_i = tl.load(row, mask=keep_mask, other=0.0).to(tl.float64)
+            gram += x_i[:, None] * x_i[None, :]
 
     w_base = work_ptr + pid * (N * N)
     full = offs[:, None] * N + offs[None, :]
@@ -139,7 +147,12 @@ def _gram_jacobi_singular_values_kernel(
     tl.store(sigma_ptr + pid * stride_sigma_batch + offs, sigma.to(sigma_ptr.dtype.element_ty), mask=keep_mask)
 
 
-def singular_values(x: torch.Tensor, *, tol: float = 1e-14, max_sweeps: int = 20) -> torch.Tensor:
+_gram_by_dot = True  # set to False once if this Triton build cannot compile an fp64 tl.dot
+
+
+def singular_values(
+    x: torch.Tensor, *, tol: float = 1e-14, max_sweeps: int = 20, gram_by_dot: bool | None = None
+) -> torch.Tensor:
     """Singular values of every matrix in `x`, descending.
 
     Args:
@@ -147,6 +160,8 @@ def singular_values(x: torch.Tensor, *, tol: float = 1e-14, max_sweeps: int = 20
             TRITON_INTERPRET=1).
         tol: stop when ||offdiag(G)||_F <= tol * ||G||_F (G the fp64 Gram matrix).
         max_sweeps: cap on Jacobi sweeps (fp64 typically needs 6-10).
+        gram_by_dot: build G with fp64 `tl.dot` (True) or rank-1 FMA updates (False); None
+            uses `tl.dot` unless it failed to compile before.
 
     Returns:
         [..., min(S, D)], fp64 for fp64 input, fp32 otherwise.
@@ -173,20 +188,25 @@ def singular_values(x: torch.Tensor, *, tol: float = 1e-14, max_sweeps: int = 20
     n_pad = max(16, triton.next_power_of_2(k))
     block_r = 32 if n_pad <= 64 else 16
     work = torch.empty(n_mat, n_pad, n_pad, dtype=torch.float64, device=x.device)
-    _gram_jacobi_singular_values_kernel[(n_mat,)](
-        x3,
-        sigma,
-        work,
-        n_reduce,
-        k,
-        x3.stride(0),
-        stride_reduce,
-        stride_keep,
-        sigma.stride(0),
-        tol,
-        max_sweeps,
-        N=n_pad,
-        BLOCK_R=block_r,
-        num_warps=4 if n_pad <= 64 else 8,
-    )
+
+    def launch(by_dot: bool) -> None:
+        _gram_jacobi_singular_values_kernel[(n_mat,)](
+            x3, sigma, work, n_reduce, k, x3.stride(0), stride_reduce, stride_keep, sigma.stride(0), tol,
+            max_sweeps, N=n_pad, BLOCK_R=block_r, GRAM_BY_DOT=by_dot, num_warps=4 if n_pad <= 64 else 8,
+        )
+
+    global _gram_by_dot
+    if gram_by_dot is not None:
+        launch(gram_by_dot)
+    elif not _gram_by_dot:
+        launch(False)
+    else:
+        try:
+            launch(True)
+        except Exception as exc:  # a compile error: fp64 MMA lowering is backend-dependent
+            import logging
+
+            logging.getLogger("sift").warning("sift: fp64 tl.dot failed to compile (%s); Gram by FMA instead", exc)
+            _gram_by_dot = False
+            launch(False)
     return sigma.reshape(*batch, k)
