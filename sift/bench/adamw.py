@@ -129,7 +129,7 @@ def dense_step_bytes(params: Sequence[torch.Tensor]) -> int:
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int, repeat: int = 10) -> float:
-    """Best bandwidth of a plain tensor copy over `repeat` tries (read + write counted).
+    """Best bandwidth of a plain tensor copy over `repeat` tries (all bytes moved counted).
 
     The best, not the median: it stands for what this machine's memory can do, the roof the
     other rows are compared with, and on a shared machine the median mostly measures neighbours.
@@ -144,7 +144,8 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int, repeat: int = 10) -> 
         dst.copy_(src)
         _sync(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best / 1e9
+    # A copy moves 3 bytes per byte on CPU (read src, write-allocate read of dst, write dst) and 2 on GPU.
+    return (3 if device.type == "cpu" else 2) * nbytes / best / 1e9
 
 
 def huge_page_bytes() -> int | None:
@@ -301,7 +302,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
     else:
         copy_bytes = 16 * 2**20 if quick else 256 * 2**20
         peak_gbps = copy_bandwidth_gbps(device, copy_bytes)
-        peak_what = (f"this CPU's best tensor-copy bandwidth ({peak_gbps:.1f} GB/s, read + write, "
+        peak_what = (f"this CPU's best tensor-copy bandwidth ({peak_gbps:.1f} GB/s counting read, write-allocate and write, "
                      f"{copy_bytes // 2**20} MiB)")
     rows: list[dict[str, object]] = []
     info: dict[str, object] = {}
@@ -330,7 +331,8 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
         notes.append(f"Transparent huge pages: {'unknown' if huge is None else f'{huge / 2**20:.0f} MiB'} of anonymous "
                      f"memory on huge pages for {float(total or 0) / 2**20:.0f} MiB of weights + grads "
-                     f"(THP_MEM_ALLOC_ENABLE={thp}).")
+                     f"(THP_MEM_ALLOC_ENABLE={thp}). Load average at the end: "
+                     f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores (shared machine).")
     met = _speedup_targets_met(rows)
     notes.append("Speed-up target met: " + ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, ok in met.items()) + ".")
     markdown = markdown_table(title, COLUMNS, rows) + "\n" + "\n".join(notes)
