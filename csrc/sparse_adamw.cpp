@@ -3,9 +3,12 @@
 // (sparse_adamw_ref); this file is its C++/OpenMP implementation.
 //
 // Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
-// very different sizes. Each chunk gathers into small contiguous buffers (with software
-// prefetch ahead of the sorted indices), runs the element-wise math on those buffers where
-// the compiler vectorises it, then scatters back.
+// very different sizes. Each entry is gathered, updated and scattered in one pass; the
+// sorted indices let the loop prefetch the grad and weight lines PREFETCH_DISTANCE entries
+// ahead, across chunk boundaries. Measured on a 2-core Xeon (8 x 4096^2 fp32): this one-pass
+// form is 1.4-2.3x faster than gathering into buffers, vectorising the math and scattering,
+// because the gathers dominate and the buffered form's short-range prefetch fought the
+// hardware prefetcher.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,46 +28,31 @@ struct Hyper {
   bool maximize;
 };
 
-template <typename W, typename G, typename I>
+template <typename W, typename G, typename I, bool COMPACT, bool HAS_BASE>
 void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict idx, float* __restrict m,
                  float* __restrict v, float* __restrict d, const W* __restrict base, int64_t begin, int64_t end,
-                 bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
-  alignas(64) float g[CHUNK];
-  alignas(64) float wv[CHUNK];
-  const int64_t n = end - begin;
-  const I* ix = idx + begin;
-  // Gather.
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + PREFETCH_DISTANCE < n) {
-      const int64_t ahead = static_cast<int64_t>(ix[j + PREFETCH_DISTANCE]);
-      if (!compact) __builtin_prefetch(g_src + ahead, 0, 0);
-      __builtin_prefetch(w + ahead, 1, 0);
-    }
-    const int64_t k = static_cast<int64_t>(ix[j]);
-    g[j] = compact ? static_cast<float>(g_src[begin + j]) : static_cast<float>(g_src[k]);
-    wv[j] = base ? static_cast<float>(base[begin + j]) + d[begin + j] : static_cast<float>(w[k]);
-  }
-  // Element-wise math on contiguous buffers (vectorised by the compiler).
-  float* __restrict mm = m + begin;
-  float* __restrict vv = v + begin;
-  float* __restrict dd = d + begin;
+                 int64_t k, float step_size, float inv_bc2_sqrt, const Hyper& h) {
   const float sign = h.maximize ? -1.0f : 1.0f;
   const float one_minus_b1 = 1.0f - h.beta1;
   const float one_minus_b2 = 1.0f - h.beta2;
   const float decay = h.lr * h.weight_decay;
-  for (int64_t j = 0; j < n; ++j) {
-    const float gj = sign * g[j];
-    const float mj = h.beta1 * mm[j] + one_minus_b1 * gj;
-    const float vj = h.beta2 * vv[j] + one_minus_b2 * gj * gj;
-    mm[j] = mj;
-    vv[j] = vj;
-    const float upd = -decay * wv[j] - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
-    dd[j] += upd;
-    wv[j] = base ? static_cast<float>(base[begin + j]) + dd[j] : wv[j] + upd;
-  }
-  // Scatter.
-  for (int64_t j = 0; j < n; ++j) {
-    w[static_cast<int64_t>(ix[j])] = static_cast<W>(wv[j]);
+  for (int64_t j = begin; j < end; ++j) {
+    if (j + PREFETCH_DISTANCE < k) {
+      const int64_t ahead = static_cast<int64_t>(idx[j + PREFETCH_DISTANCE]);
+      if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
+      __builtin_prefetch(w + ahead, 1, 3);
+    }
+    const int64_t q = static_cast<int64_t>(idx[j]);
+    const float gj = sign * static_cast<float>(COMPACT ? g_src[j] : g_src[q]);
+    const float wj = HAS_BASE ? static_cast<float>(base[j]) + d[j] : static_cast<float>(w[q]);
+    const float mj = h.beta1 * m[j] + one_minus_b1 * gj;
+    const float vj = h.beta2 * v[j] + one_minus_b2 * gj * gj;
+    m[j] = mj;
+    v[j] = vj;
+    const float upd = -decay * wj - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
+    const float dj = d[j] + upd;
+    d[j] = dj;
+    w[q] = static_cast<W>(HAS_BASE ? static_cast<float>(base[j]) + dj : wj + upd);
   }
 }
 
@@ -74,13 +62,22 @@ struct Segment {
   int64_t end;
 };
 
-template <typename W, typename G, typename I>
-void run_tensor_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
-                      const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
-                      bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
-  adamw_chunk<W, G, I>(p.data_ptr<W>(), grad.data_ptr<G>(), idx.data_ptr<I>(), m.data_ptr<float>(),
-                       v.data_ptr<float>(), d.data_ptr<float>(), base ? base->data_ptr<W>() : nullptr, begin, end,
-                       compact, step_size, inv_bc2_sqrt, h);
+template <typename W, typename G, typename I, bool COMPACT, bool HAS_BASE>
+void run_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
+               const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
+               float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  adamw_chunk<W, G, I, COMPACT, HAS_BASE>(p.data_ptr<W>(), grad.data_ptr<G>(), idx.data_ptr<I>(), m.data_ptr<float>(),
+                                          v.data_ptr<float>(), d.data_ptr<float>(),
+                                          HAS_BASE ? base->data_ptr<W>() : nullptr, begin, end, idx.numel(),
+                                          step_size, inv_bc2_sqrt, h);
+}
+
+template <typename W, typename I, bool HAS_BASE>
+void dispatch_grad(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
+                   const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
+                   bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  if (compact) run_chunk<W, float, I, true, HAS_BASE>(p, grad, idx, m, v, d, base, begin, end, step_size, inv_bc2_sqrt, h);
+  else run_chunk<W, W, I, false, HAS_BASE>(p, grad, idx, m, v, d, base, begin, end, step_size, inv_bc2_sqrt, h);
 }
 
 template <typename W>
@@ -88,12 +85,12 @@ void dispatch_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tenso
                     const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
                     bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
   const bool i32 = idx.scalar_type() == at::kInt;
-  if (compact) {
-    if (i32) run_tensor_chunk<W, float, int32_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
-    else run_tensor_chunk<W, float, int64_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+  if (base) {
+    if (i32) dispatch_grad<W, int32_t, true>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    else dispatch_grad<W, int64_t, true>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
   } else {
-    if (i32) run_tensor_chunk<W, W, int32_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
-    else run_tensor_chunk<W, W, int64_t>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    if (i32) dispatch_grad<W, int32_t, false>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    else dispatch_grad<W, int64_t, false>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
   }
 }
 
