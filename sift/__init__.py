@@ -2,6 +2,7 @@
 
 from sift import heads
 from sift.optim import SparseAdamW, clip_grad_norm_
+from sift.delta import SparseDelta, merge_deltas
 
 __version__ = "0.1.0"
 

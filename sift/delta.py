@@ -1,0 +1,882 @@
+"""Sparse deltas: a sparse fine-tune as index/value pairs per weight.
+
+A `SparseDelta` maps parameter names to `DeltaEntry`s: the weight's shape and dtype, the flat
+positions `indices` ([k] int32, or int64 for weights of >= 2**31 elements; sorted, unique)
+and the fp32 increments `values` ([k]). Applying adds them in place,
+
+    w.view(-1)[indices] = dtype(fp32(w.view(-1)[indices]) + fp32(scale) * values),
+
+so a fine-tune costs nothing at inference time, and `remove_` writes back the values the
+apply overwrote (kept by `apply_`), which restores the weights bit for bit in every dtype.
+No arithmetic inverse could promise that: `w + d - d` rounds, in bf16 most of all.
+
+Deltas come from a trained `sift.SparseAdamW` (`SparseDelta.from_optimizer`: the optimizer's
+exact increments, no copy of the base model needed) or from two state dicts (`from_diff`,
+top-|difference| per tensor). They save to safetensors (`save` / `load`, about 8 bytes per
+entry) and combine with `merge_deltas` (sum, mean, or TIES-style sign election), `+` and `*`.
+
+Every delta remembers a fingerprint of the base model it was made for: a hash of the names,
+shapes and dtypes of all its floating-point tensors, and the values of the base at a few fixed
+positions per tensor. `apply_` refuses another base, `merge_deltas` refuses deltas of different
+bases, and nothing is modified before every check has passed.
+
+The kernels (k-way merge, scatter-add with the gather of the overwritten values, restore) are
+the ops `merge_sorted_deltas`, `sparse_delta_apply_` and `sparse_delta_restore_` of `sift._ops`:
+C++ on CPU, Triton (apply/restore) or torch (merge) on CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import uuid
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sift import _ops
+
+__all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
+
+FORMAT = "sift.sparse_delta"
+FORMAT_VERSION = 1
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MERGE_METHODS = ("sum", "mean", "ties")
+# Fixed positions per tensor whose base values go into the fingerprint (first, last, two inner).
+SAMPLES_PER_TENSOR = 4
+# Problems listed in one error before the rest are summarised.
+MAX_LISTED_PROBLEMS = 20
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeltaError(ValueError):
+    """A delta does not fit a model, a file, or other deltas; the message lists every problem.
+
+    Attributes:
+        problems: one line per problem found.
+    """
+
+    def __init__(self, what: str, problems: Sequence[str]):
+        self.problems = list(problems)
+        shown = self.problems[:MAX_LISTED_PROBLEMS]
+        more = len(self.problems) - len(shown)
+        lines = [f"{what} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
+        lines += [f"  - {p}" for p in shown]
+        if more:
+            lines.append(f"  - ... and {more} more")
+        super().__init__("\n".join(lines))
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sample_positions(numel: int) -> list[int]:
+    if numel <= 0:
+        return []
+    return sorted({j * (numel - 1) // (SAMPLES_PER_TENSOR - 1) for j in range(SAMPLES_PER_TENSOR)})
+
+
+def _float_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t for n, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+
+
+def _state_of(obj: nn.Module | Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    if isinstance(obj, nn.Module):
+        return obj.state_dict(keep_vars=True)
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(f"{what} must be an nn.Module or a state dict, got {type(obj).__name__}")
+
+
+def _structure_hash(tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(json.dumps([name, list(t.shape), _dtype_name(t.dtype)]).encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BaseFingerprint:
+    """What a delta knows of the base model it was made for.
+
+    Attributes:
+        structure: sha256 of the names, shapes and dtypes of the base's floating-point tensors.
+        n_tensors: how many tensors `structure` covers (for error messages).
+        samples: name -> {flat position: `float.hex` of the base value there}, at up to
+            `SAMPLES_PER_TENSOR` fixed positions per tensor. The values themselves are kept,
+            not one hash of them: a delta from `from_optimizer` cannot know the base value of
+            an fp32 weight where training changed it, so deltas know different subsets and are
+            compared where both know a value.
+    """
+
+    structure: str
+    n_tensors: int
+    samples: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor]) -> BaseFingerprint:
+        """The fingerprint of a base model given as a (name -> tensor) state dict.
+
+        Example:
+            >>> fp = BaseFingerprint.of(torch.nn.Linear(3, 2).state_dict())
+            >>> sorted(fp.samples)
+            ['bias', 'weight']
+        """
+        tensors = _float_tensors(state)
+        samples = {}
+        for name, t in tensors.items():
+            pos = _sample_positions(t.numel())
+            if pos:
+                vals = t.detach().reshape(-1)[torch.tensor(pos, device=t.device)].tolist()
+                samples[name] = {p: float(v).hex() for p, v in zip(pos, vals)}
+        return cls(_structure_hash(tensors), len(tensors), samples)
+
+    def conflicts(self, other: BaseFingerprint) -> list[str]:
+        """Reasons the two fingerprints cannot describe one base model ([] when compatible)."""
+        if self.structure != other.structure:
+            return [
+                f"base structure differs (names, shapes and dtypes of {self.n_tensors} vs {other.n_tensors} "
+                f"floating-point tensors)"
+            ]
+        differing = [
+            f"{name}[{pos}]"
+            for name, mine in self.samples.items()
+            for pos, value in mine.items()
+            if other.samples.get(name, {}).get(pos, value) != value
+        ]
+        if differing:
+            return [f"{len(differing)} sampled base values differ (first: {', '.join(differing[:3])})"]
+        return []
+
+    def union(self, other: BaseFingerprint) -> BaseFingerprint:
+        """The fingerprint knowing the samples of both (they must not conflict)."""
+        samples = {name: dict(vals) for name, vals in self.samples.items()}
+        for name, vals in other.samples.items():
+            samples.setdefault(name, {}).update(vals)
+        return BaseFingerprint(self.structure, self.n_tensors, samples)
+
+    def to_json(self) -> str:
+        return json.dumps({"structure": self.structure, "n_tensors": self.n_tensors,
+                           "samples": {n: {str(p): v for p, v in s.items()} for n, s in self.samples.items()}},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> BaseFingerprint:
+        d = json.loads(text)
+        samples = {n: {int(p): str(v) for p, v in s.items()} for n, s in d["samples"].items()}
+        return cls(str(d["structure"]), int(d["n_tensors"]), samples)
+
+
+@dataclass
+class DeltaEntry:
+    """The delta of one weight.
+
+    Attributes:
+        shape: the weight's shape.
+        dtype: the weight's dtype (float32, bfloat16 or float16).
+        indices: [k] int32 (int64 for >= 2**31 elements) flat positions, sorted, unique.
+        values: [k] fp32 increments.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        """Elements of the weight (not of the delta)."""
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Entries of the delta."""
+        return int(self.indices.numel())
+
+    def problems(self, name: str) -> list[str]:
+        """Everything wrong with this entry, one line each ([] when valid)."""
+        out = []
+        if self.dtype not in SUPPORTED_DTYPES:
+            out.append(f"{name}: weight dtype {self.dtype} is not supported (float32, bfloat16, float16)")
+        idx, val = self.indices, self.values
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1:
+            what = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            return out + [f"{name}: indices must be a 1-D int32/int64 tensor, got {what}"]
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or val.dim() != 1:
+            what = f"{val.dtype} {tuple(val.shape)}" if isinstance(val, torch.Tensor) else type(val).__name__
+            return out + [f"{name}: values must be a 1-D float32 tensor, got {what}"]
+        if val.numel() != idx.numel():
+            return out + [f"{name}: {idx.numel()} indices but {val.numel()} values"]
+        if idx.dtype == torch.int32 and self.numel > 2**31:
+            out.append(f"{name}: int32 indices cannot address a weight of {self.numel} elements")
+        if idx.numel():
+            if idx.numel() > 1:
+                bad = (idx[1:] <= idx[:-1]).nonzero()
+                if bad.numel():
+                    j = int(bad[0])
+                    out.append(f"{name}: indices are not sorted and unique (position {j + 1}: {int(idx[j + 1])} "
+                               f"after {int(idx[j])})")
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.numel:
+                out.append(f"{name}: indices out of range: span [{lo}, {hi}] for a weight of {self.numel} elements")
+            finite = torch.isfinite(val)
+            if not bool(finite.all()):
+                n_nan = int(torch.isnan(val).sum())
+                out.append(f"{name}: {n_nan} NaN and {int((~finite).sum()) - n_nan} infinite values")
+        return out
+
+
+# Applications currently on each model, in order: remove_ undoes the last one only.
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, list[_Application]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Application:
+    delta: SparseDelta
+    scale: float
+    names: list[str]
+    params: list[torch.Tensor]
+    indices: list[torch.Tensor]  # on the params' devices
+    originals: list[torch.Tensor]  # the overwritten values, in the params' dtypes
+
+
+class SparseDelta:
+    """A sparse fine-tune: per weight name, sorted unique flat indices and fp32 increments.
+
+    Args:
+        entries: name -> `DeltaEntry` (tensors on the CPU; they are validated when the delta
+            is applied, merged or saved).
+        base: fingerprint of the base model, or None to skip the base checks.
+
+    Example:
+        >>> base = torch.nn.Linear(4, 3)
+        >>> tuned = torch.nn.Linear(4, 3)
+        >>> delta = SparseDelta.from_diff(base, tuned, density=0.5)
+        >>> delta.apply_(base)
+        >>> delta.remove_(base)
+    """
+
+    def __init__(self, entries: Mapping[str, DeltaEntry] | None = None, base: BaseFingerprint | None = None):
+        self.entries: dict[str, DeltaEntry] = dict(entries or {})
+        self.base = base
+
+    # ---------------------------------------------------------------- container
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> DeltaEntry:
+        return self.entries[name]
+
+    @property
+    def nnz(self) -> int:
+        """Entries over all weights."""
+        return sum(e.nnz for e in self.entries.values())
+
+    def __repr__(self) -> str:
+        return f"SparseDelta({len(self)} tensors, {self.nnz} entries, base={'known' if self.base else 'unknown'})"
+
+    def problems(self) -> list[str]:
+        """Everything wrong inside this delta (dtypes, sortedness, range, finiteness)."""
+        return [p for name, e in self.entries.items() for p in e.problems(name)]
+
+    def to_dense(self, name: str) -> torch.Tensor:
+        """The delta of weight `name` as a dense fp32 tensor of the weight's shape.
+
+        Example:
+            >>> d = SparseDelta({"w": DeltaEntry((2, 2), torch.float32, torch.tensor([3], dtype=torch.int32),
+            ...                                  torch.tensor([1.5]))})
+            >>> d.to_dense("w")
+            tensor([[0.0000, 0.0000],
+                    [0.0000, 1.5000]])
+        """
+        e = self.entries[name]
+        dense = torch.zeros(e.numel, dtype=torch.float32)
+        dense[e.indices.long()] = e.values
+        return dense.view(e.shape)
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       base: nn.Module | Mapping[str, torch.Tensor] | None = None) -> SparseDelta:
+        """The delta a trained `SparseAdamW` applied to `model`: its exact increments.
+
+        Sparse weights give their chosen `indices` and `delta` state (the total increment
+        since selection). Weights of dense groups (`density=1.0`) carry no record of their
+        increments: without `base` they are skipped with one warning naming them; with `base`
+        (the state dict before training) their full difference to it is stored.
+
+        Args:
+            optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
+            model: the trained model; names come from `model.named_parameters()`.
+            base: the model's state before training, only needed for dense groups.
+
+        Returns:
+            The delta, fingerprinted with the base values it can know: untouched entries of
+            `model`, the `base` state of bf16/fp16 weights, and `base` if given.
+
+        Example:
+            >>> from sift import SparseAdamW
+            >>> model = torch.nn.Linear(16, 8)
+            >>> opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
+            >>> model(torch.randn(4, 16)).square().mean().backward()
+            >>> opt.step()
+            >>> SparseDelta.from_optimizer(opt, model).nnz
+            14
+        """
+        names = {p: n for n, p in model.named_parameters()}
+        state = model.state_dict(keep_vars=True)
+        base_state = _state_of(base, "base") if base is not None else None
+        entries, problems, skipped = {}, [], []
+        known: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (positions, base values)
+        unknown: dict[str, torch.Tensor | None] = {}  # name -> positions of unknown base (None: all)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                name = names.get(p)
+                if name is None:
+                    problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
+                    continue
+                st = optimizer.state.get(p, {})
+                numel = p.numel()
+                if "indices" in st:
+                    idx = st["indices"].detach().to("cpu").to(_index_dtype(numel))
+                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx.clone(),
+                                               st["delta"].detach().to("cpu", torch.float32).clone())
+                    if "base" in st:
+                        known[name] = (idx, st["base"].detach().cpu())
+                    else:
+                        unknown[name] = idx
+                elif "exp_avg" in st and group.get("density", 1.0) >= 1.0:
+                    if base_state is None:
+                        skipped.append(name)
+                        unknown[name] = None
+                        continue
+                    if name not in base_state or base_state[name].shape != p.shape:
+                        problems.append(f"{name}: missing from base or of another shape")
+                        continue
+                    diff = p.detach().float().cpu().reshape(-1) - base_state[name].detach().float().cpu().reshape(-1)
+                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype,
+                                               torch.arange(numel, dtype=_index_dtype(numel)), diff)
+                # else: never stepped, or sparse selection still accumulating: nothing changed.
+        if problems:
+            raise DeltaError("cannot build a delta from this optimizer and model", problems)
+        if skipped:
+            warnings.warn(
+                f"SparseDelta.from_optimizer: skipped {len(skipped)} dense-group weight(s) whose increments are "
+                f"unknown without the base values ({', '.join(skipped)}); pass base= to include them",
+                stacklevel=2,
+            )
+        if base_state is not None:
+            fingerprint = BaseFingerprint.of(base_state)
+        else:
+            fingerprint = BaseFingerprint.of(state)
+            for name, positions in unknown.items():
+                if positions is None:
+                    fingerprint.samples.pop(name, None)
+                    continue
+                for pos in list(fingerprint.samples.get(name, {})):
+                    if _find(positions, pos) is not None:
+                        del fingerprint.samples[name][pos]
+            for name, (positions, values) in known.items():
+                for pos in fingerprint.samples.get(name, {}):
+                    j = _find(positions, pos)
+                    if j is not None:
+                        fingerprint.samples[name][pos] = float(values[j]).hex()
+        return cls(entries, fingerprint)
+
+    @classmethod
+    def from_diff(cls, base: nn.Module | Mapping[str, torch.Tensor], tuned: nn.Module | Mapping[str, torch.Tensor],
+                  *, density: float | None = None, threshold: float | None = None) -> SparseDelta:
+        """The largest differences between two state dicts, per tensor.
+
+        Args:
+            base: the base model or its state dict.
+            tuned: the fine-tuned model or its state dict (same names, shapes and dtypes).
+            density: keep the top `ceil(density * numel)` |tuned - base| entries per tensor
+                (nonzero ones only), in (0, 1].
+            threshold: or keep every entry with |tuned - base| > threshold (>= 0).
+
+        Returns:
+            The delta over the floating-point tensors of `tuned` (the first name of tied
+            tensors only), values `fp32(tuned) - fp32(base)`, fingerprinted with `base`.
+            Tensors without a kept entry are left out.
+
+        Example:
+            >>> base = {"w": torch.zeros(2, 3)}
+            >>> tuned = {"w": torch.tensor([[0.0, 2.0, 0.0], [-5.0, 0.0, 0.1]])}
+            >>> d = SparseDelta.from_diff(base, tuned, density=0.34)
+            >>> d["w"].indices, d["w"].values
+            (tensor([1, 3], dtype=torch.int32), tensor([ 2., -5.]))
+        """
+        if (density is None) == (threshold is None):
+            raise ValueError("pass exactly one of density= or threshold=")
+        if density is not None and not (isinstance(density, (int, float)) and 0 < density <= 1):
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        base_state, tuned_state = _state_of(base, "base"), _state_of(tuned, "tuned")
+        problems, entries, seen = [], {}, set()
+        for name, t in _float_tensors(tuned_state).items():
+            b = base_state.get(name)
+            if b is None:
+                problems.append(f"{name}: in tuned but missing from base")
+                continue
+            if b.shape != t.shape or b.dtype != t.dtype:
+                problems.append(f"{name}: base is {b.dtype} {tuple(b.shape)}, tuned is {t.dtype} {tuple(t.shape)}")
+                continue
+            if t.dtype not in SUPPORTED_DTYPES:
+                problems.append(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16, float16)")
+                continue
+            # Tied weights appear under several names; one entry applies them once.
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.device)
+            if t.numel() and key in seen:
+                continue
+            seen.add(key)
+            diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
+            if density is not None:
+                k = min(math.ceil(density * diff.numel()), int(diff.count_nonzero()))
+                idx = torch.topk(diff.abs(), k, sorted=False).indices if k else diff.new_empty(0, dtype=torch.long)
+                idx = idx.sort().values
+            else:
+                idx = (diff.abs() > threshold).nonzero().view(-1)
+            if idx.numel():
+                entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), diff[idx])
+        if problems:
+            raise DeltaError("cannot diff these state dicts", problems)
+        return cls(entries, BaseFingerprint.of(base_state))
+
+    # ---------------------------------------------------------------- files
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the delta to a safetensors file, atomically.
+
+        Layout: tensors `<name>.indices` (int32 where the weight has < 2**31 elements) and
+        `<name>.values` (fp32), so about 8 bytes per entry; metadata with the format version,
+        each weight's shape and dtype, the base fingerprint and a blake2b checksum of the
+        tensors. The file is written under a temporary name in the same directory and renamed
+        over `path`, so a crash never leaves a partial file under `path`.
+
+        Args:
+            path: destination file.
+
+        Example:
+            >>> import tempfile
+            >>> d = SparseDelta.from_diff({"w": torch.zeros(4)}, {"w": torch.ones(4)}, density=0.5)
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     d.save(f"{tmp}/d.safetensors")
+            ...     SparseDelta.load(f"{tmp}/d.safetensors").nnz
+            2
+        """
+        from safetensors.torch import save_file
+
+        problems = self.problems()
+        if problems:
+            raise DeltaError("refusing to save an invalid delta", problems)
+        tensors, meta_entries = {}, {}
+        for name, e in self.entries.items():
+            tensors[f"{name}.indices"] = e.indices.to(_index_dtype(e.numel)).contiguous()
+            tensors[f"{name}.values"] = e.values.contiguous()
+            meta_entries[name] = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype)}
+        metadata = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "entries": json.dumps(meta_entries, separators=(",", ":")),
+            "checksum": _checksum(tensors),
+        }
+        if self.base is not None:
+            metadata["base"] = self.base.to_json()
+        path = os.fspath(path)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SparseDelta:
+        """Reads a delta written by `save`, checking everything in it.
+
+        Args:
+            path: a file written by `SparseDelta.save`.
+
+        Returns:
+            The delta (tensors on the CPU).
+
+        Raises:
+            DeltaError: the file is unreadable, truncated, corrupted (checksum), of another
+                format or a newer version, or holds an invalid delta; every problem listed.
+
+        Example:
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     SparseDelta().save(f"{tmp}/empty.safetensors")
+            ...     len(SparseDelta.load(f"{tmp}/empty.safetensors"))
+            0
+        """
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        what = f"cannot load sparse delta {path!r}"
+        try:
+            with safe_open(path, framework="pt") as f:
+                metadata = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for bad headers and sizes
+            raise DeltaError(what, [f"not a readable safetensors file (truncated or corrupted?): {exc}"]) from exc
+        if metadata.get("format") != FORMAT:
+            raise DeltaError(what, [f"not a sift sparse delta (format {metadata.get('format')!r})"])
+        try:
+            version = int(metadata.get("format_version", ""))
+        except ValueError:
+            raise DeltaError(what, [f"bad format_version {metadata.get('format_version')!r}"]) from None
+        if version > FORMAT_VERSION:
+            raise DeltaError(what, [f"format version {version} is newer than this sift reads ({FORMAT_VERSION})"])
+        problems = []
+        if metadata.get("checksum") != _checksum(tensors):
+            problems.append("checksum mismatch: the tensor data is corrupted")
+        try:
+            meta_entries = json.loads(metadata["entries"])
+            base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
+        entries, expected = {}, set()
+        for name, info in meta_entries.items():
+            keys = (f"{name}.indices", f"{name}.values")
+            expected.update(keys)
+            dtype = _DTYPE_NAMES.get(info.get("dtype"))
+            if dtype is None:
+                problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
+                continue
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
+                continue
+            entries[name] = DeltaEntry(tuple(int(s) for s in info["shape"]), dtype, tensors[keys[0]],
+                                       tensors[keys[1]])
+        extra = sorted(set(tensors) - expected)
+        if extra:
+            problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
+        delta = cls(entries, base)
+        problems += delta.problems()
+        if problems:
+            raise DeltaError(what, problems)
+        return delta
+
+    # ---------------------------------------------------------------- apply / remove
+
+    def apply_(self, model: nn.Module, scale: float = 1.0, *, check_base: bool = True) -> None:
+        """Adds `scale * values` to the model's weights in place.
+
+        Everything is validated first (names, shapes, dtypes, contiguity, index range and
+        order, finite values and scale, the base fingerprint); on any problem a `DeltaError`
+        lists all of them and no weight is touched. The overwritten values are kept so that
+        `remove_` restores them exactly; they cost one element of the weight's dtype per entry
+        until then.
+
+        Args:
+            model: the base model (its `state_dict(keep_vars=True)` names the weights).
+            scale: multiplier of the values (computed in fp32).
+            check_base: compare the model with the delta's base fingerprint. Positions changed
+                by deltas already applied to `model` are not compared.
+
+        Example:
+            >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+            >>> d = SparseDelta.from_diff(base, tuned, density=1.0)
+            >>> d.apply_(base)
+            >>> torch.equal(base.weight, tuned.weight)
+            True
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        state = _state_of(model, "model")
+        problems = self.problems()
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+            problems.append(f"scale must be a finite number, got {scale!r}")
+        owners: dict[tuple, str] = {}
+        for name, e in self.entries.items():
+            p = state.get(name)
+            if p is None:
+                problems.append(f"{name}: no such weight in the model")
+                continue
+            if tuple(p.shape) != e.shape:
+                problems.append(f"{name}: shape mismatch: delta {e.shape}, model {tuple(p.shape)}")
+            if p.dtype != e.dtype:
+                problems.append(f"{name}: dtype mismatch: delta {e.dtype}, model {p.dtype}")
+            if not p.is_contiguous():
+                problems.append(f"{name}: the model's weight is not contiguous")
+            key = (p.untyped_storage().data_ptr(), p.storage_offset(), p.device)
+            if e.nnz and key in owners:
+                problems.append(f"{name}: the same tensor as {owners[key]} (tied weights); keep one entry")
+            owners[key] = name
+        if check_base and self.base is not None:
+            problems += _base_problems(self.base, state, _APPLIED.get(model, []))
+        if problems:
+            raise DeltaError("cannot apply the sparse delta; the model is unchanged", problems)
+        names = [n for n, e in self.entries.items() if e.nnz]
+        params = [state[n].detach() for n in names]
+        indices = [self.entries[n].indices.to(p.device) for n, p in zip(names, params)]
+        values = [self.entries[n].values.to(p.device) for n, p in zip(names, params)]
+        originals: list[torch.Tensor] = [None] * len(names)  # type: ignore[list-item]
+        with torch.no_grad():
+            for device, members in _by_device(params).items():
+                saved = _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
+                                  [values[i] for i in members], float(scale), True, device=device)
+                for i, old in zip(members, saved):
+                    originals[i] = old
+        _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals))
+
+    def remove_(self, model: nn.Module) -> None:
+        """Takes the delta off `model` again, restoring the exact values `apply_` overwrote.
+
+        Exactness comes from writing back the values saved at apply time, not from subtracting,
+        so it holds bit for bit in every dtype. Deltas on one model come off in reverse order of
+        application; removing this one needs the same `SparseDelta` object that applied it (for
+        an approximate inverse of a delta applied elsewhere, use `apply_(model, scale=-scale)`).
+
+        Args:
+            model: the model this delta was applied to.
+
+        Example:
+            >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+            >>> before = base.weight.clone()
+            >>> d = SparseDelta.from_diff(base, tuned, density=1.0)
+            >>> d.apply_(base); d.remove_(base)
+            >>> torch.equal(base.weight, before)
+            True
+        """
+        stack = _APPLIED.get(model, []) if isinstance(model, nn.Module) else []
+        mine = [a for a in stack if a.delta is self]
+        if not mine:
+            raise DeltaError("cannot remove the sparse delta; the model is unchanged",
+                             ["this delta is not applied to this model (never applied, or already removed)"])
+        if stack[-1].delta is not self:
+            raise DeltaError("cannot remove the sparse delta; the model is unchanged",
+                             [f"{len(stack) - 1 - stack.index(mine[-1])} delta(s) applied after it must be removed "
+                              f"first (deltas come off in reverse order of application)"])
+        app = stack[-1]
+        state = _state_of(model, "model")
+        problems = []
+        for name, p in zip(app.names, app.params):
+            now = state.get(name)
+            if now is None or now.data_ptr() != p.data_ptr() or now.shape != p.shape or now.dtype != p.dtype:
+                problems.append(f"{name}: the weight was replaced since the delta was applied")
+        if problems:
+            raise DeltaError("cannot remove the sparse delta; the model is unchanged", problems)
+        with torch.no_grad():
+            for device, members in _by_device(app.params).items():
+                _ops.call("sparse_delta_restore_", [app.params[i] for i in members], [app.indices[i] for i in members],
+                          [app.originals[i] for i in members], device=device)
+        stack.pop()
+
+    # ---------------------------------------------------------------- arithmetic
+
+    def scaled(self, factor: float) -> SparseDelta:
+        """A copy with every value multiplied by `factor` (in fp32).
+
+        Example:
+            >>> d = SparseDelta.from_diff({"w": torch.zeros(2)}, {"w": torch.ones(2)}, density=1.0)
+            >>> (0.5 * d)["w"].values
+            tensor([0.5000, 0.5000])
+        """
+        factor = float(factor)
+        entries = {n: DeltaEntry(e.shape, e.dtype, e.indices.clone(), e.values * factor)
+                   for n, e in self.entries.items()}
+        return SparseDelta(entries, self.base)
+
+    def __mul__(self, factor: object) -> SparseDelta:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            return NotImplemented
+        return self.scaled(factor)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, divisor: object) -> SparseDelta:
+        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+            return NotImplemented
+        return self.scaled(1.0 / divisor)
+
+    def __neg__(self) -> SparseDelta:
+        return self.scaled(-1.0)
+
+    def __add__(self, other: object) -> SparseDelta:
+        if not isinstance(other, SparseDelta):
+            return NotImplemented
+        return merge_deltas([self, other])
+
+    def __radd__(self, other: object) -> SparseDelta:
+        # sum(deltas) starts from 0.
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self
+        return NotImplemented
+
+    def __sub__(self, other: object) -> SparseDelta:
+        if not isinstance(other, SparseDelta):
+            return NotImplemented
+        return merge_deltas([self, other], weights=[1.0, -1.0])
+
+
+def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None = None,
+                 method: str = "sum") -> SparseDelta:
+    """Merges deltas of one base model into one: per weight, the sorted union of their indices.
+
+    With contributions `c_i = weights[i] * values_i` at an index (absent deltas contribute 0):
+
+        "sum":   sum_i c_i                          (task arithmetic)
+        "mean":  sum_i c_i / sum_i weights[i]       (the mean of the dense deltas)
+        "ties":  s = sign(sum_i c_i); the mean of the c_i of sign s, over the deltas holding
+                 the index (TIES-merging's elect + disjoint mean, Yadav et al. 2023; the
+                 trim step is the deltas' own sparsity)
+
+    Reductions run in float64 and round to fp32 once. The k-way merge runs in C++ on the CPU
+    (torch's sort elsewhere).
+
+    Args:
+        deltas: one or more deltas; weights shared by several must agree in shape and dtype,
+            and their base fingerprints must be compatible.
+        weights: one float per delta (default: all 1).
+        method: "sum", "mean" or "ties".
+
+    Returns:
+        A new delta with the union of the fingerprints.
+
+    Raises:
+        DeltaError: the deltas do not fit together; every problem listed.
+
+    Example:
+        >>> a = SparseDelta.from_diff({"w": torch.zeros(3)}, {"w": torch.tensor([1.0, 0, 2])}, density=1.0)
+        >>> b = SparseDelta.from_diff({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 3, 2])}, density=1.0)
+        >>> merge_deltas([a, b], method="mean")["w"].values
+        tensor([0.5000, 1.5000, 2.0000])
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"method must be one of {MERGE_METHODS}, got {method!r}")
+    deltas = list(deltas)
+    if not deltas or not all(isinstance(d, SparseDelta) for d in deltas):
+        raise TypeError("deltas must be a non-empty sequence of SparseDelta")
+    weights = [1.0] * len(deltas) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(deltas):
+        raise ValueError(f"got {len(weights)} weights for {len(deltas)} deltas")
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be finite, got {weights}")
+    if method == "mean":
+        total = sum(weights)
+        if total == 0:
+            raise ValueError("method='mean' needs weights that do not sum to 0")
+        weights = [w / total for w in weights]
+    problems = [f"delta {i}: {p}" for i, d in enumerate(deltas) for p in d.problems()]
+    base = None
+    for i, d in enumerate(deltas):
+        if d.base is None:
+            continue
+        if base is None:
+            base, first = d.base, i
+            continue
+        problems += [f"delta {i} and delta {first} are for different base models: {c}" for c in base.conflicts(d.base)]
+        base = base.union(d.base)
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
+    for i, d in enumerate(deltas):
+        for name, e in d.entries.items():
+            shape, dtype, j = layout.setdefault(name, (e.shape, e.dtype, i))
+            if (shape, dtype) != (e.shape, e.dtype):
+                problems.append(f"{name}: delta {i} has {e.dtype} {e.shape}, delta {j} has {dtype} {shape}")
+    if problems:
+        raise DeltaError("cannot merge these deltas", problems)
+    names = list(layout)
+    flat_idx, flat_val, flat_w, sizes = [], [], [], []
+    for name in names:
+        members = [(d.entries[name], w) for d, w in zip(deltas, weights) if name in d.entries]
+        sizes.append(len(members))
+        for e, w in members:
+            flat_idx.append(e.indices)
+            flat_val.append(e.values)
+            flat_w.append(w)
+    entries = {}
+    if names:
+        out_idx, out_val = _ops.call("merge_sorted_deltas", flat_idx, flat_val, flat_w, sizes, method == "ties")
+        for name, idx, val in zip(names, out_idx, out_val):
+            shape, dtype, _ = layout[name]
+            entries[name] = DeltaEntry(shape, dtype, idx.to(_index_dtype(math.prod(shape))), val)
+    return SparseDelta(entries, base)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:
+    """Where `pos` sits in a sorted 1-D tensor, or None."""
+    j = int(torch.searchsorted(sorted_positions, torch.tensor([pos], dtype=sorted_positions.dtype)))
+    return j if j < sorted_positions.numel() and int(sorted_positions[j]) == pos else None
+
+
+def _base_problems(base: BaseFingerprint, state: Mapping[str, torch.Tensor],
+                   applied: Sequence[_Application]) -> list[str]:
+    tensors = _float_tensors(state)
+    if _structure_hash(tensors) != base.structure:
+        return [
+            f"the delta was made for another base model: names, shapes or dtypes differ "
+            f"(base had {base.n_tensors} floating-point tensors, the model has {len(tensors)})"
+        ]
+    touched: dict[str, list[torch.Tensor]] = {}
+    for app in applied:
+        for name, idx in zip(app.names, app.indices):
+            touched.setdefault(name, []).append(idx.cpu())
+    differing, compared = [], 0
+    for name, samples in base.samples.items():
+        t = tensors.get(name)
+        if t is None or not samples:
+            continue
+        positions = [p for p in samples if p < t.numel()
+                     and not any(_find(ix, p) is not None for ix in touched.get(name, []))]
+        if not positions:
+            continue
+        now = t.detach().reshape(-1)[torch.tensor(positions, device=t.device)].tolist()
+        compared += len(positions)
+        differing += [f"{name}[{p}]" for p, v in zip(positions, now) if float(v).hex() != samples[p]]
+    if differing:
+        return [f"the delta was made for another base model: {len(differing)} of {compared} sampled base values "
+                f"differ (first: {', '.join(differing[:3])})"]
+    return []
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return groups
+
+
+def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(_dtype_name(t.dtype).encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
