@@ -425,7 +425,7 @@ class SparseDelta:
         Example:
             >>> base = {"w": torch.zeros(2, 3)}
             >>> tuned = {"w": torch.tensor([[0.0, 2.0, 0.0], [-5.0, 0.0, 0.1]])}
-            >>> d = SparseDelta.from_diff(base, tuned, density=0.34)
+            >>> d = SparseDelta.from_diff(base, tuned, density=0.3)
             >>> d["w"].indices, d["w"].values
             (tensor([1, 3], dtype=torch.int32), tensor([ 2., -5.]))
         """

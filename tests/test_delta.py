@@ -580,3 +580,13 @@ def test_interrupted_save_leaves_the_old_file(tmp_path, monkeypatch):
         _random_delta(model, seed=40).save(path)
     assert path.read_bytes() == content
     assert os.listdir(tmp_path) == ["d.safetensors"]
+
+
+def test_docstring_examples_run():
+    """The examples in sift.delta's docstrings are executed, so they cannot drift."""
+    import doctest
+
+    import sift.delta
+
+    result = doctest.testmod(sift.delta, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 10 and result.failed == 0
