@@ -9,9 +9,10 @@
 // `ties`, reduced by sign election: s = sign(sum c_i), value = mean of the c_i whose sign is s
 // (0 when the sum is 0). Threads merge disjoint ranges of the index space: splitters are picked
 // from per-input quantiles, every input is cut at each splitter by binary search, and a
-// tournament tree of packed (index, input) keys merges the k sub-lists of a range. A range writes at the sum of its inputs'
-// start offsets (an upper bound of its output position); one in-order memmove per tensor then
-// closes the gaps left by shared indices.
+// tournament tree of packed (index, input) keys merges the k sub-lists of a range. Ranges may
+// share no index, so a range's output fits below the sum of its inputs' start offsets plus its
+// own length; a thread writes its ranges back to back from there, and one in-order memmove per
+// tensor closes the gaps (shared indices) left between threads' blocks.
 //
 // Apply. w[idx[j]] = W(float(w[idx[j]]) + float(scale) * v[j]) for unique sorted idx, with the
 // old w[idx[j]] optionally saved, in chunks over all tensors with software prefetch ahead.
@@ -30,7 +31,7 @@ namespace sift {
 namespace {
 
 constexpr int64_t APPLY_CHUNK = 1 << 14;
-constexpr int64_t PREFETCH_DISTANCE = 24;
+constexpr int64_t PREFETCH_DISTANCE = 32;
 // Ranges smaller than this are not worth a thread: the merge of one costs ~microseconds.
 constexpr int64_t MIN_RANGE_ENTRIES = 1 << 16;
 constexpr int64_t NO_INDEX = std::numeric_limits<int64_t>::max();
@@ -40,8 +41,9 @@ constexpr int64_t NO_INDEX = std::numeric_limits<int64_t>::max();
 // ------------------------------------------------------------------------------------------
 
 struct MergeRange {
-  int64_t group;        // output tensor
-  int64_t out_offset;   // where this range starts writing (upper bound of its final offset)
+  int64_t group;         // output tensor
+  int64_t out_offset;    // upper bound of its final offset: the sum of its inputs' starts
+  int64_t write_offset;  // where it wrote: right after the previous range of the same thread
   std::vector<int64_t> begin, end;  // per input of the group
   int64_t written = 0;
 };
@@ -140,7 +142,8 @@ struct RangeMerger {
     } while ((key >> id_bits) == at);
     top = key;
     out_idx[written] = static_cast<I>(at);
-    out_val[written] = TIES ? reduce_ties(contrib.data(), n_contrib) : static_cast<float>(acc);
+    // One contribution elects its own sign: the ties value is the plain sum then.
+    out_val[written] = TIES && n_contrib > 1 ? reduce_ties(contrib.data(), n_contrib) : static_cast<float>(acc);
     ++written;
     return true;
   }
@@ -160,8 +163,8 @@ void merge_one_range(const MergeInputs& in, MergeRange& range) {
   const int64_t g = range.group;
   const int64_t k = in.group_sizes[g];
   const int64_t f = in.first[g];
-  I* oi = in.out_idx[g].template data_ptr<I>() + range.out_offset;
-  float* ov = in.out_val[g].template data_ptr<float>() + range.out_offset;
+  I* oi = in.out_idx[g].template data_ptr<I>() + range.write_offset;
+  float* ov = in.out_val[g].template data_ptr<float>() + range.write_offset;
   if (k == 1) {
     // One input (the identity merge, or a tensor only one delta touches): a scaled copy.
     const int64_t b = range.begin[0], n = range.end[0] - b;
@@ -294,8 +297,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
 
   const MergeInputs in{indices, values, weights, group_sizes, first, out_idx, out_val};
   at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t lo, int64_t hi) {
+    // A thread writes its consecutive ranges of one tensor back to back (a range never writes
+    // past its own upper bound), so only the gaps between threads' blocks are left to close.
     for (int64_t r = lo; r < hi; ++r) {
       MergeRange& range = ranges[r];
+      const bool chained = r > lo && ranges[r - 1].group == range.group;
+      range.write_offset = chained ? ranges[r - 1].write_offset + ranges[r - 1].written : range.out_offset;
       const bool i32 = out_idx[range.group].scalar_type() == at::kInt;
       if (i32) ties ? merge_one_range<int32_t, true>(in, range) : merge_one_range<int32_t, false>(in, range);
       else ties ? merge_one_range<int64_t, true>(in, range) : merge_one_range<int64_t, false>(in, range);
@@ -313,9 +320,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
       int64_t dst = 0;
       for (int64_t r = range_first[g]; r < range_first[g + 1]; ++r) {
         const MergeRange& range = ranges[r];
-        if (dst != range.out_offset && range.written > 0) {
-          std::memmove(ib + dst * isz, ib + range.out_offset * isz, range.written * isz);
-          std::memmove(vb + dst * 4, vb + range.out_offset * 4, range.written * 4);
+        if (dst != range.write_offset && range.written > 0) {
+          std::memmove(ib + dst * isz, ib + range.write_offset * isz, range.written * isz);
+          std::memmove(vb + dst * 4, vb + range.write_offset * 4, range.written * 4);
         }
         dst += range.written;
       }
@@ -339,11 +346,13 @@ struct Chunk {
   int64_t tensor, begin, end;
 };
 
+// Both loops prefetch the weight line PREFETCH_DISTANCE entries ahead, across chunk ends (k is
+// the tensor's entry count): sorted indices make the line known long before it is needed.
 template <typename W, typename I>
 void apply_chunk(W* __restrict w, const I* __restrict idx, const float* __restrict v, W* __restrict saved,
-                 float scale, int64_t begin, int64_t end) {
+                 float scale, int64_t begin, int64_t end, int64_t k) {
   for (int64_t j = begin; j < end; ++j) {
-    if (j + PREFETCH_DISTANCE < end) __builtin_prefetch(w + idx[j + PREFETCH_DISTANCE], 1, 0);
+    if (j + PREFETCH_DISTANCE < k) __builtin_prefetch(w + idx[j + PREFETCH_DISTANCE], 1, 3);
     const int64_t at = static_cast<int64_t>(idx[j]);
     const W old = w[at];
     if (saved) saved[j] = old;
@@ -352,9 +361,10 @@ void apply_chunk(W* __restrict w, const I* __restrict idx, const float* __restri
 }
 
 template <typename W, typename I>
-void restore_chunk(W* __restrict w, const I* __restrict idx, const W* __restrict saved, int64_t begin, int64_t end) {
+void restore_chunk(W* __restrict w, const I* __restrict idx, const W* __restrict saved, int64_t begin, int64_t end,
+                   int64_t k) {
   for (int64_t j = begin; j < end; ++j) {
-    if (j + PREFETCH_DISTANCE < end) __builtin_prefetch(w + idx[j + PREFETCH_DISTANCE], 1, 0);
+    if (j + PREFETCH_DISTANCE < k) __builtin_prefetch(w + idx[j + PREFETCH_DISTANCE], 1, 3);
     w[static_cast<int64_t>(idx[j])] = saved[j];
   }
 }
@@ -398,16 +408,18 @@ void apply_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at::T
                           float scale, int64_t begin, int64_t end) {
   W* w = p.data_ptr<W>();
   W* s = saved ? saved->data_ptr<W>() : nullptr;
-  if (ix.scalar_type() == at::kInt) apply_chunk<W, int32_t>(w, ix.data_ptr<int32_t>(), v.data_ptr<float>(), s, scale, begin, end);
-  else apply_chunk<W, int64_t>(w, ix.data_ptr<int64_t>(), v.data_ptr<float>(), s, scale, begin, end);
+  const int64_t k = ix.numel();
+  if (ix.scalar_type() == at::kInt) apply_chunk<W, int32_t>(w, ix.data_ptr<int32_t>(), v.data_ptr<float>(), s, scale, begin, end, k);
+  else apply_chunk<W, int64_t>(w, ix.data_ptr<int64_t>(), v.data_ptr<float>(), s, scale, begin, end, k);
 }
 
 template <typename W>
 void restore_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at::Tensor& saved, int64_t begin,
                             int64_t end) {
   W* w = p.data_ptr<W>();
-  if (ix.scalar_type() == at::kInt) restore_chunk<W, int32_t>(w, ix.data_ptr<int32_t>(), saved.data_ptr<W>(), begin, end);
-  else restore_chunk<W, int64_t>(w, ix.data_ptr<int64_t>(), saved.data_ptr<W>(), begin, end);
+  const int64_t k = ix.numel();
+  if (ix.scalar_type() == at::kInt) restore_chunk<W, int32_t>(w, ix.data_ptr<int32_t>(), saved.data_ptr<W>(), begin, end, k);
+  else restore_chunk<W, int64_t>(w, ix.data_ptr<int64_t>(), saved.data_ptr<W>(), begin, end, k);
 }
 
 std::vector<at::Tensor> sparse_delta_apply_cpu(at::TensorList params, at::TensorList indices, at::TensorList values,

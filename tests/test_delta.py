@@ -590,3 +590,29 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(sift.delta, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 10 and result.failed == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_apply_remove_and_merge_match_cpu(dtype):
+    cpu_model = _model(dtype=dtype)
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    before = _snapshot(gpu_model)
+    a, b = _random_delta(cpu_model, seed=50), _random_delta(cpu_model, seed=51)
+    merged = merge_deltas([a, b], method="ties")
+    merged.apply_(cpu_model, scale=0.7)
+    merged.apply_(gpu_model, scale=0.7)  # Triton scatter-add on CUDA tensors
+    for (name, got), want in zip(gpu_model.state_dict().items(), cpu_model.state_dict().values()):
+        # GPU may fuse the multiply-add into an FMA: one rounding instead of two.
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-7 if dtype == torch.float32 else 1e-2, atol=1e-7,
+                                   msg=name)
+    merged.remove_(gpu_model)
+    _assert_bit_identical(gpu_model, before)
+    idx = [e.indices.cuda() for d in (a, b) for e in d.entries.values()]
+    val = [e.values.cuda() for d in (a, b) for e in d.entries.values()]
+    sizes = [1] * len(idx)
+    got_idx, got_val = _ops.call("merge_sorted_deltas", idx, val, [1.0] * len(idx), sizes, True)
+    ref_idx, ref_val = _ops.merge_sorted_deltas_ref([i.cpu() for i in idx], [v.cpu() for v in val],
+                                                    [1.0] * len(idx), sizes, True)
+    for gi, gv, ri, rv in zip(got_idx, got_val, ref_idx, ref_val):
+        assert torch.equal(gi.cpu(), ri) and torch.equal(gv.cpu(), rv)
