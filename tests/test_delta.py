@@ -616,3 +616,21 @@ def test_cuda_apply_remove_and_merge_match_cpu(dtype):
                                                     [1.0] * len(idx), sizes, True)
     for gi, gv, ri, rv in zip(got_idx, got_val, ref_idx, ref_val):
         assert torch.equal(gi.cpu(), ri) and torch.equal(gv.cpu(), rv)
+
+
+@requires_cpp
+def test_bench_quick_runs_and_saves_its_tables(tmp_path, monkeypatch):
+    """Smoke run of `python -m sift.bench delta --quick`: tables and files, no timing checked."""
+    import json
+
+    from sift.bench import delta as bench
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    markdown = bench.run(quick=True)
+    assert markdown.splitlines()[2].startswith("Machine: ")
+    impls = [line.split("|")[2].strip() for line in markdown.splitlines() if line.startswith("| merge |")
+             or line.startswith("| apply |")]
+    assert "sift C++ merge_sorted_deltas (sum)" in impls and "torch index_add_ (baseline)" in impls
+    saved = json.loads((tmp_path / "delta-cpu.json").read_text())
+    assert len(saved["rows"]) == 8 and saved["quick"] is True
+    assert all(8.0 <= row["bytes / entry"] < 8.01 for row in saved["files"])  # the header is ~350 B
