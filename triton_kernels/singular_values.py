@@ -1,31 +1,30 @@
-"""Batched singular values of small matrices: fp64 Gram matrix + parallel cyclic Jacobi.
+"""Batched singular values of small matrices: fp64 Gram matrix, Householder
+tridiagonalisation and Sturm-sequence bisection, one program per matrix, all in registers.
 
 For a batch of matrices X_b of shape [R, K] (R >= K: the longer side is reduced, so K is
-min(S, D) of the caller's [S, D]) one program owns one matrix:
+min(S, D) of the caller's [S, D]; N = K padded to a power of two >= 16):
 
-    G     = X^T X                                  [K, K], fp64 (tl.dot, no TF32)
-    repeat (one sweep = N - 1 rounds; N = K padded to a power of two >= 16):
-        pairs (p_i, q_i), i < N/2, disjoint, from the round-robin "circle" schedule
-        c_i, s_i such that [[c, s], [-s, c]]^T [[g_pp, g_pq], [g_pq, g_qq]] [[c, s], [-s, c]]
-                 is diagonal (Golub & Van Loan, Alg. 8.4.1)
-        G <- J^T G J                               all N/2 rotations at once, O(N^2)
-    until ||offdiag(G)||_F <= tol * ||G||_F or max_sweeps
-    sigma = sort(sqrt(max(diag(G), 0)), descending)[:K]          [K]
+    G = X^T X                                   [N, N] fp64 (tl.dot, no TF32); padding is zero
+    for k in 0 .. N-3:                          Householder: G <- H_k G H_k, H_k = I - tau v v^T
+        v = G[k+1:, k] - alpha e_1,  p = tau G v,  w = p - (tau/2)(v.p) v
+        G <- G - v w^T - w v^T                  (rank-2 update, O(N^2) elementwise)
+    T = tridiag(d, e)                           d = diag(G), e = first off-diagonal
+    for every lane j in 0..N-1 at once:         bisection on [Gershgorin lo, hi]
+        count(x) = #{i : q_i < 0},  q_0 = d_0 - x,  q_i = d_i - x - e_{i-1}^2 / q_{i-1}
+        keep the half that holds the j-th smallest eigenvalue (BISECT_STEPS halvings)
+    sigma = sqrt(max(lambda, 0)), written in descending order, first K kept
 
-Why fp64 throughout: the Gram matrix squares the condition number. A singular value of
-1e-3 * sigma_max is an eigenvalue of 1e-6 * lambda_max; fp32 rounding of G (~6e-8 * lambda_max)
-would leave it with ~5% error, fp64 leaves ~1e-9. Inputs of any float dtype are upcast on load.
-
-Why O(N^2) rounds instead of two dense products with a rotation matrix per round: the
-rotations of one round act on disjoint (row, column) pairs, so with the matrix split into the
-four blocks G[top, top], G[top, bot], G[bot, top], G[bot, bot] each rotation is an elementwise
-combination of two blocks. The round-robin permutation between rounds is done by gathering the
-blocks from a per-program fp64 scratch copy of G (L1/L2 resident: 32 KB for N = 64), so no
-register shuffles are needed. Padded rows/columns of G are zero; their rotations are identities
-and they contribute zero eigenvalues that sort after the real ones.
+Why this and not Jacobi: a cyclic Jacobi sweep needs N-1 rounds, each permuting the matrix
+through memory, and 6-10 sweeps; tridiagonalisation is N-2 rank-2 updates of a matrix held
+in registers, and bisection touches only the 2N numbers of T. Why fp64 throughout: the Gram
+matrix squares the condition number. A singular value of 1e-3 * sigma_max is an eigenvalue
+of 1e-6 * lambda_max; fp32 rounding of G (~6e-8 * lambda_max) would leave it with ~5% error,
+fp64 leaves ~1e-9. Householder reduction is backward stable (eigenvalue error ~ eps ||G||),
+and 52 halvings of the Gershgorin interval leave ~1e-15 ||G||. Inputs of any float dtype are
+upcast on load.
 
 Shapes: x [B, S, D] (any strides), sigma [B, min(S, D)] (fp32, or fp64 for fp64 input),
-scratch [B, N, N] fp64.
+scratch [B, 2, N] fp64 (the diagonal and squared off-diagonal of T).
 """
 
 from __future__ import annotations
@@ -35,23 +34,14 @@ import triton
 import triton.language as tl
 
 MAX_K = 128
-"""Largest min(S, D) the kernel takes: 4 fp64 blocks of [64, 64] fill the register file."""
+"""Largest min(S, D) the kernel takes: an [N, N] fp64 matrix must fit the register file."""
+
+BISECT_STEPS = 52
+"""Halvings of the Gershgorin interval: its width (<= 4 ||G||) drops below 1e-15 ||G||."""
 
 
 @triton.jit
-def _jacobi_rotation(app, aqq, apq):
-    # Rotation zeroing a_pq; pairs whose a_pq is already exactly zero (padding) get the identity.
-    nonzero = apq != 0.0
-    tau = (aqq - app) / (2.0 * tl.where(nonzero, apq, 1.0))
-    # The smaller root of t^2 + 2 tau t - 1 = 0 keeps |theta| <= pi/4, which makes Jacobi converge.
-    t = tl.where(tau >= 0.0, 1.0, -1.0) / (tl.abs(tau) + tl.sqrt(1.0 + tau * tau))
-    t = tl.where(nonzero, t, 0.0)
-    c = 1.0 / tl.sqrt(1.0 + t * t)
-    return c, t * c
-
-
-@triton.jit
-def _gram_jacobi_singular_values_kernel(
+def _gram_tridiag_singular_values_kernel(
     x_ptr,
     sigma_ptr,
     work_ptr,
@@ -61,19 +51,17 @@ def _gram_jacobi_singular_values_kernel(
     stride_x_reduce,
     stride_x_keep,
     stride_sigma_batch,
-    tol,
-    max_sweeps,
     N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     GRAM_BY_DOT: tl.constexpr,
+    BISECT_STEPS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = N // 2
     offs = tl.arange(0, N)
     keep_mask = offs < n_keep
     x_base = x_ptr + pid * stride_x_batch
 
-    gram = tl.zeros([N, N], dtype=tl.float64)
+    a = tl.zeros([N, N], dtype=tl.float64)
     if GRAM_BY_DOT:
         for r0 in range(0, n_reduce, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -82,84 +70,78 @@ def _gram_jacobi_singular_values_kernel(
                 mask=(offs_r[:, None] < n_reduce) & keep_mask[None, :],
                 other=0.0,
             ).to(tl.float64)
-            gram = tl.dot(tl.trans(x), x, gram, input_precision="ieee", out_dtype=tl.float64)
+            a = tl.dot(tl.trans(x), x, a, input_precision="ieee", out_dtype=tl.float64)
     else:
         # Rank-1 updates with plain fp64 FMAs, for Triton builds without an fp64 tl.dot.
         for r in range(0, n_reduce):
             row = x_base + r * stride_x_reduce + offs * stride_x_keep
             x_i = tl.load(row, mask=keep_mask, other=0.0).to(tl.float64)
-            gram += x_i[:, None] * x_i[None, :]
+            a += x_i[:, None] * x_i[None, :]
 
-    w_base = work_ptr + pid * (N * N)
-    full = offs[:, None] * N + offs[None, :]
-    eye_full = offs[:, None] == offs[None, :]
-    tl.store(w_base + full, gram)
-    diag = tl.sum(tl.where(eye_full, gram, 0.0), axis=1)
-    total = tl.sum(tl.sum(gram * gram, axis=1), axis=0)
-    off = total - tl.sum(diag * diag, axis=0)
+    cols = offs[None, :]
+    # Householder tridiagonalisation, the symmetric matrix kept whole in registers.
+    for k in range(0, N - 2):
+        col = tl.sum(tl.where(cols == k, a, 0.0), axis=1)  # col[i] = a[i, k]
+        below = tl.where(offs > k, col, 0.0)
+        norm = tl.sqrt(tl.sum(below * below, axis=0))
+        head = tl.sum(tl.where(offs == k + 1, below, 0.0), axis=0)
+        # alpha takes the sign opposite to the head so that v has no cancellation.
+        alpha = tl.where(head > 0.0, -norm, norm)
+        v = tl.where(offs == k + 1, below - alpha, below)
+        v_norm2 = tl.sum(v * v, axis=0)
+        # A column already zero below the subdiagonal needs no reflection (tau = 0).
+        tau = tl.where(v_norm2 > 0.0, 2.0 / tl.where(v_norm2 > 0.0, v_norm2, 1.0), 0.0)
+        p = tau * tl.sum(a * v[None, :], axis=1)
+        w = p - (0.5 * tau * tl.sum(v * p, axis=0)) * v
+        a = a - v[:, None] * w[None, :] - w[:, None] * v[None, :]
+
+    diag = tl.sum(tl.where(offs[:, None] == cols, a, 0.0), axis=1)
+    sub = tl.sum(tl.where(offs[:, None] + 1 == cols, a, 0.0), axis=1)  # sub[i] = a[i, i+1]
+    # e2[i] = a[i-1, i]^2 (e2[0] = 0), the term the Sturm recurrence needs at row i.
+    sub_shifted = tl.sum(tl.where(offs[:, None] == cols + 1, a, 0.0), axis=1)  # a[i, i-1]
+    w_base = work_ptr + pid * (2 * N)
+    tl.store(w_base + offs, diag)
+    tl.store(w_base + N + offs, sub_shifted * sub_shifted)
+    radius = tl.abs(sub) + tl.abs(sub_shifted)
+    lo_bound = tl.min(diag - radius, axis=0)
+    hi_bound = tl.max(diag + radius, axis=0)
     tl.debug_barrier()
 
-    half = tl.arange(0, HALF)
-    eye = half[:, None] == half[None, :]
-    sweep = 0
-    while (off > tol * tol * total) & (sweep < max_sweeps):
-        for rnd in range(N - 1):
-            # Circle schedule: index N-1 stays put, the others rotate; N-1 rounds pair everyone once.
-            top = tl.where(half == 0, rnd, (rnd + half) % (N - 1))
-            bot = tl.where(half == 0, N - 1, (rnd - half + (N - 1)) % (N - 1))
-            a_tt = tl.load(w_base + top[:, None] * N + top[None, :])
-            a_tb = tl.load(w_base + top[:, None] * N + bot[None, :])
-            a_bt = tl.load(w_base + bot[:, None] * N + top[None, :])
-            a_bb = tl.load(w_base + bot[:, None] * N + bot[None, :])
-            # Every thread must have read the old G before any thread overwrites it.
-            tl.debug_barrier()
-            # The angles are needed along rows and along columns; reducing the same exact values
-            # along either axis gives bit-identical (c, s) in both layouts.
-            c_r, s_r = _jacobi_rotation(
-                tl.sum(tl.where(eye, a_tt, 0.0), axis=1),
-                tl.sum(tl.where(eye, a_bb, 0.0), axis=1),
-                tl.sum(tl.where(eye, a_tb, 0.0), axis=1),
-            )
-            c_c, s_c = _jacobi_rotation(
-                tl.sum(tl.where(eye, a_tt, 0.0), axis=0),
-                tl.sum(tl.where(eye, a_bb, 0.0), axis=0),
-                tl.sum(tl.where(eye, a_tb, 0.0), axis=0),
-            )
-            r_tt = c_r[:, None] * a_tt - s_r[:, None] * a_bt
-            r_bt = s_r[:, None] * a_tt + c_r[:, None] * a_bt
-            r_tb = c_r[:, None] * a_tb - s_r[:, None] * a_bb
-            r_bb = s_r[:, None] * a_tb + c_r[:, None] * a_bb
-            tl.store(w_base + top[:, None] * N + top[None, :], r_tt * c_c[None, :] - r_tb * s_c[None, :])
-            tl.store(w_base + top[:, None] * N + bot[None, :], r_tt * s_c[None, :] + r_tb * c_c[None, :])
-            tl.store(w_base + bot[:, None] * N + top[None, :], r_bt * c_c[None, :] - r_bb * s_c[None, :])
-            tl.store(w_base + bot[:, None] * N + bot[None, :], r_bt * s_c[None, :] + r_bb * c_c[None, :])
-            tl.debug_barrier()
-        a = tl.load(w_base + full)
-        diag = tl.sum(tl.where(eye_full, a, 0.0), axis=1)
-        total = tl.sum(tl.sum(a * a, axis=1), axis=0)
-        off = total - tl.sum(diag * diag, axis=0)
-        sweep += 1
-
-    a = tl.load(w_base + full)
-    eig = tl.sum(tl.where(eye_full, a, 0.0), axis=1)
-    # Rounding can leave eigenvalues of a rank-deficient G slightly negative.
-    sigma = tl.sort(tl.sqrt(tl.maximum(eig, 0.0)), descending=True)
-    tl.store(sigma_ptr + pid * stride_sigma_batch + offs, sigma.to(sigma_ptr.dtype.element_ty), mask=keep_mask)
+    # Lane j looks for the j-th smallest eigenvalue of T.
+    lo = tl.zeros([N], dtype=tl.float64) + lo_bound
+    hi = tl.zeros([N], dtype=tl.float64) + hi_bound
+    for _ in range(BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        below_mid = tl.zeros([N], dtype=tl.int32)
+        q = tl.zeros([N], dtype=tl.float64) + 1.0
+        for i in range(0, N):
+            d_i = tl.load(w_base + i)
+            e2_i = tl.load(w_base + N + i)
+            q = d_i - mid - e2_i / q
+            # An exact zero pivot is nudged negative (LAPACK's pivmin rule, in spirit).
+            q = tl.where(q == 0.0, -1e-300, q)
+            below_mid += (q < 0.0).to(tl.int32)
+        left = below_mid > offs
+        hi = tl.where(left, mid, hi)
+        lo = tl.where(left, lo, mid)
+    eig = 0.5 * (lo + hi)
+    sigma = tl.sqrt(tl.maximum(eig, 0.0))
+    # Lane j holds the j-th smallest: write it to position N-1-j (descending); padding
+    # contributes zero eigenvalues, which land past the K kept values.
+    out_pos = N - 1 - offs
+    tl.store(sigma_ptr + pid * stride_sigma_batch + out_pos, sigma.to(sigma_ptr.dtype.element_ty),
+             mask=out_pos < n_keep)
 
 
 _gram_by_dot = True  # set to False once if this Triton build cannot compile an fp64 tl.dot
 
 
-def singular_values(
-    x: torch.Tensor, *, tol: float = 1e-14, max_sweeps: int = 20, gram_by_dot: bool | None = None
-) -> torch.Tensor:
+def singular_values(x: torch.Tensor, *, gram_by_dot: bool | None = None) -> torch.Tensor:
     """Singular values of every matrix in `x`, descending.
 
     Args:
         x: [..., S, D] floating tensor with min(S, D) <= 128, on CUDA (or CPU under
             TRITON_INTERPRET=1).
-        tol: stop when ||offdiag(G)||_F <= tol * ||G||_F (G the fp64 Gram matrix).
-        max_sweeps: cap on Jacobi sweeps (fp64 typically needs 6-10).
         gram_by_dot: build G with fp64 `tl.dot` (True) or rank-1 FMA updates (False); None
             uses `tl.dot` unless it failed to compile before.
 
@@ -187,12 +169,13 @@ def singular_values(
     # tl.dot needs every dimension >= 16.
     n_pad = max(16, triton.next_power_of_2(k))
     block_r = 32 if n_pad <= 64 else 16
-    work = torch.empty(n_mat, n_pad, n_pad, dtype=torch.float64, device=x.device)
+    work = torch.empty(n_mat, 2, n_pad, dtype=torch.float64, device=x.device)
 
     def launch(by_dot: bool) -> None:
-        _gram_jacobi_singular_values_kernel[(n_mat,)](
-            x3, sigma, work, n_reduce, k, x3.stride(0), stride_reduce, stride_keep, sigma.stride(0), tol,
-            max_sweeps, N=n_pad, BLOCK_R=block_r, GRAM_BY_DOT=by_dot, num_warps=4 if n_pad <= 64 else 8,
+        _gram_tridiag_singular_values_kernel[(n_mat,)](
+            x3, sigma, work, n_reduce, k, x3.stride(0), stride_reduce, stride_keep, sigma.stride(0),
+            N=n_pad, BLOCK_R=block_r, GRAM_BY_DOT=by_dot, BISECT_STEPS=BISECT_STEPS,
+            num_warps=4 if n_pad <= 32 else (8 if n_pad <= 64 else 16),
         )
 
     global _gram_by_dot
