@@ -52,6 +52,7 @@ def _sparse_adamw_kernel(
     LR_ON_DEVICE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -76,16 +77,18 @@ def _sparse_adamw_kernel(
 
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    idx = tl.load(i_ptr + offs, mask=mask, other=0).to(tl.int64)
+    # The compact arrays are read once per step: with EVICT_FIRST they do not push the
+    # gathered weight/grad sectors out of L2.
+    idx = tl.load(i_ptr + offs, mask=mask, other=0, eviction_policy="evict_first" if EVICT_FIRST else "").to(tl.int64)
     if COMPACT_GRAD:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    d = tl.load(d_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
+    d = tl.load(d_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
 
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -121,15 +124,17 @@ def _sparse_adamw_kernel(
 
 
 _BLOCK = 1024
+_NUM_WARPS = 4
+_EVICT_FIRST = False
 _block_cache: dict[tuple, torch.Tensor] = {}
 _table_cache: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
 
 
-def _block_table(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    key = (sizes, str(device))
+def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
+    key = (sizes, str(device), block)
     blocks = _block_cache.get(key)
     if blocks is None:
-        rows = [(t, s) for t, k in enumerate(sizes) for s in range(0, k, _BLOCK)]
+        rows = [(t, s) for t, k in enumerate(sizes) for s in range(0, k, block)]
         blocks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
         _block_cache[key] = blocks
     return blocks
@@ -163,6 +168,9 @@ def sparse_adamw_(
     weight_decay: float,
     maximize: bool,
     compact_grads: bool,
+    block: int | None = None,
+    num_warps: int | None = None,
+    evict_first: bool | None = None,
 ) -> None:
     """One fused SparseAdamW step over tensors sharing one device, dtype and index dtype.
 
@@ -176,6 +184,8 @@ def sparse_adamw_(
         lr: float, or a 0-d device tensor read inside the kernel.
         beta1, beta2, eps, weight_decay, maximize: AdamW hyper-parameters.
         compact_grads: whether `grads` are already gathered.
+        block, num_warps, evict_first: launch configuration (entries per program, warps,
+            L2 eviction hint on the compact arrays); None takes the tuned defaults.
 
     Example:
         >>> sparse_adamw_([w], [w.grad], [idx], [m], [v], [d], [], [step], lr=1e-3, beta1=0.9,
@@ -214,7 +224,8 @@ def sparse_adamw_(
     aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
     key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
     table = _segment_table(key, columns, device)
-    blocks = _block_table(sizes, device)
+    block = block or _BLOCK
+    blocks = _block_table(sizes, device, block)
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return
@@ -241,8 +252,9 @@ def sparse_adamw_(
         LR_ON_DEVICE=lr_on_device,
         MAXIMIZE=bool(maximize),
         ALIGNED=aligned,
-        BLOCK=_BLOCK,
-        num_warps=4,
+        EVICT_FIRST=_EVICT_FIRST if evict_first is None else evict_first,
+        BLOCK=block,
+        num_warps=num_warps or _NUM_WARPS,
     )
 
 
