@@ -13,6 +13,8 @@ from sift._ext import extension_status
 
 
 def _git_sha() -> str:
+    if os.environ.get("SIFT_GIT_SHA"):  # a copy of the tree without .git (e.g. a benchmark machine)
+        return os.environ["SIFT_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
