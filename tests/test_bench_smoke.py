@@ -82,3 +82,20 @@ def test_memory_quick(tmp_path, monkeypatch):
     saved = _saved(tmp_path, "memory")
     assert len(saved["rows"]) == len(expected)
     assert saved["config"]["density"] == pytest.approx(memory.DENSITY)
+
+
+def test_bench_cli_rejects_unknown_suites(capsys):
+    from sift.bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["nonsense"])
+    assert "unknown suite 'nonsense'" in capsys.readouterr().err
+
+
+def test_bench_cli_runs_a_quick_suite(tmp_path, monkeypatch, capsys):
+    from sift.bench.__main__ import main
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    main(["heads", "--quick"])
+    assert "### heads: batched singular values" in capsys.readouterr().out
+    assert (tmp_path / "heads-cpu.json").exists()

@@ -23,14 +23,17 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         if name not in SUITES:
             parser.error(f"unknown suite {name!r}; choose from {sorted(SUITES)} or 'all'")
+    failed = []
     for name in names:
+        module = importlib.import_module(SUITES[name])
         try:
-            module = importlib.import_module(SUITES[name])
-        except ModuleNotFoundError as exc:
-            print(f"### {name}\n\nnot available in this build: {exc}\n")
-            continue
-        print(module.run(quick=args.quick))
+            print(module.run(quick=args.quick))
+        except Exception as exc:  # one broken suite must not hide the others' results
+            failed.append(name)
+            print(f"### {name}\n\nfailed: {type(exc).__name__}: {exc}\n")
         print()
+    if failed:
+        raise SystemExit(f"benchmark suites failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
