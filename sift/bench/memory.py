@@ -63,6 +63,15 @@ COLUMNS = ("optimizer", "GC", "Params", "Grad", "Optim", "Activation", "Sum", "P
 CPU_COLUMNS = ("optimizer", "GC", "Params", "Grad", "Optim", "Activation", "Sum", "RSS rise", "peak RSS", "step s")
 
 
+
+def _release(model: torch.nn.Module, opt: Any) -> None:
+    """Drop one configuration's optimizer, hooks and gradients before measuring the next."""
+    if isinstance(opt, SparseAdamW):
+        opt.remove_hooks()
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+
 def llama_config(kind: str, quick: bool) -> dict[str, Any]:
     """Model and batch sizes: Llama-7B on CUDA, a small Llama on CPU, a tiny one for `quick`."""
     if quick:
@@ -235,12 +244,7 @@ def measure_cuda(model: torch.nn.Module, kind: str, batch: torch.Tensor, params_
         "peak": torch.cuda.max_memory_allocated(),
         "seconds": seconds,
     }
-    if isinstance(opt, SparseAdamW):
-        opt.remove_hooks()
-    del opt, trainable
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
+    _release(model, opt)
     torch.cuda.empty_cache()
     return out
 
@@ -275,12 +279,7 @@ def measure_cpu(model: torch.nn.Module, kind: str, batch: torch.Tensor, params_b
         "peak_rss_scope": "this step" if rss_reset else "process lifetime (clear_refs unavailable)",
         "seconds": seconds,
     }
-    if isinstance(opt, SparseAdamW):
-        opt.remove_hooks()
-    del opt, trainable
-    for p in model.parameters():
-        p.grad = None
-    gc.collect()
+    _release(model, opt)
     return out
 
 
