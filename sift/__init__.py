@@ -1,9 +1,14 @@
-"""sift: fused kernels for sparse fine-tuning (SIFT, HiFi) of pretrained transformers."""
+"""sift: fused kernels for sparse fine-tuning (SIFT, HiFi) of pretrained transformers.
+
+- `SparseAdamW`, `clip_grad_norm_`: AdamW on a fixed sparse subset of each weight (SIFT).
+- `heads`: HiFi head scoring and selection (`sift.heads.score_heads`, ...).
+- `SparseDelta`, `merge_deltas`: fine-tunes as index-sorted deltas.
+"""
 
 from sift import heads
+from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
-from sift.delta import SparseDelta, merge_deltas
 
 __version__ = "0.1.0"
 
-__all__ = ["SparseAdamW", "clip_grad_norm_", "__version__"]
+__all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "heads", "merge_deltas", "__version__"]
