@@ -670,3 +670,36 @@ def test_import_and_step_work_without_optional_backends(block, env):
         assert out.stderr.count("falls back from cpp") == 1, out.stderr
     else:
         assert "BACKEND cpp" in out.stdout
+
+
+@pytest.mark.gpu
+def test_captured_step_survives_another_optimizer_of_the_same_shapes():
+    """A second optimizer with identical shapes once overwrote the segment table a captured graph reads."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(257, 129, device="cuda")) for _ in range(2)]
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    others = [torch.nn.Parameter(torch.randn(257, 129, device="cuda")) for _ in range(2)]
+    opt = SparseAdamW(params, lr=1e-2, density=0.05)
+    opt_ref = SparseAdamW(refs, lr=1e-2, density=0.05, backend="torch")
+    opt_other = SparseAdamW(others, lr=1e-2, density=0.05)
+    for p, r, o in zip(params, refs, others):
+        g = torch.randn_like(p)
+        p.grad, r.grad, o.grad = g.clone(), g.clone(), torch.randn_like(o)
+    opt.step()
+    opt_ref.step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    opt_ref.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(3):
+        opt_other.step()  # same shapes and dtypes: same cache key before the fix
+        graph.replay()
+        opt_ref.step()
+    torch.cuda.synchronize()
+    for p, r in zip(params, refs):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)

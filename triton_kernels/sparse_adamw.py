@@ -24,6 +24,8 @@ live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a sche
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -128,7 +130,10 @@ _BLOCK = 512  # with 8 warps: within 2% of the best of 16 configurations in 5 of
 _NUM_WARPS = 8
 _EVICT_FIRST = False
 _block_cache: dict[tuple, torch.Tensor] = {}
-_table_cache: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
+# Segment tables by their exact contents. A captured CUDA graph keeps reading the table it was
+# captured with, so tables are not overwritten in place: the most recent ones stay alive.
+_TABLE_CACHE_SIZE = 32
+_table_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
 def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
@@ -142,13 +147,16 @@ def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> to
 
 
 def _segment_table(key: tuple, columns: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    flat = tuple(x for col in columns for x in col)
-    cached = _table_cache.get(key)
-    if cached is not None and cached[0] == flat:
-        return cached[1]
+    full_key = (key, tuple(x for col in columns for x in col))
+    table = _table_cache.get(full_key)
+    if table is not None:
+        _table_cache.move_to_end(full_key)
+        return table
     host = torch.tensor(columns, dtype=torch.int64)
     table = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    _table_cache[key] = (flat, table)
+    _table_cache[full_key] = table
+    if len(_table_cache) > _TABLE_CACHE_SIZE:
+        _table_cache.popitem(last=False)
     return table
 
 
