@@ -171,6 +171,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self._prepared = False
         self._hook_handles: list[Any] = []
         super().__init__(params, defaults)
+        self._hooks_ready = compact_grads
         if compact_grads:
             self._attach_hooks()
 
@@ -205,7 +206,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if "density" in group:
             group["density"] = float(group["density"])
         super().add_param_group(group)
-        if getattr(self, "compact_grads", False) and self._hook_handles:
+        if getattr(self, "_hooks_ready", False):  # a group added after construction
             self._attach_hooks(group["params"])
 
     def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
@@ -329,10 +330,11 @@ class SparseAdamW(torch.optim.Optimizer):
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks of `compact_grads` mode."""
+        """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        self._hooks_ready = False
 
     @torch.no_grad()
     def _grad_hook(self, p: torch.Tensor) -> None:

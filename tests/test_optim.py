@@ -360,6 +360,19 @@ def test_hook_mode_equals_plain_mode(clip):
         assert p.grad is None, "hook mode frees dense gradients"
 
 
+def test_hook_mode_group_added_later_gets_its_hooks_once():
+    """add_param_group in compact_grads mode attached no hooks when the first groups had none."""
+    head = torch.nn.Parameter(torch.randn(4))
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    opt = SparseAdamW([{"params": [head], "density": 1.0}], lr=1e-2, compact_grads=True)
+    opt.add_param_group({"params": [w], "density": 0.2})
+    assert len(opt._hook_handles) == 1
+    (w.sum() * 3 + head.sum()).backward()
+    assert w.grad is None and head.grad is not None
+    opt.step()
+    assert opt.state[w]["indices"].numel() == 6
+
+
 def test_hook_mode_holds_at_most_one_dense_grad():
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(4)])
     opt = SparseAdamW(model.parameters(), density=0.1, compact_grads=True)
