@@ -36,6 +36,7 @@ class Op:
 
 _OPS: dict[str, Op] = {}
 _warned: set[tuple[str, str]] = set()
+_resolved: dict[tuple, tuple[str, Callable]] = {}
 
 
 def define(name: str, reference: Callable) -> Op:
@@ -53,6 +54,7 @@ def register(name: str, backend: str) -> Callable[[Callable], Callable]:
 
     def deco(fn: Callable) -> Callable:
         _OPS[name].impls[backend] = fn
+        _resolved.clear()
         return fn
 
     return deco
@@ -121,6 +123,17 @@ def resolve(name: str, device: torch.device | str, backend: str | None = None) -
         RuntimeError: a forced backend cannot run here or has no implementation of `name`.
     """
     device = torch.device(device)
+    # Resolution runs in every optimizer step: cache it per op, device, request and environment.
+    key = (name, device, backend, os.environ.get("SIFT_BACKEND"), os.environ.get("TRITON_INTERPRET"))
+    hit = _resolved.get(key)
+    if hit is not None:
+        return hit
+    choice = _resolve_uncached(name, device, backend)
+    _resolved[key] = choice
+    return choice
+
+
+def _resolve_uncached(name: str, device: torch.device, backend: str | None) -> tuple[str, Callable]:
     op = _OPS[name]
     wanted = backend if backend is not None else forced_backend()
     if wanted is not None:

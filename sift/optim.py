@@ -169,6 +169,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
         self._selection_seen: set[torch.Tensor] = set()  # params that took part in this step's selection
         self._prepared = False
+        self._selection_complete = False
         self._hook_handles: list[Any] = []
         super().__init__(params, defaults)
         self._hooks_ready = compact_grads
@@ -199,6 +200,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
                     "hooks; use plain mode with FSDP2"
                 )
+        self._selection_complete = False
         group = dict(param_group)
         group["params"] = params
         if "betas" in group:
@@ -271,14 +273,21 @@ class SparseAdamW(torch.optim.Optimizer):
         if self._prepared:
             return
         self._prepared = True
-        if self.compact_grads:
+        if self.compact_grads or self._selection_complete:
             return
+        complete = True
         for group, p in self._sparse_params():
-            if p.grad is None or "indices" in self.state[p] or _local(p).numel() == 0:
+            if "indices" in self.state[p] or not p.requires_grad or _local(p).numel() == 0:
+                continue
+            if p.grad is None:
+                complete = False
                 continue
             calls = self.state[p].get("selection_calls", 0) + 1
             self._selection_update(group, p, p.grad, final=calls >= self.select_steps)
             self.state[p]["selection_calls"] = calls
+            complete = complete and "indices" in self.state[p]
+        # After selection the per-step scan is skipped (a hot-path cost for many small params).
+        self._selection_complete = complete
 
     def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
         """Choose the trainable entries of `param` yourself.
@@ -552,6 +561,7 @@ class SparseAdamW(torch.optim.Optimizer):
             new_state[p] = self._load_param_state(p, saved_state, f"state of param {pid}")
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
+        self._selection_complete = False
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
                 if key not in ("params", "param_names"):

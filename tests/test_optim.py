@@ -145,6 +145,24 @@ def test_select_steps_accumulates_magnitude_and_updates_on_last():
     assert (w.detach()[10:15] != 0).all() and (w.detach()[:10] == 0).all()
 
 
+def test_param_without_grad_on_the_first_step_is_selected_later():
+    """Selection must keep scanning while a sparse param has not had a gradient yet."""
+    a = torch.nn.Parameter(torch.randn(20))
+    b = torch.nn.Parameter(torch.randn(20))
+    opt = SparseAdamW([a, b], density=0.1)
+    a.grad = torch.randn(20)
+    opt.step()
+    assert "indices" in opt.state[a] and not opt.state.get(b)
+    b.grad = torch.randn(20)
+    opt.step()
+    assert opt.state[b]["indices"].numel() == 2
+    c = torch.nn.Parameter(torch.randn(30))
+    opt.add_param_group({"params": [c]})
+    c.grad = torch.randn(30)
+    opt.step()
+    assert opt.state[c]["indices"].numel() == 3
+
+
 def test_random_selection_is_seeded():
     def chosen(seed):
         w = torch.nn.Parameter(torch.zeros(1000))
