@@ -411,7 +411,10 @@ class SparseAdamW(torch.optim.Optimizer):
             return None
         if self.compact_grads:
             return self._compact[param] if param in self._grad_ready else None
-        return None if param.grad is None else _local(param.grad).reshape(-1)[state["indices"].long()]
+        if param.grad is None:
+            return None
+        # index_select takes the int32 indices as they are: no int64 copy on every clip.
+        return torch.index_select(_local(param.grad).reshape(-1), 0, state["indices"])
 
     # -------------------------------------------------------------------- step
 

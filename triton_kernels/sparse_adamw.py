@@ -24,6 +24,7 @@ live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a sche
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -268,7 +269,5 @@ def sparse_adamw_(
 
 
 def _log2(beta: float) -> float:
-    import math
-
     # beta == 0 gives bias correction 1 at every step: exp2(-inf) == 0.
     return math.log2(beta) if beta > 0 else float("-inf")
