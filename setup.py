@@ -33,7 +33,9 @@ else:
             CppExtension(
                 "sift._C",
                 sorted(glob.glob("csrc/*.cpp")),
-                extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+                depends=sorted(glob.glob("csrc/*.h")),
+                # Same flags as sift/_ext.py (the JIT build).
+                extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-fno-math-errno", "-Wno-psabi"],
                 extra_link_args=["-fopenmp"],
             )
         )

@@ -9,6 +9,7 @@ backend is reported unavailable with the reason, and `import sift` is unaffected
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import threading
@@ -29,6 +30,15 @@ def _source_dir() -> str | None:
     return None
 
 
+def _source_files(src: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(src, "*.cpp")) + glob.glob(os.path.join(src, "*.h")))
+
+
+# Flags shared with setup.py. -fno-math-errno lets sqrt vectorise; -Wno-psabi silences GCC's
+# note on 64-byte vector arguments in the generic copy of the SIMD code.
+CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+
+
 def _prebuilt_stale_reason() -> str | None:
     """In a source checkout, a prebuilt sift._C older than csrc/ is stale: rebuild instead."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +46,7 @@ def _prebuilt_stale_reason() -> str | None:
     src = _source_dir()
     if not built or src is None:
         return None
-    newest_source = max(os.path.getmtime(f) for f in glob.glob(os.path.join(src, "*.cpp")))
+    newest_source = max(os.path.getmtime(f) for f in _source_files(src))
     if newest_source > min(os.path.getmtime(f) for f in built):
         return "prebuilt sift._C is older than csrc/ (edited sources)"
     return None
@@ -48,10 +58,16 @@ def _jit_build() -> None:
     src = _source_dir()
     if src is None:
         raise RuntimeError("no C++ sources found next to the package (csrc/*.cpp)")
+    # torch's JIT cache hashes the .cpp sources only; a digest of every source file (headers
+    # included) in the flags makes a header edit rebuild too.
+    digest = hashlib.sha1()
+    for path in _source_files(src):
+        with open(path, "rb") as f:
+            digest.update(f.read())
     load(
         name="sift_C",
         sources=sorted(glob.glob(os.path.join(src, "*.cpp"))),
-        extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+        extra_cflags=CXX_FLAGS + [f"-DSIFT_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=os.environ.get("SIFT_VERBOSE_BUILD", "0") == "1",

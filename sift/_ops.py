@@ -396,10 +396,15 @@ def _sparse_delta_restore_triton(params, indices, originals):
 # ---------------------------------------------------------------------------------------
 
 # singular_values: batched singular values of x [..., S, D] -> [..., min(S, D)], descending;
-# fp64 output for fp64 input, fp32 otherwise. The reference is fp64 `svdvals`. The "torch"
-# backend is a faster plain-torch path (fp64 Gram of the shorter side + `eigvalsh`): squaring
+# fp64 output for fp64 input, fp32 otherwise. The reference is fp64 `svdvals`. All faster
+# backends square the matrix: fp64 Gram of the shorter side, then its eigenvalues. Squaring
 # the condition number is harmless in fp64 for the accuracy the op promises (values above
-# 1e-3 * sigma_max to 1e-4 relative). The "triton" backend fuses Gram and a Jacobi eigen-solve.
+# 1e-3 * sigma_max to 1e-4 relative).
+#   "torch"  Gram + LAPACK `eigvalsh`, chunks spread over a thread pool.
+#   "cpp"    csrc/singular_values.cpp: Gram, Householder tridiagonalisation and QL, 8 matrices
+#            per SIMD instruction (min(S, D) <= 512; larger goes to "torch").
+#   "triton" triton_kernels/singular_values.py: one program per matrix, Gram with tl.dot,
+#            Householder tridiagonalisation in registers, Sturm bisection (min(S, D) <= 128).
 
 
 def _singular_values_dtype(x: torch.Tensor) -> torch.dtype:
@@ -446,6 +451,18 @@ def singular_values_gram_eigvalsh(x: torch.Tensor) -> torch.Tensor:
         chunk = max(1, min(256, (4 << 20) // per_matrix, -(-x3.shape[0] // n_threads)))
         sigma = torch.cat(list(_eigvalsh_pool.map(_gram_eigvalsh, x3.split(chunk))))
     return sigma.reshape(*batch, min(s, d)).to(_singular_values_dtype(x))
+
+
+CPP_SINGULAR_VALUES_MAX_K = 512
+
+
+@register("singular_values", "cpp")
+def _singular_values_cpp(x: torch.Tensor) -> torch.Tensor:
+    *batch, s, d = x.shape
+    if min(s, d) > CPP_SINGULAR_VALUES_MAX_K:
+        return singular_values_gram_eigvalsh(x)
+    sigma = torch.ops.sift.singular_values(x.reshape(-1, s, d))
+    return sigma.reshape(*batch, min(s, d))
 
 
 @register("singular_values", "triton")
