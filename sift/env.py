@@ -67,6 +67,9 @@ def report() -> str:
         lines.append(f"{key:>14}: {value}")
     ext = extension_status()
     lines.append(f"{'C++ extension':>14}: " + (f"loaded ({ext['how']})" if ext["ok"] else f"off: {ext['why']}"))
+    if ext["ok"] and hasattr(torch.ops.sift, "singular_values_isa"):
+        # The batched singular-value kernel picks its SIMD code from the CPU's features.
+        lines.append(f"{'C++ SIMD':>14}: {torch.ops.sift.singular_values_isa()} (singular_values)")
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")

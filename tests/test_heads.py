@@ -18,7 +18,7 @@ import transformers
 import sift
 from sift import _ops, heads
 from sift.heads import HeadScores
-from conftest import triton_available
+from conftest import cpp_available, triton_available
 
 transformers.logging.set_verbosity_error()
 
@@ -106,23 +106,87 @@ SV_SHAPES = [
     pytest.param((4, 1, 7), id="1x7"),
 ]
 SV_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
-             pytest.param(torch.float64, id="fp64")]
+             pytest.param(torch.float16, id="fp16"), pytest.param(torch.float64, id="fp64")]
+requires_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+CPU_SV_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("cpp", id="cpp", marks=requires_cpp)]
 
 
+@pytest.mark.parametrize("backend", CPU_SV_BACKENDS)
 @pytest.mark.parametrize("dtype", SV_DTYPES)
 @pytest.mark.parametrize("shape", SV_SHAPES)
-def test_singular_values_cpu_path_matches_fp64_svdvals(shape, dtype):
+def test_singular_values_cpu_path_matches_fp64_svdvals(shape, dtype, backend):
     x = _spectrum_matrices(shape, seed=len(shape)).to(dtype)
-    got = heads.singular_values(x, backend="torch")
+    got = heads.singular_values(x, backend=backend)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     _assert_singular_values_close(got, x)
 
 
 def test_cpu_auto_dispatch_is_not_the_svdvals_reference():
-    """The CPU default must be the Gram + eigvalsh fast path, not the slow reference."""
-    name, fn = _ops.resolve("singular_values", "cpu", backend="torch")
-    assert fn is _ops.singular_values_gram_eigvalsh
+    """The CPU default must be a fast path (C++ kernel, else Gram + eigvalsh), not the slow reference."""
+    name, fn = _ops.resolve("singular_values", "cpu")
+    assert name == ("cpp" if cpp_available() else "torch")
+    assert _ops.resolve("singular_values", "cpu", backend="torch")[1] is _ops.singular_values_gram_eigvalsh
     assert _ops.ops()["singular_values"].reference is _ops.singular_values_ref
+
+
+def _cpu_isas() -> list[str]:
+    if not cpp_available():
+        return []
+    order = ["generic", "avx2", "avx512"]
+    best = torch.ops.sift.singular_values_isa()
+    return order[: order.index(best) + 1]
+
+
+# Shapes that exercise the C++ kernel's edges: batches that are not a multiple of its 8 SIMD
+# lanes, n not a multiple of the Gram tile, long sides spanning several 64-row panels, wide
+# matrices (Gram of the rows), n = 1 and n = 2 (no Householder step).
+CPP_SHAPES = [
+    pytest.param((11, 150, 70), id="11x150x70"),
+    pytest.param((9, 37, 131), id="wide-9x37x131"),
+    pytest.param((8, 128, 64), id="8x128x64"),
+    pytest.param((3, 65, 1), id="n1"),
+    pytest.param((5, 2, 40), id="n2"),
+]
+
+
+@requires_cpp
+@pytest.mark.parametrize("shape", CPP_SHAPES)
+@pytest.mark.parametrize("isa", _cpu_isas() or ["generic"])
+def test_singular_values_cpp_every_isa_matches_fp64_svdvals(isa, shape):
+    x = _spectrum_matrices(shape, seed=shape[0]).float()
+    _assert_singular_values_close(torch.ops.sift.singular_values(x, isa), x)
+    # A transposed (non-contiguous) view goes through the same strided packing.
+    xt = _spectrum_matrices((shape[0], shape[2], shape[1]), seed=1).float().mT
+    _assert_singular_values_close(torch.ops.sift.singular_values(xt, isa), xt)
+
+
+@requires_cpp
+def test_singular_values_cpp_lanes_are_independent():
+    """Lanes of one SIMD group must not share a tolerance: tiny, huge, zero, rank-deficient
+    and NaN matrices side by side each get their own answer."""
+    x = torch.randn(10, 48, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x[1] *= 1e-6
+    x[2] *= 1e6
+    x[3] = 0
+    x[4, :, 5] = x[4, :, 6]  # repeated column: one zero singular value
+    x[5, :, 10:] = 0  # rank 10
+    x[6, 7, 7] = float("nan")
+    got = torch.ops.sift.singular_values(x.float())
+    assert got[6].isnan().all() and not got[torch.arange(10) != 6].isnan().any()
+    keep = [i for i in range(10) if i not in (3, 6)]
+    _assert_singular_values_close(got[keep], x[keep].float())
+    assert got[3].abs().max() == 0
+    assert got[5, 10:].max() <= 1e-5 * got[5, 0]
+
+
+@requires_cpp
+def test_singular_values_cpp_bad_isa_and_large_n_fallback():
+    with pytest.raises(RuntimeError, match="isa must be one of"):
+        torch.ops.sift.singular_values(torch.randn(2, 4, 3), "sse9")
+    with pytest.raises(RuntimeError, match="at most 512"):
+        torch.ops.sift.singular_values(torch.randn(1, 513, 513))
+    x = _spectrum_matrices((1, 520, 513), seed=2).float()  # beyond the kernel: the torch path answers
+    _assert_singular_values_close(heads.singular_values(x, backend="cpp"), x)
 
 
 def test_singular_values_threaded_batch_matches_reference():

@@ -3,8 +3,9 @@
 Side by side on the same fp32 matrices (the issue's sizes: 8192 of 128x64, 1024 of 512x128,
 each 268 MB, past the last-level cache):
 
-    sift.heads.singular_values     the active backend (Triton on CUDA, fp64 Gram + eigvalsh
-                                   split over threads on CPU)
+    sift.heads.singular_values     the active backend (Triton on CUDA; on CPU the C++ kernel,
+                                   8 matrices per SIMD instruction), and on CPU also the
+                                   plain-torch backend (fp64 Gram + eigvalsh over threads)
     torch.linalg.svdvals           what a user would call (fp32)
     fp64 Gram + eigvalsh           the textbook route, one call each, no threading
 
@@ -95,8 +96,11 @@ def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object
         baseline_n = min(n, GPU_BASELINE_MATRICES) if kind == "cuda" else n
         xb = x[:baseline_n]
         cpu_kwargs = {"warmup": 1, "repeat": 3}
-        routes = [
-            ("sift.heads.singular_values", backend, x, singular_values, {"warmup": 1, "repeat": 5}),
+        routes = [("sift.heads.singular_values", backend, x, singular_values, {"warmup": 1, "repeat": 5})]
+        if kind == "cpu" and backend != "torch":
+            routes.append(("sift.heads.singular_values", "torch", x,
+                           lambda t: singular_values(t, backend="torch"), cpu_kwargs))
+        routes += [
             ("torch.linalg.svdvals", "torch", xb, torch.linalg.svdvals, cpu_kwargs),
             ("fp64 Gram + eigvalsh", "torch", xb, _gram_eigvalsh, cpu_kwargs),
         ]
@@ -105,16 +109,17 @@ def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object
             fn(inp[:2])  # compiles the Triton kernel / initialises cuSOLVER outside the timing
             t = time_fn(lambda fn=fn, inp=inp: fn(inp), device, **kwargs)
             per_matrix_ms = t["median_ms"] / inp.shape[0]
-            timed[method] = per_matrix_ms
+            timed[(method, route_backend)] = per_matrix_ms
             rows.append({
                 "shape": f"{s}x{d}", "matrices": n, "method": method, "backend": route_backend,
                 "timed on": inp.shape[0], "median ms": t["median_ms"], "p20 ms": t["p20_ms"], "p80 ms": t["p80_ms"],
                 "matrices/s": 1e3 / per_matrix_ms, "max rel err": _accuracy(fn, x),
             })
-        for row in rows[-3:]:
-            row["x vs svdvals"] = timed["torch.linalg.svdvals"] * row["matrices"] / (
+        for row in rows[-len(routes):]:
+            row["x vs svdvals"] = timed[("torch.linalg.svdvals", "torch")] * row["matrices"] / (
                 row["median ms"] * row["matrices"] / row["timed on"])
-            row["target x"] = TARGET_SPEEDUP[kind] if row["method"] == "sift.heads.singular_values" else ""
+            active = row["method"] == "sift.heads.singular_values" and row["backend"] == backend
+            row["target x"] = TARGET_SPEEDUP[kind] if active else ""
         del x, xb
     return rows
 

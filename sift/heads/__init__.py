@@ -8,8 +8,8 @@ A HiFi fine-tune in four calls (see `score_heads`, `select_heads`, `trainable_in
     indices = sift.heads.trainable_indices(model, chosen)
     # SparseAdamW over those parameters, optimizer.set_indices(param, indices[name]) for each
 
-`singular_values` is the batched kernel behind information richness (Triton on CUDA, fp64
-Gram + eigvalsh on CPU).
+`singular_values` is the batched kernel behind information richness (Triton on CUDA, C++
+with 8 matrices per SIMD instruction on CPU, fp64 Gram + eigvalsh as the plain-torch path).
 """
 
 from sift.heads.capture import SUPPORTED_MODEL_TYPES, HeadLayout, attention_layout, capture_head_outputs

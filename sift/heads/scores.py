@@ -21,14 +21,16 @@ _META_KEYS = ("n_samples", "xi", "damping", "eps", "personalized", "model_type")
 def singular_values(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Batched singular values, descending.
 
-    CUDA runs a fused Triton kernel (fp64 Gram matrix + parallel Jacobi eigen-solve, one
-    program per matrix); CPU runs an fp64 Gram matrix + LAPACK `eigvalsh` split over threads.
-    Both match fp64 `torch.linalg.svdvals` (the reference) to ~1e-7 relative on every value
-    above 1e-3 * sigma_max.
+    Every fast path squares the matrix in fp64 and solves the Gram's eigenvalues. CUDA runs a
+    fused Triton kernel (Gram with `tl.dot`, Householder tridiagonalisation, Sturm bisection;
+    one program per matrix). CPU runs the C++ kernel (Gram, Householder, QL; 8 matrices per
+    SIMD instruction, groups over threads), or without the extension fp64 Gram + LAPACK
+    `eigvalsh` over threads. All match fp64 `torch.linalg.svdvals` (the reference) to ~1e-7
+    relative on every value above 1e-3 * sigma_max (fp32 output rounding).
 
     Args:
         x: [..., S, D] floating tensor (fp16, bf16, fp32, fp64).
-        backend: force "torch" (Gram + eigvalsh), "triton" or "cpp"; None picks the fastest
+        backend: force "torch" (Gram + eigvalsh), "cpp" or "triton"; None picks the fastest
             available (`SIFT_BACKEND` also forces one).
 
     Returns:
