@@ -15,6 +15,7 @@ SUITES=${SUITES:-"adamw heads memory"}   # delta is a CPU benchmark
 BENCH_ARGS=${BENCH_ARGS:-}               # e.g. --quick for a dry run of the plumbing
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-140}
+EXTRAS=${EXTRAS-"ceiling"}                # "ceiling": bench/gpu_sector_ceiling.py; "" skips it
 
 pack() {
   {
@@ -23,6 +24,7 @@ pack() {
     echo "## GPU tests"
     tail -12 "$WORK/gpu_tests.txt" 2>/dev/null
     for suite in $SUITES; do [ -f "$WORK/bench_$suite.txt" ] && { echo; cat "$WORK/bench_$suite.txt"; }; done
+    [ -f "$WORK/sector_ceiling.txt" ] && { echo; echo "## Random-sector ceilings"; cat "$WORK/sector_ceiling.txt"; }
   } >"$OUT/summary.md"
   tar czf "$OUT/gpu_results.tgz" -C "$WORK" .
 }
@@ -52,4 +54,10 @@ for suite in $SUITES; do
   echo "bench $suite: exit $? in $(( $(date +%s) - t0 )) s"
   pack
 done
+if [[ " $EXTRAS " == *" ceiling "* ]]; then
+  t0=$(date +%s)
+  timeout "$BENCH_TIMEOUT" python3 bench/gpu_sector_ceiling.py >"$WORK/sector_ceiling.txt" 2>&1
+  echo "sector ceiling: exit $? in $(( $(date +%s) - t0 )) s"
+  pack
+fi
 grep -E "^\| (SparseAdamW|AdamW|sift|torch|fp64|Sparse|dense)" "$OUT/summary.md" | cut -c1-160 | head -60

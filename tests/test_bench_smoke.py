@@ -4,10 +4,12 @@ results land on disk headed by the machine. Benchmarks measure; nothing here che
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
+from conftest import requires_triton
 from sift.bench import adamw, memory
 
 
@@ -99,3 +101,18 @@ def test_bench_cli_runs_a_quick_suite(tmp_path, monkeypatch, capsys):
     main(["heads", "--quick"])
     assert "### heads: batched singular values" in capsys.readouterr().out
     assert (tmp_path / "heads-cpu.json").exists()
+
+
+@requires_triton
+def test_gpu_sector_ceiling_script_runs_through_the_interpreter():
+    """The GPU experiment script must not be broken when a GPU session finally runs it."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_sector_ceiling.py")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, script, "--numel", "20000"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "%" in line.split("|")[1]]
+    assert len(rows) == 3 * 6  # 3 densities x (5 patterns + the real kernel)
