@@ -74,6 +74,44 @@ def _jit_build() -> None:
     )
 
 
+def _register_fake_kernels() -> None:
+    """Shape-only kernels of the C++ ops, so code that calls them traces under torch.compile
+    (FakeTensor mode). The ops themselves are defined by the extension."""
+
+    def singular_values(x, isa="auto"):
+        n = min(x.shape[1], x.shape[2])
+        return x.new_empty((x.shape[0], n), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+    def sparse_adamw_(*args, **kwargs):
+        return None
+
+    def sparse_delta_apply_(params, indices, values, scale, save_originals):
+        if not save_originals:
+            return []
+        return [p.new_empty(ix.shape) for p, ix in zip(params, indices)]
+
+    def sparse_delta_restore_(params, indices, originals):
+        return None
+
+    def merge_sorted_deltas(indices, values, weights, group_sizes, ties):
+        # The merged length depends on how many indices coincide: a data-dependent size.
+        ctx = torch.library.get_ctx()
+        out_idx, out_val, start = [], [], 0
+        for size in group_sizes:
+            n = ctx.new_dynamic_size()
+            out_idx.append(indices[start].new_empty((n,)))
+            out_val.append(values[start].new_empty((n,)))
+            start += size
+        return out_idx, out_val
+
+    fakes = {"singular_values": singular_values, "sparse_adamw_": sparse_adamw_,
+             "sparse_delta_apply_": sparse_delta_apply_, "sparse_delta_restore_": sparse_delta_restore_,
+             "merge_sorted_deltas": merge_sorted_deltas}
+    for name, fn in fakes.items():
+        if hasattr(torch.ops.sift, name):
+            torch.library.register_fake(f"sift::{name}", fn)
+
+
 def load_extension() -> bool:
     """Load the C++ ops once; returns whether `torch.ops.sift` has them.
 
@@ -94,12 +132,14 @@ def load_extension() -> bool:
                 from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
 
                 _state.update(ok=True, how="prebuilt sift._C")
+                _register_fake_kernels()
                 return True
             except ImportError as exc:
                 prebuilt_error = str(exc)
         try:
             _jit_build()
             _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
+            _register_fake_kernels()
         except Exception as exc:  # compiler missing, headers missing, ...
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {first_line}"
