@@ -111,7 +111,7 @@ def main() -> None:
     numel = args.numel or numel
     w = torch.zeros(numel, device=device)
     g = torch.randn(numel, device=device)
-    dense_params = [w.clone().requires_grad_(False)]
+    dense_params = [w.clone()]
     dense_params[0].grad = g
     fused = torch.optim.AdamW(dense_params, lr=1e-3, fused=device.type == "cuda")
     fused.step()

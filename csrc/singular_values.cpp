@@ -81,22 +81,10 @@ const char* isa_name(Isa isa) {
   }
 }
 
-// Register tile of the Gram (rows x cols of v8d accumulators) per instruction set: 16
+// Square register tile of the Gram (T x T v8d accumulators) per instruction set: 16
 // accumulators fit the 32 zmm registers; AVX2 splits each v8d into two ymm of 16 registers.
-template <Isa ISA>
-struct Tile;
-template <>
-struct Tile<Isa::avx512> {
-  static constexpr int I = 4, J = 4;
-};
-template <>
-struct Tile<Isa::avx2> {
-  static constexpr int I = 2, J = 2;
-};
-template <>
-struct Tile<Isa::generic> {
-  static constexpr int I = 2, J = 2;
-};
+// The Gram's padded size is a multiple of it.
+constexpr int tile_size(Isa isa) { return isa == Isa::avx512 ? 4 : 2; }
 
 template <typename T>
 inline double to_double(T v) {
@@ -129,53 +117,29 @@ struct Problem {
 
 // Entry points per instruction set. The SIMD code is always_inline and carries its
 // namespace's target, so it can only be inlined into functions compiled for that target:
-// these, one pair per ISA.
-#define SIFT_SV_ENTRIES(NS, ATTR)                                                                      \
-  template <int TI, int TJ>                                                                          \
-  ATTR void NS##_gram(const double* panel, double* gram, int64_t np, int64_t rows) {                 \
-    NS::gram_accumulate<TI, TJ>(reinterpret_cast<const NS::v8d*>(panel), reinterpret_cast<NS::v8d*>(gram), np, \
-                                rows);                                                               \
-  }                                                                                                  \
-  ATTR void NS##_eigenvalues(double* gram, int64_t np, int64_t n, double* vecs, bool* ok) {          \
+// these, one struct per ISA, looked up by `Kernels<ISA>`.
+template <Isa ISA>
+struct Kernels;
+#define SIFT_SV_KERNELS(ISA, NS, ATTR)                                                                 \
+  template <>                                                                                        \
+  struct Kernels<ISA> {                                                                              \
     using V = NS::v8d;                                                                               \
-    V* vv = reinterpret_cast<V*>(vecs);                                                              \
-    NS::gram_eigenvalues(reinterpret_cast<V*>(gram), np, n, vv, vv + np, vv + 2 * np, vv + 3 * np, ok); \
-  }
+    ATTR static void gram(const double* panel, double* gram, int64_t np, int64_t rows) {             \
+      constexpr int T = tile_size(ISA);                                                              \
+      NS::gram_accumulate<T, T>(reinterpret_cast<const V*>(panel), reinterpret_cast<V*>(gram), np, rows); \
+    }                                                                                                \
+    ATTR static void eigenvalues(double* gram, int64_t np, int64_t n, double* vecs, bool* ok) {      \
+      V* vv = reinterpret_cast<V*>(vecs);                                                            \
+      NS::gram_eigenvalues(reinterpret_cast<V*>(gram), np, n, vv, vv + np, vv + 2 * np, vv + 3 * np, ok); \
+    }                                                                                                \
+  };
 #ifdef SIFT_SV_X86
-SIFT_SV_ENTRIES(sv_avx512, __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma"))))
-SIFT_SV_ENTRIES(sv_avx2, __attribute__((target("avx2,fma"))))
+SIFT_SV_KERNELS(Isa::avx512, sv_avx512, __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma"))))
+SIFT_SV_KERNELS(Isa::avx2, sv_avx2, __attribute__((target("avx2,fma"))))
 #endif
-SIFT_SV_ENTRIES(sv_generic, )
-#undef SIFT_SV_ENTRIES
+SIFT_SV_KERNELS(Isa::generic, sv_generic, )
+#undef SIFT_SV_KERNELS
 
-template <Isa ISA>
-void gram_pass(const double* panel, double* gram, int64_t np, int64_t rows) {
-  constexpr int TI = Tile<ISA>::I, TJ = Tile<ISA>::J;
-#ifdef SIFT_SV_X86
-  if constexpr (ISA == Isa::avx512) {
-    sv_avx512_gram<TI, TJ>(panel, gram, np, rows);
-    return;
-  } else if constexpr (ISA == Isa::avx2) {
-    sv_avx2_gram<TI, TJ>(panel, gram, np, rows);
-    return;
-  }
-#endif
-  sv_generic_gram<TI, TJ>(panel, gram, np, rows);
-}
-
-template <Isa ISA>
-void eigenvalues(double* gram, int64_t np, int64_t n, double* vecs, bool* ok) {
-#ifdef SIFT_SV_X86
-  if constexpr (ISA == Isa::avx512) {
-    sv_avx512_eigenvalues(gram, np, n, vecs, ok);
-    return;
-  } else if constexpr (ISA == Isa::avx2) {
-    sv_avx2_eigenvalues(gram, np, n, vecs, ok);
-    return;
-  }
-#endif
-  sv_generic_eigenvalues(gram, np, n, vecs, ok);
-}
 
 // Gram of the group of matrices [g0, g0 + LANES) into ws.gram; missing lanes are zero.
 template <Isa ISA, typename T>
@@ -197,7 +161,7 @@ void group_gram(const T* x, const Problem& pb, int64_t g0, Workspace& ws) {
       }
       std::fill(row + n * LANES, row + np * LANES, 0.0);
     }
-    gram_pass<ISA>(ws.panel, ws.gram, np, rows);
+    Kernels<ISA>::gram(ws.panel, ws.gram, np, rows);
   }
 }
 
@@ -209,7 +173,7 @@ void solve_groups(const T* x, const Problem& pb, Out* out, int64_t group_begin, 
   for (int64_t g = group_begin; g < group_end; ++g) {
     const int64_t g0 = g * LANES;
     group_gram<ISA, T>(x, pb, g0, ws);
-    eigenvalues<ISA>(ws.gram, pb.np, pb.n, ws.vecs, ok);
+    Kernels<ISA>::eigenvalues(ws.gram, pb.np, pb.n, ws.vecs, ok);
     const double* d = ws.vecs + 2 * pb.np * LANES;
     const int lanes = static_cast<int>(std::min<int64_t>(LANES, pb.batch - g0));
     for (int q = 0; q < lanes; ++q) {
@@ -230,12 +194,14 @@ void run(const T* x, const Problem& pb, Out* out, Isa isa) {
   const int64_t groups = (pb.batch + LANES - 1) / LANES;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     switch (isa) {
+#ifdef SIFT_SV_X86  // elsewhere detect_isa() only ever answers generic
       case Isa::avx512:
         solve_groups<Isa::avx512, T, Out>(x, pb, out, begin, end);
         break;
       case Isa::avx2:
         solve_groups<Isa::avx2, T, Out>(x, pb, out, begin, end);
         break;
+#endif
       default:
         solve_groups<Isa::generic, T, Out>(x, pb, out, begin, end);
     }
@@ -273,7 +239,7 @@ at::Tensor singular_values_cpu(const at::Tensor& x, c10::string_view isa_request
   at::Tensor out = at::empty({batch, n}, x.options().dtype(out_dtype));
   if (batch == 0 || n == 0) return out;
   const Isa isa = isa_from_request(std::string(isa_request));
-  const int64_t tile = isa == Isa::avx512 ? Tile<Isa::avx512>::I : Tile<Isa::avx2>::I;
+  const int64_t tile = tile_size(isa);
   Problem pb{batch,
              n,
              tall ? s : dd,

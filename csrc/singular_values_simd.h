@@ -107,7 +107,7 @@ SIFT_SV_INLINE void tridiagonalize(v8d* __restrict a, int64_t np, int64_t n, v8d
 SIFT_SV_INLINE void tridiagonal_eigenvalues(v8d* __restrict d, v8d* __restrict e, int64_t n, bool* ok) {
   const double eps = 2.220446049250313e-16;
   double tol_abs[LANES];
-  int64_t l[LANES], m[LANES], iters[LANES];
+  int64_t l[LANES], iters[LANES];
   for (int q = 0; q < LANES; ++q) {
     double norm = 0;
     for (int64_t i = 0; i < n; ++i)
@@ -143,7 +143,6 @@ SIFT_SV_INLINE void tridiagonal_eigenvalues(v8d* __restrict d, v8d* __restrict e
         mv[q] = -1;  // never active
         continue;
       }
-      m[q] = mq;
       // shift from the leading 2x2 of the block
       double g = (d[lq + 1][q] - d[lq][q]) / (2.0 * e[lq][q]);
       double r = std::hypot(g, 1.0);
@@ -178,7 +177,7 @@ SIFT_SV_INLINE void tridiagonal_eigenvalues(v8d* __restrict d, v8d* __restrict e
       if (mv[q] < 0) continue;
       d[l[q]][q] -= p[q];
       e[l[q]][q] = g[q];
-      e[m[q]][q] = 0.0;
+      e[static_cast<int64_t>(mv[q])][q] = 0.0;
     }
   }
 }

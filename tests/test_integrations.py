@@ -34,6 +34,16 @@ def _single_process(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _train_on_shard(net, opt, rank: int, world: int, steps: int) -> None:
+    """Each rank trains on its contiguous slice of the same 8-sample batches."""
+    for step in range(steps):
+        x, y = _data(step)
+        shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
+        opt.step()
+
+
 def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -46,12 +56,7 @@ def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: s
             net = model
             opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5, compact_grads=True,
                               process_group=dist.group.WORLD)
-        for step in range(steps):
-            x, y = _data(step)
-            shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
-            opt.step()
+        _train_on_shard(net, opt, rank, world, steps)
         if rank == 0:
             torch.save([p.detach().clone() for p in model.parameters()], out)
     finally:
@@ -78,12 +83,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, steps: int, out: str) ->
         model = _model()
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
         opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
-        for step in range(steps):
-            x, y = _data(step)
-            shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
-            opt.step()
+        _train_on_shard(model, opt, rank, world, steps)
         local = [(p.to_local().detach().clone(), opt.state[p]["indices"].clone()) for p in model.parameters()]
         torch.save(local, f"{out}.{rank}")
     finally:

@@ -80,11 +80,6 @@ def _accuracy(fn, x: torch.Tensor) -> float:
     return float(((got - ref).abs() / ref.clamp_min(1e-300))[big].max())
 
 
-def _gram_eigvalsh(x: torch.Tensor) -> torch.Tensor:
-    xd = x.double()
-    return torch.linalg.eigvalsh(xd.mT @ xd if x.shape[-2] >= x.shape[-1] else xd @ xd.mT).clamp_min(0).sqrt().flip(-1)
-
-
 def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object]]:
     """Time the three routes on each `(n, S, D)` of `shapes`; one row per route."""
     kind = "cuda" if device.type == "cuda" else "cpu"
@@ -102,7 +97,7 @@ def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object
                            lambda t: singular_values(t, backend="torch"), cpu_kwargs))
         routes += [
             ("torch.linalg.svdvals", "torch", xb, torch.linalg.svdvals, cpu_kwargs),
-            ("fp64 Gram + eigvalsh", "torch", xb, _gram_eigvalsh, cpu_kwargs),
+            ("fp64 Gram + eigvalsh", "torch", xb, _ops._gram_eigvalsh, cpu_kwargs),
         ]
         timed = {}
         for method, route_backend, inp, fn, kwargs in routes:
