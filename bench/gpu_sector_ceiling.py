@@ -1,6 +1,6 @@
 """How fast can any sparse AdamW step be on this GPU? Random-sector ceilings.
 
-    python bench/gpu_sector_ceiling.py [--quick]
+    python bench/gpu_sector_ceiling.py [--quick] [--l2-fetch default,32,64,128]
 
 The SparseAdamW step touches, per selected entry, the gradient and the weight at a random
 position (sorted indices, but far apart at low density) and its own compact state
@@ -17,7 +17,10 @@ benchmark's 8 x 8192x16384) at 0.1%, 1% and 5%:
     SparseAdamW       the real fused kernel (sift.triton_kernels.sparse_adamw_) on the same
                       indices, compact fp32 state
 
-next to torch's fused AdamW over the dense 1.07B elements. "x vs fused" of a pattern is the
+next to torch's fused AdamW over the dense 1.07B elements. Each is timed under several bounds
+on the L2 fetch granularity (`--l2-fetch`, default: the driver's, 32, 64, 128 bytes; see
+`sift/_l2.py`): if a miss fetches 64 bytes where a gather needs 32, a sparse step moves up to
+twice the bytes the sector model counts, and a 32-byte bound would show it. "x vs fused" of a pattern is the
 best speed-up over fused AdamW that a step with that traffic could reach; if SparseAdamW is
 close to "g + rmw w", the kernel is at the memory system's limit for this state layout, and
 only a layout that removes random traffic can go faster. "sector GB/s" counts every distinct
@@ -30,6 +33,7 @@ its times mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -41,6 +45,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from sift._l2 import get_l2_fetch_granularity, l2_fetch_granularity  # noqa: E402
 from sift.bench._harness import header_lines  # noqa: E402
 from sift.triton_kernels.sparse_adamw import sparse_adamw_  # noqa: E402
 
@@ -101,26 +106,47 @@ def random_sorted_indices(numel: int, density: float, device: torch.device, seed
     return torch.cat(parts)
 
 
+def _granularity(nbytes: int | None, device: torch.device):
+    """`l2_fetch_granularity` on CUDA; on CPU a no-op block that reports nothing."""
+    if device.type == "cuda":
+        return l2_fetch_granularity(nbytes, device)
+    return contextlib.nullcontext(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--numel", type=int, default=None, help="elements of the flat weight")
+    parser.add_argument("--l2-fetch", default="default,32,64,128",
+                        help="L2 fetch-granularity bounds to try, comma-separated bytes or 'default'")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     numel = (1 << 20) if args.quick or device.type != "cuda" else 8 * 8192 * 16384
     numel = args.numel or numel
+    requested = [None if x.strip() == "default" else int(x) for x in args.l2_fetch.split(",")]
+    default = get_l2_fetch_granularity(device) if device.type == "cuda" else None
+    # On CPU there is no such setting: one pass. On CUDA, skip a bound equal to the default.
+    settings = [None] if device.type != "cuda" else [
+        g for i, g in enumerate(requested) if (g is None or g != default) and g not in requested[:i]]
     w = torch.zeros(numel, device=device)
     g = torch.randn(numel, device=device)
     dense_params = [w.clone()]
     dense_params[0].grad = g
     fused = torch.optim.AdamW(dense_params, lr=1e-3, fused=device.type == "cuda")
     fused.step()
-    fused_ms = _bench(fused.step, device)
+    fused_ms = {}
+    for setting in settings:
+        with _granularity(setting, device) as actual:
+            fused_ms[setting] = (_bench(fused.step, device), actual)
     del dense_params, fused
     print("\n".join(header_lines()))
-    print(f"\nfp32 weight and gradient of {numel:,} elements; fused AdamW step: {fused_ms:.3f} ms\n")
-    print("| density | pattern | ms | sector GB/s | % of 4.8 TB/s | x vs fused |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nfp32 weight and gradient of {numel:,} elements; L2 fetch granularity bound by default: "
+          f"{f'{default} B' if default is not None else 'n/a'}")
+    print("fused AdamW step: " + ", ".join(
+        f"{ms:.3f} ms at L2 fetch {_label(s, a)}" for s, (ms, a) in fused_ms.items()) + "\n")
+    print("| density | L2 fetch | pattern | ms | sector GB/s | % of 4.8 TB/s | x vs fused (default L2 fetch) |")
+    print("|---|---|---|---|---|---|---|")
+    base_fused = fused_ms[None][0] if None in fused_ms else next(iter(fused_ms.values()))[0]
     for density in (0.001, 0.01, 0.05):
         idx = random_sorted_indices(numel, density, device)
         k = idx.numel()
@@ -128,15 +154,6 @@ def main() -> None:
         v = torch.randn(k, device=device)
         out = torch.empty(k, device=device)
         grid = (triton.cdiv(k, BLOCK),)
-        rows = []
-        for name, (read_g, read_w, write_w, n_reads, n_writes) in PATTERNS.items():
-            def run(read_g=read_g, read_w=read_w, write_w=write_w):
-                _pattern_kernel[grid](w, g, v, out, idx, k, READ_G=read_g, READ_W=read_w, WRITE_W=write_w,
-                                      BLOCK=BLOCK, num_warps=8)
-
-            # contiguous bytes: the index, plus v or out
-            contiguous = k * 4 + k * 4
-            rows.append((name, _bench(run, device), sectors * 32 * (n_reads + n_writes) + contiguous))
         # The real kernel: compact fp32 state, dense gradient, fp32 weight (no base).
         m, s2, d = (torch.zeros(k, device=device) for _ in range(3))
         step = torch.ones((), device=device)
@@ -146,13 +163,32 @@ def main() -> None:
                           eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
 
         sparse_step()
-        # random: g read, w read + write; contiguous: idx 4 + m, v, delta read+write 24
-        rows.append(("SparseAdamW", _bench(sparse_step, device), sectors * 32 * 3 + k * 28))
-        for name, ms, nbytes in rows:
-            gbs = nbytes / ms / 1e6
-            print(f"| {density:.1%} | {name} | {ms:.4f} | {gbs:.0f} | {100 * gbs / (HBM_TB_S * 1e3):.0f}% | "
-                  f"{fused_ms / ms:.1f}x |")
+        for setting in settings:
+            rows = []
+            with _granularity(setting, device) as actual:
+                for name, (read_g, read_w, write_w, n_reads, n_writes) in PATTERNS.items():
+                    def run(read_g=read_g, read_w=read_w, write_w=write_w):
+                        _pattern_kernel[grid](w, g, v, out, idx, k, READ_G=read_g, READ_W=read_w,
+                                              WRITE_W=write_w, BLOCK=BLOCK, num_warps=8)
+
+                    # contiguous bytes: the index, plus v or out
+                    contiguous = k * 4 + k * 4
+                    rows.append((name, _bench(run, device), sectors * 32 * (n_reads + n_writes) + contiguous))
+                # random: g read, w read + write; contiguous: idx 4 + m, v, delta read+write 24
+                rows.append(("SparseAdamW", _bench(sparse_step, device), sectors * 32 * 3 + k * 28))
+            for name, ms, nbytes in rows:
+                gbs = nbytes / ms / 1e6
+                print(f"| {density:.1%} | {_label(setting, actual)} | {name} | {ms:.4f} | {gbs:.0f} | "
+                      f"{100 * gbs / (HBM_TB_S * 1e3):.0f}% | {base_fused / ms:.1f}x |", flush=True)
         del idx, v, out, m, s2, d
+
+
+def _label(setting: int | None, actual: int | None) -> str:
+    if actual is None:
+        return "n/a"
+    if setting is None:
+        return f"default ({actual} B)"
+    return f"{setting} B" if setting == actual else f"{setting} B (driver: {actual} B)"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ One run puts side by side, on the same parameters and fixed gradients:
     torch.optim.AdamW(fused=True)      dense, the one to beat
     sift.SparseAdamW, each backend     at densities 0.1%, 1%, 5% (cpp + torch on CPU,
                                        triton + torch on CUDA, triton also under a CUDA graph)
+    on CUDA, the fused and triton rows again with the L2 fetch granularity bounded to 32 B
 
 Only `optimizer.step()` is timed: the first step (state allocation, and for SparseAdamW the
 top-|grad| selection) runs before timing, and a random gradient is assigned once.
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sift import _ops
+from sift._l2 import l2_fetch_granularity
 from sift.bench._harness import markdown_table, save_results, time_cpu, time_gpu
 from sift.optim import SparseAdamW
 
@@ -43,6 +45,9 @@ H200_PEAK_GBPS = 4800.0
 TARGET_PEAK_FRACTION = 0.70
 # The granule a gather or scatter moves: an L2/DRAM sector on NVIDIA GPUs, a cache line on x86.
 TRANSACTION_BYTES = {"cpu": 64, "cuda": 32}
+# On CUDA the triton rows are also timed with the L2 fetch granularity bounded to one sector
+# (sift/_l2.py): a miss that fetches 64 B where a gather needs 32 B moves bytes nobody reads.
+L2_FETCH_BYTES = 32
 
 COLUMNS = (
     "optimizer", "backend", "dtype", "density", "median ms", "p20 ms", "p80 ms", "x vs fused", "x vs foreach",
@@ -217,6 +222,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         info["huge_page_bytes"] = huge_page_bytes()
         info["param_and_grad_bytes"] = 2 * sum(p.numel() * p.element_size() for p in params)
     rows: list[dict[str, object]] = []
+    extra_dense: list[dict[str, object]] = []
     dense_ms: dict[str, float] = {}
     for flavour in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **{flavour: True})
@@ -229,12 +235,22 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         rows.append(_row(f"AdamW({flavour})", "torch", dtype_name, "100%", timing, state,
                          dense_step_bytes(params), peak_gbps))
         dense_ms[flavour] = timing["median_ms"]
+        if kind == "cuda" and flavour == "fused":
+            # Does a 32-byte L2 fetch bound (which may help the sparse gathers) cost a streaming step?
+            with l2_fetch_granularity(L2_FETCH_BYTES, device):
+                timing = _timer(device)(opt.step)
+            row = _row(f"AdamW({flavour})", f"torch, L2 fetch {L2_FETCH_BYTES} B", dtype_name, "100%", timing,
+                       state, dense_step_bytes(params), peak_gbps)
+            row["x vs fused"] = dense_ms["fused"] / timing["median_ms"]
+            row["x vs foreach"] = dense_ms["foreach"] / timing["median_ms"]
+            extra_dense.append(row)
         del opt
         _free(device)
     rows[0]["x vs fused"] = dense_ms["fused"] / dense_ms["foreach"]
     rows[0]["x vs foreach"] = 1.0
     rows[1]["x vs fused"] = 1.0
     rows[1]["x vs foreach"] = dense_ms["foreach"] / dense_ms["fused"]
+    rows += extra_dense
     for density in densities:
         selected: list[torch.Tensor] | None = None
         for backend in _sparse_backends(device):
@@ -248,15 +264,22 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                 opt.step()
             _sync(device)
             model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind])
-            variants: list[tuple[str, Callable[[], object]]] = [(backend, opt.step)]
+            # (name, step, L2 fetch bound or None for the driver's default)
+            variants: list[tuple[str, Callable[[], object], int | None]] = [(backend, opt.step, None)]
             if graphs and backend == "triton":
                 try:
-                    variants.append(("triton+graph", _graphed(opt.step, device)))
+                    variants.append(("triton+graph", _graphed(opt.step, device), None))
                 except Exception as exc:  # the benchmark reports a failed capture instead of dying
                     rows.append({"optimizer": "SparseAdamW", "backend": f"triton+graph: {type(exc).__name__}",
                                  "dtype": dtype_name, "density": f"{100 * density:g}%"})
-            for name, fn in variants:
-                timing = _timer(device, repeat=repeat_sparse)(fn)
+            if kind == "cuda" and backend == "triton":
+                variants += [(f"{name}, L2 fetch {L2_FETCH_BYTES} B", fn, L2_FETCH_BYTES) for name, fn, _ in variants]
+            for name, fn, fetch in variants:
+                if fetch is None:
+                    timing = _timer(device, repeat=repeat_sparse)(fn)
+                else:
+                    with l2_fetch_granularity(fetch, device):
+                        timing = _timer(device, repeat=repeat_sparse)(fn)
                 row = _row("SparseAdamW", name, dtype_name, density, timing, opt.state_bytes(), model_bytes,
                            peak_gbps)
                 row["x vs fused"] = dense_ms["fused"] / timing["median_ms"]
