@@ -6,10 +6,10 @@ For tensor i with k_i chosen entries at sorted flat positions `idx_i` (the contr
     g = grad_i[idx_i]                (dense grad)  or  compact_grad_i   ([k_i] fp32)
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g^2
-    w = param_i[idx_i]               (fp32 params) or  base_i + delta_i (bf16/fp16 params)
+    w = param_i[idx_i]               (fp32, no base) or  base_i + delta_i (with a base: bf16/fp16)
     upd = -lr * wd * w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     delta_i += upd
-    param_i[idx_i] = w + upd         (fp32)        or  round(base_i + delta_i)
+    param_i[idx_i] = w + upd         (no base)     or  round(base_i + delta_i)
 
 Multi-tensor layout. A segment table `table[n_tensors, 9]` (int64) holds per tensor:
 `k_i` and the addresses of param, grad, indices, exp_avg, exp_avg_sq, delta, base (0 if none)
@@ -189,7 +189,9 @@ def sparse_adamw_(
         grads: dense grads (param shape and dtype) or, with `compact_grads`, [k_i] fp32.
         indices: [k_i] sorted flat positions, all int32 or all int64.
         exp_avgs, exp_avg_sqs, deltas: [k_i] fp32, updated in place.
-        bases: empty for fp32 params, else [k_i] in the param dtype.
+        bases: [k_i] in the param dtype, required for bf16/fp16 params; for fp32 params either
+            empty (the weight is read at its indices) or given (the weight is rebuilt as
+            base + delta and only written: no random read of the weight).
         steps: 0-d fp32 device tensors, already incremented for this step.
         lr: float, or a 0-d device tensor read inside the kernel.
         beta1, beta2, eps, weight_decay, maximize: AdamW hyper-parameters.
@@ -214,8 +216,8 @@ def sparse_adamw_(
     if w_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params must be float32, bfloat16 or float16, got {w_dtype}")
     has_base = bool(bases)
-    if has_base != (w_dtype != torch.float32):
-        raise ValueError("bases must be given exactly for bf16/fp16 params")
+    if not has_base and w_dtype != torch.float32:
+        raise ValueError("bases are required for bf16/fp16 params")
     sizes = tuple(int(t.numel()) for t in indices)
     columns = [
         (
