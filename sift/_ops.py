@@ -292,6 +292,10 @@ def merge_sorted_deltas_ref(
     ties: bool,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Plain-torch reference of the grouped k-way merge (sort-based; any device)."""
+    if len(values) != len(indices) or len(weights) != len(indices):
+        raise ValueError("values and weights must have one entry per indices tensor")
+    if any(g < 1 for g in group_sizes) or sum(group_sizes) != len(indices):
+        raise ValueError("group_sizes must be >= 1 and add up to the number of indices tensors")
     out_idx, out_val = [], []
     start = 0
     for size in group_sizes:
@@ -317,6 +321,15 @@ def merge_sorted_deltas_ref(
     return out_idx, out_val
 
 
+def _check_delta_lists(params: list[torch.Tensor], indices: list[torch.Tensor], vals: list[torch.Tensor],
+                       what: str) -> None:
+    # zip() would silently skip the params past the shorter list.
+    if len(indices) != len(params):
+        raise ValueError(f"indices must have one tensor per param (got {len(indices)} for {len(params)})")
+    if len(vals) != len(params):
+        raise ValueError(f"{what} must have one tensor per param (got {len(vals)} for {len(params)})")
+
+
 def sparse_delta_apply_ref(
     params: list[torch.Tensor],
     indices: list[torch.Tensor],
@@ -325,6 +338,7 @@ def sparse_delta_apply_ref(
     save_originals: bool,
 ) -> list[torch.Tensor]:
     """Plain-torch reference of the scatter-add apply with the fused gather of originals."""
+    _check_delta_lists(params, indices, values, "values")
     saved = []
     for p, idx, val in zip(params, indices, values):
         flat = p.view(-1)
@@ -339,6 +353,7 @@ def sparse_delta_apply_ref(
 def sparse_delta_restore_ref(params: list[torch.Tensor], indices: list[torch.Tensor],
                              originals: list[torch.Tensor]) -> None:
     """Plain-torch reference of the restore: writes the saved originals back."""
+    _check_delta_lists(params, indices, originals, "originals")
     for p, idx, old in zip(params, indices, originals):
         p.view(-1)[idx.long()] = old
 

@@ -196,6 +196,10 @@ class DeltaEntry:
     indices: torch.Tensor
     values: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # A list or torch.Size shape must compare equal to the model's `tuple(p.shape)`.
+        self.shape = tuple(int(s) for s in self.shape)
+
     @property
     def numel(self) -> int:
         """Elements of the weight (not of the delta)."""
@@ -333,7 +337,8 @@ class SparseDelta:
 
         Returns:
             The delta, fingerprinted with the base values it can know: untouched entries of
-            `model`, the `base` state of bf16/fp16 weights, and `base` if given.
+            `model`'s parameters (not its buffers), the `base` state of bf16/fp16 weights, and
+            `base` if given.
 
         Example:
             >>> from sift import SparseAdamW
@@ -390,6 +395,11 @@ class SparseDelta:
             fingerprint = BaseFingerprint.of(base_state)
         else:
             fingerprint = BaseFingerprint.of(state)
+            # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
+            # so the trained model does not know their base values.
+            param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            for name in [n for n in fingerprint.samples if n not in param_names]:
+                del fingerprint.samples[name]
             for name, positions in unknown.items():
                 if positions is None:
                     fingerprint.samples.pop(name, None)
@@ -455,7 +465,8 @@ class SparseDelta:
             seen.add(key)
             diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
             if density is not None:
-                k = min(math.ceil(density * diff.numel()), int(diff.count_nonzero()))
+                # round() first: 0.07 * 100 is 7.000000000000001 in binary floating point.
+                k = min(math.ceil(round(density * diff.numel(), 6)), int(diff.count_nonzero()))
                 idx = torch.topk(diff.abs(), k, sorted=False).indices if k else diff.new_empty(0, dtype=torch.long)
                 idx = idx.sort().values
             else:
@@ -493,10 +504,16 @@ class SparseDelta:
         problems = self.problems()
         if problems:
             raise DeltaError("refusing to save an invalid delta", problems)
-        tensors, meta_entries = {}, {}
+        tensors, meta_entries, storages = {}, {}, set()
         for name, e in self.entries.items():
-            tensors[f"{name}.indices"] = e.indices.to(_index_dtype(e.numel)).contiguous()
-            tensors[f"{name}.values"] = e.values.contiguous()
+            for key, t in ((f"{name}.indices", e.indices.to(_index_dtype(e.numel))), (f"{name}.values", e.values)):
+                t = t.detach().cpu().contiguous()
+                # safetensors refuses tensors that share memory (slices of one user tensor).
+                ptr = t.untyped_storage().data_ptr()
+                if t.numel() and ptr in storages:
+                    t = t.clone()
+                storages.add(t.untyped_storage().data_ptr())
+                tensors[key] = t
             meta_entries[name] = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype)}
         metadata = {
             "format": FORMAT,
@@ -530,6 +547,7 @@ class SparseDelta:
             The delta (tensors on the CPU).
 
         Raises:
+            FileNotFoundError: nothing exists at `path`.
             DeltaError: the file is unreadable, truncated, corrupted (checksum), of another
                 format or a newer version, or holds an invalid delta; every problem listed.
 
@@ -543,6 +561,8 @@ class SparseDelta:
         from safetensors import safe_open
 
         path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no sparse delta file at {path!r}")
         what = f"cannot load sparse delta {path!r}"
         try:
             with safe_open(path, framework="pt") as f:
@@ -564,12 +584,19 @@ class SparseDelta:
         try:
             meta_entries = json.loads(metadata["entries"])
             base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
-        except (KeyError, ValueError, TypeError) as exc:
+            if not isinstance(meta_entries, dict):
+                raise TypeError(f"entries is a {type(meta_entries).__name__}, not a mapping")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
         entries, expected = {}, set()
         for name, info in meta_entries.items():
             keys = (f"{name}.indices", f"{name}.values")
             expected.update(keys)
+            # The checksum covers the tensors only: the metadata is checked field by field.
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+                problems.append(f"{name}: unreadable metadata: shape {shape!r} is not a list of sizes")
+                continue
             dtype = _DTYPE_NAMES.get(info.get("dtype"))
             if dtype is None:
                 problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
@@ -578,8 +605,7 @@ class SparseDelta:
             if missing:
                 problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
                 continue
-            entries[name] = DeltaEntry(tuple(int(s) for s in info["shape"]), dtype, tensors[keys[0]],
-                                       tensors[keys[1]])
+            entries[name] = DeltaEntry(tuple(shape), dtype, tensors[keys[0]], tensors[keys[1]])
         extra = sorted(set(tensors) - expected)
         if extra:
             problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
@@ -641,8 +667,9 @@ class SparseDelta:
             raise DeltaError("cannot apply the sparse delta; the model is unchanged", problems)
         names = [n for n, e in self.entries.items() if e.nnz]
         params = [state[n].detach() for n in names]
-        indices = [self.entries[n].indices.to(p.device) for n, p in zip(names, params)]
-        values = [self.entries[n].values.to(p.device) for n, p in zip(names, params)]
+        # The kernels read flat buffers; a user-built entry may hold strided views.
+        indices = [self.entries[n].indices.to(p.device).contiguous() for n, p in zip(names, params)]
+        values = [self.entries[n].values.to(p.device).contiguous() for n, p in zip(names, params)]
         originals: list[torch.Tensor] = [None] * len(names)  # type: ignore[list-item]
         with torch.no_grad():
             for device, members in _by_device(params).items():

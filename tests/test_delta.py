@@ -582,6 +582,123 @@ def test_interrupted_save_leaves_the_old_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["d.safetensors"]
 
 
+# ----------------------------------------------------------------- regressions found in review
+
+
+def test_entry_shape_given_as_list_matches_the_model():
+    """A DeltaEntry built with a list shape was refused as 'shape mismatch: delta [7, 19], model (7, 19)'."""
+    model = _model()
+    before = _snapshot(model)
+    entry = DeltaEntry([7, 19], torch.float32, torch.tensor([0, 5], dtype=torch.int32), torch.ones(2))
+    assert entry.shape == (7, 19)
+    SparseDelta({"2.weight": entry}).apply_(model)
+    assert model[2].weight.view(-1)[[0, 5]].tolist() == (before["2.weight"].view(-1)[[0, 5]] + 1).tolist()
+
+
+def test_apply_accepts_strided_user_tensors():
+    """Strided indices/values passed validation, then the C++ op raised 'values must be contiguous'."""
+    model = _model()
+    before = _snapshot(model)
+    indices = torch.arange(0, 40, dtype=torch.int32)[::4]
+    values = torch.arange(20, dtype=torch.float32)[::2]
+    assert not indices.is_contiguous() and not values.is_contiguous()
+    delta = SparseDelta({"2.weight": DeltaEntry((7, 19), torch.float32, indices, values)})
+    delta.apply_(model)
+    expected = before["2.weight"].clone()
+    expected.view(-1)[indices.long()] += values
+    assert torch.equal(model[2].weight, expected)
+    delta.remove_(model)
+    _assert_bit_identical(model, before)
+
+
+def test_save_entries_sharing_memory(tmp_path):
+    """One index tensor reused by two entries made safetensors refuse the save ('Some tensors share memory')."""
+    indices = torch.tensor([1, 4, 6], dtype=torch.int32)
+    values = torch.randn(3)
+    delta = SparseDelta({"0.bias": DeltaEntry((19,), torch.float32, indices, values),
+                         "2.bias": DeltaEntry((7,), torch.float32, indices, -values)})
+    delta.save(tmp_path / "d.safetensors")
+    loaded = SparseDelta.load(tmp_path / "d.safetensors")
+    for name in delta:
+        assert torch.equal(loaded[name].indices, delta[name].indices)
+        assert torch.equal(loaded[name].values, delta[name].values)
+
+
+def test_load_missing_file_raises_file_not_found(tmp_path):
+    """A missing path was reported as a DeltaError 'truncated or corrupted?' file."""
+    with pytest.raises(FileNotFoundError, match="no sparse delta file"):
+        SparseDelta.load(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("entries", [
+    pytest.param(lambda e: {n: {"dtype": "float32"} for n in e}, id="no-shape"),
+    pytest.param(lambda e: {n: {"dtype": "float32", "shape": "7x19"} for n in e}, id="shape-string"),
+    pytest.param(lambda e: {n: 3 for n in e}, id="entry-not-a-dict"),
+    pytest.param(lambda e: list(e), id="entries-a-list"),
+])
+def test_malformed_metadata_raises_delta_error(tmp_path, entries):
+    """Malformed metadata entries escaped load() as KeyError/AttributeError/ValueError, not DeltaError."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    _, path = _saved_delta(tmp_path, _model())
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    meta["entries"] = json.dumps(entries(json.loads(meta["entries"])))
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(DeltaError, match="unreadable metadata"):
+        SparseDelta.load(path)
+
+
+def test_from_diff_density_count_is_exact_under_float_rounding():
+    """density=0.07 of 100 entries kept 8: ceil(0.07 * 100) is ceil(7.000000000000001) in floats."""
+    delta = SparseDelta.from_diff({"w": torch.zeros(100)}, {"w": torch.arange(1.0, 101.0)}, density=0.07)
+    assert delta["w"].indices.tolist() == list(range(93, 100))
+
+
+def test_from_optimizer_ignores_buffers_changed_by_training():
+    """BatchNorm running stats changed in training went into the fingerprint, so the base was refused."""
+    torch.manual_seed(0)
+    original = torch.nn.Sequential(torch.nn.Linear(23, 19), torch.nn.BatchNorm1d(19), torch.nn.Linear(19, 7))
+    model = copy.deepcopy(original)
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2)
+    _train(model, opt, steps=3)
+    assert not torch.equal(model[1].running_mean, original[1].running_mean)
+    delta = SparseDelta.from_optimizer(opt, model)
+    target = copy.deepcopy(original)
+    delta.apply_(target)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(target.get_parameter(name), p, rtol=1e-6, atol=1e-7, msg=name)
+
+
+APPLY_BACKENDS = [pytest.param("torch", id="torch"),
+                  pytest.param("cpp", id="cpp", marks=requires_cpp),
+                  pytest.param("triton", id="triton", marks=requires_triton)]
+
+
+@pytest.mark.parametrize("backend", APPLY_BACKENDS)
+def test_apply_and_restore_refuse_lists_of_different_lengths(backend):
+    """The torch and Triton apply/restore zip()ped their lists, silently skipping params past the shortest."""
+    params = [torch.zeros(5), torch.zeros(3)]
+    indices = [torch.tensor([1], dtype=torch.int32)]
+    values = [torch.ones(1), torch.ones(1)]
+    with pytest.raises((ValueError, RuntimeError), match="indices must have one tensor per param"):
+        _ops.call("sparse_delta_apply_", params, indices, values, 1.0, True, backend=backend)
+    with pytest.raises((ValueError, RuntimeError), match="originals must have one tensor per param"):
+        _ops.call("sparse_delta_restore_", params, indices + [indices[0]], [torch.zeros(1)], backend=backend)
+    assert all(not p.any() for p in params)
+
+
+def test_merge_reference_refuses_inconsistent_group_sizes():
+    """The torch merge ignored inputs past sum(group_sizes) instead of refusing them."""
+    idx = [torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32)]
+    with pytest.raises(ValueError, match="group_sizes must be >= 1 and add up"):
+        _ops.merge_sorted_deltas_ref(idx, [torch.ones(2), torch.ones(2)], [1.0, 1.0], [1], False)
+
+
 def test_docstring_examples_run():
     """The examples in sift.delta's docstrings are executed, so they cannot drift."""
     import doctest
