@@ -756,3 +756,62 @@ def test_singular_values_triton_fma_gram_fallback_matches():
 
     x = _spectrum_matrices((2, 9, 7), seed=8).float().to(TRITON_DEVICE)
     _assert_singular_values_close(triton_singular_values(x, gram_by_dot=False), x)
+
+
+# ----------------------------------------------------------------- regressions (review)
+
+
+def test_score_heads_restores_each_modules_own_mode():
+    """score_heads restored only the root's mode: submodules the caller had put in eval mode came back in train mode."""
+    model = _tiny("llama")
+    model.train()
+    model.layers[0].eval()
+    modes = {name: module.training for name, module in model.named_modules()}
+    heads.score_heads(model, [_tiny_batch()], n_samples=3, progress=False)
+    assert {name: module.training for name, module in model.named_modules()} == modes
+
+
+def test_score_heads_rejects_non_finite_head_outputs():
+    """Non-finite head outputs (fp16 overflow) gave richness 0 and a silently uniform PageRank instead of an error."""
+    model = _tiny("gpt2")
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight[0, 2 * 32 + 3] = float("inf")  # a V column of layer 1, head 0
+    model.train()
+    with pytest.raises(ValueError, match=r"head outputs of layers \[1\] are not finite"):
+        heads.score_heads(model, [_tiny_batch()], n_samples=3, progress=False)
+    assert model.training
+    assert not model.h[1].attn.c_proj._forward_pre_hooks
+
+
+def test_score_heads_unbatched_examples_error_names_the_shape():
+    """Single examples without a batch dimension failed with 'not enough values to unpack' after slicing tokens."""
+    model = _tiny("llama")
+    examples = [{k: v[0] for k, v in _tiny_batch().items()}]  # input_ids [9], no batch dim
+    with pytest.raises(ValueError, match=r"needs a batch dimension.*'input_ids': \[9\]"):
+        heads.score_heads(model, examples, n_samples=1, progress=False)
+
+
+def test_head_correlation_ignores_nan_in_padding():
+    """Padding was removed by multiplying with the mask, so NaN at a padding position (0 * NaN) poisoned the sample."""
+    g = torch.Generator().manual_seed(6)
+    out = torch.randn(2, 6, 3, 5, generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    poisoned = out.clone()
+    poisoned[1, 4:] = float("nan")
+    torch.testing.assert_close(heads.head_correlation(poisoned, mask), heads.head_correlation(out, mask))
+
+
+@pytest.mark.parametrize("k", [2.5, 2.0, True, "2"], ids=["float", "integral-float", "bool", "str"])
+def test_select_heads_rejects_non_int_k(k):
+    """k=2.5 failed deep inside slicing, and k=True silently meant one head."""
+    with pytest.raises(TypeError, match="k must be an int"):
+        heads.select_heads(_synthetic_scores(), k=k)
+    assert heads.select_heads(_synthetic_scores(), k=np.int64(2)).sum(1).tolist() == [2] * 4
+
+
+def test_trainable_indices_rejects_a_score_tensor_as_selection():
+    """A float tensor (e.g. scores.rank) was cast to bool and silently selected every head."""
+    model = _tiny("llama")
+    with pytest.raises(TypeError, match="selection must be a bool mask"):
+        heads.trainable_indices(model, torch.rand(2, 4, dtype=torch.float64))

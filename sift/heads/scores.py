@@ -120,8 +120,10 @@ def head_correlation(heads: torch.Tensor, mask: torch.Tensor | None = None) -> t
     else:
         if tuple(mask.shape) != (b, s):
             raise ValueError(f"mask must be [B, S] = {[b, s]}, got {list(mask.shape)}")
-        m = mask.to(torch.float32)[:, :, None, None]
-        mean = (heads.float() * m).sum(1) / m.sum(1).clamp_min(1.0)
+        keep = mask.bool()[:, :, None, None]
+        # where, not a product: whatever a padding position holds (even NaN) must not count.
+        total = torch.where(keep, heads.float(), 0.0).sum(1)
+        mean = total / keep.sum(1).clamp_min(1).to(torch.float32)
     centred = mean.double()
     centred = centred - centred.mean(-1, keepdim=True)
     corr = (centred @ centred.mT).div_(d - 1).abs_()
@@ -391,8 +393,8 @@ def score_heads(
     removed) give the information richness (Eq. 2) from their singular values and the
     head-to-head correlation (Eq. 5-6); both are summed on the model's device with no host
     sync per sample and averaged at the end (Eq. 3, 7). PageRank (Eq. 8-10) then ranks the
-    heads within each layer. The model runs in eval mode under `torch.no_grad()` and its mode
-    is restored afterwards; hooks are removed even if a forward fails.
+    heads within each layer. The model runs in eval mode under `torch.no_grad()` and every module's
+    train/eval mode is restored afterwards; hooks are removed even if a forward fails.
 
     Args:
         model: a supported Hugging Face model (see `attention_layout`).
@@ -417,8 +419,8 @@ def score_heads(
         rank [n_layers, n_heads].
 
     Raises:
-        ValueError: unsupported architecture, xi or damping out of range, n_samples < 1, or no
-            sample in `batches`.
+        ValueError: unsupported architecture, xi or damping out of range, n_samples < 1, no
+            sample in `batches`, a batch without a batch dimension, or non-finite head outputs.
 
     Example:
         >>> enc = tokenizer(texts, padding=True, return_tensors="pt")  # doctest: +SKIP
@@ -441,7 +443,7 @@ def score_heads(
     def on_heads(layer: int, heads: torch.Tensor) -> None:
         mask = current_mask[0]
         # Zero padding rows: zero rows add only zero singular values, which Eq. 2 ignores.
-        per_head = (heads * mask[:, :, None, None].to(heads.dtype)).permute(0, 2, 1, 3)
+        per_head = torch.where(mask[:, :, None, None], heads, 0.0).permute(0, 2, 1, 3)
         sigma = singular_values(per_head, backend=backend)
         info_sum[layer] += information_richness(sigma, xi).sum(0).to(torch.float64)
         corr_sum[layer] += head_correlation(heads, mask).sum(0)
@@ -449,7 +451,8 @@ def score_heads(
     from tqdm.auto import tqdm
 
     seen = 0
-    was_training = model.training
+    # Per module: a model in train mode may hold submodules the caller put in eval mode.
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with (
@@ -461,7 +464,7 @@ def score_heads(
                 inputs = _model_inputs(batch, n_samples - seen, device)
                 if not inputs:
                     continue
-                rows, length = inputs["input_ids"].shape[:2] if "input_ids" in inputs else _rows_of(inputs)
+                rows, length = _rows_of(inputs)
                 mask = inputs.get("attention_mask")
                 current_mask[:] = [mask.bool() if mask is not None else torch.ones(rows, length, dtype=torch.bool,
                                                                                      device=device)]
@@ -471,9 +474,20 @@ def score_heads(
                 if seen >= n_samples:
                     break
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     if seen == 0:
         raise ValueError("no samples: `batches` yielded no rows to score")
+    # One check after all samples (no sync per sample): a non-finite head output (e.g. fp16
+    # overflow) turns its correlation into NaN, and its richness into 0, and PageRank would
+    # silently rank that layer uniformly.
+    finite = torch.isfinite(corr_sum).flatten(1).all(1).cpu()
+    if not finite.all():
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(
+            f"head outputs of layers {bad} are not finite (NaN or inf), so their scores are meaningless; "
+            "check the inputs, or score in fp32/bf16 if the model overflows in fp16"
+        )
     info = (info_sum / seen).cpu()
     corr = (corr_sum / seen).cpu()
     rank, iterations = pagerank(info, corr, damping, eps, personalized=personalized)
@@ -482,21 +496,25 @@ def score_heads(
 
 
 def _rows_of(inputs: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    first = next(v for v in inputs.values() if v.dim() >= 2)
+    key = "input_ids" if "input_ids" in inputs else "inputs_embeds" if "inputs_embeds" in inputs else None
+    first = inputs[key] if key else next((v for v in inputs.values() if v.dim() >= 2), None)
+    if first is None or first.dim() < 2:
+        shapes = {k: list(v.shape) for k, v in inputs.items()}
+        raise ValueError(
+            f"each batch needs a batch dimension: input_ids [B, S] (inputs_embeds [B, S, D]), got shapes {shapes}; "
+            "batch single examples first, e.g. with a DataLoader"
+        )
     return first.shape[0], first.shape[1]
 
 
 def _model_inputs(batch: Mapping[str, torch.Tensor], remaining: int, device: torch.device) -> dict[str, torch.Tensor]:
     if not isinstance(batch, Mapping):
         raise TypeError(f"each batch must be a mapping of tensors (a tokenizer output), got {type(batch).__name__}")
-    inputs = {}
-    for key, value in batch.items():
-        if key in ("labels", "label") or not isinstance(value, torch.Tensor):
-            continue
-        inputs[key] = value[:remaining].to(device) if value.dim() > 0 else value.to(device)
-    if inputs and all(v.dim() == 0 or v.shape[0] == 0 for v in inputs.values()):
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "label") and isinstance(v, torch.Tensor)}
+    if not inputs or all(v.dim() == 0 or v.shape[0] == 0 for v in inputs.values()):
         return {}
-    return inputs
+    _rows_of(inputs)  # before slicing rows: a batch without a batch dimension must not lose tokens
+    return {k: v[:remaining].to(device) if v.dim() > 0 else v.to(device) for k, v in inputs.items()}
 
 
 __all__ = [

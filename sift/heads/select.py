@@ -4,6 +4,7 @@ per-parameter index sets for `SparseAdamW.set_indices`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -49,6 +50,7 @@ def select_heads(
         [n_layers, n_heads] bool mask of the chosen heads.
 
     Raises:
+        TypeError: k is not an int.
         ValueError: k out of range, unknown strategy or criterion.
 
     Example:
@@ -57,6 +59,9 @@ def select_heads(
         tensor([0, 0, 0, 3, 3, 3])
     """
     n_layers, n_heads = scores.rank.shape
+    if isinstance(k, bool) or not hasattr(k, "__index__"):
+        raise TypeError(f"k must be an int (heads per layer), got {k!r}")
+    k = operator.index(k)
     if not 1 <= k <= n_heads:
         raise ValueError(f"k must be between 1 and the number of heads per layer ({n_heads}), got k={k}")
     if strategy not in STRATEGIES:
@@ -84,12 +89,17 @@ def select_heads(
 
 def _as_head_lists(selection: torch.Tensor | Mapping[int, Iterable[int]], layout: HeadLayout) -> dict[int, list[int]]:
     if isinstance(selection, torch.Tensor):
+        if selection.dtype != torch.bool:
+            # A score tensor (e.g. scores.rank) passed by mistake would select every nonzero head.
+            raise TypeError(
+                f"selection must be a bool mask [n_layers, n_heads] (from select_heads), got dtype {selection.dtype}"
+            )
         if tuple(selection.shape) != (layout.n_layers, layout.n_heads):
             raise ValueError(
                 f"selection mask must be [n_layers, n_heads] = {[layout.n_layers, layout.n_heads]}, "
                 f"got {list(selection.shape)}"
             )
-        mask = selection.bool().cpu()
+        mask = selection.cpu()
         return {layer: mask[layer].nonzero().flatten().tolist() for layer in range(layout.n_layers)}
     heads = {}
     for layer, chosen in selection.items():
@@ -127,6 +137,7 @@ def trainable_indices(
         `model.named_parameters()`), ready for `SparseAdamW.set_indices(param, indices)`.
 
     Raises:
+        TypeError: a selection tensor that is not a bool mask.
         ValueError: unsupported architecture, or a selection that does not fit the model.
 
     Example:
