@@ -23,6 +23,7 @@ reference anywhere).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -169,24 +170,36 @@ class SparseAdamW(torch.optim.Optimizer):
         self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
         self._selection_seen: set[torch.Tensor] = set()  # params that took part in this step's selection
         self._prepared = False
-        self._selection_complete = False
-        self._hook_handles: list[Any] = []
+        # Sparse params still waiting for their selection (None: scan all of them). Frozen
+        # and gradless params stay on it, so a layer unfrozen later is still selected.
+        self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
+        self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
+        self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
         super().__init__(params, defaults)
         self._hooks_ready = compact_grads
         if compact_grads:
-            self._attach_hooks()
+            self._sync_hooks()
 
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating all of it (nothing is added on error)."""
         params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params must be an ordered collection (list or tuple), not a set: a set's order "
+                            "changes between runs, and state_dict() identifies params by position")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         merged = {**self.defaults, **param_group} if hasattr(self, "defaults") else param_group
         _check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+        seen: dict[int, int] = {}
         for j, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params must be tensors, got {type(p).__name__} at position {j}")
+            if id(p) in seen:
+                # torch steps such a param twice (and warns); the fused kernels would race on it.
+                raise ValueError(f"params lists the same tensor twice (positions {seen[id(p)]} and {j}); "
+                                 "list tied weights once")
+            seen[id(p)] = j
             if not p.is_floating_point():
                 raise ValueError(f"params must be floating point; param {j} of the new group has dtype {p.dtype}")
             if merged["density"] < 1.0 and p.dtype not in _SPARSE_DTYPES:
@@ -200,7 +213,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
                     "hooks; use plain mode with FSDP2"
                 )
-        self._selection_complete = False
+        self._pending = None
         group = dict(param_group)
         group["params"] = params
         if "betas" in group:
@@ -209,7 +222,7 @@ class SparseAdamW(torch.optim.Optimizer):
             group["density"] = float(group["density"])
         super().add_param_group(group)
         if getattr(self, "_hooks_ready", False):  # a group added after construction
-            self._attach_hooks(group["params"])
+            self._sync_hooks()
 
     def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
         for group in self.param_groups:
@@ -273,21 +286,23 @@ class SparseAdamW(torch.optim.Optimizer):
         if self._prepared:
             return
         self._prepared = True
-        if self.compact_grads or self._selection_complete:
+        if self.compact_grads or self._pending == []:
             return
-        complete = True
-        for group, p in self._sparse_params():
-            if "indices" in self.state[p] or not p.requires_grad or _local(p).numel() == 0:
+        # Only the params still pending are scanned: after selection the per-step cost is nil.
+        candidates = self._pending if self._pending is not None else list(self._sparse_params())
+        pending = []
+        for group, p in candidates:
+            if "indices" in self.state.get(p, {}) or _local(p).numel() == 0:
                 continue
-            if p.grad is None:
-                complete = False
+            if not p.requires_grad or p.grad is None:
+                pending.append((group, p))
                 continue
             calls = self.state[p].get("selection_calls", 0) + 1
             self._selection_update(group, p, p.grad, final=calls >= self.select_steps)
             self.state[p]["selection_calls"] = calls
-            complete = complete and "indices" in self.state[p]
-        # After selection the per-step scan is skipped (a hot-path cost for many small params).
-        self._selection_complete = complete
+            if "indices" not in self.state[p]:
+                pending.append((group, p))
+        self._pending = pending
 
     def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
         """Choose the trainable entries of `param` yourself.
@@ -331,18 +346,36 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # ---------------------------------------------------------- gradient hooks
 
-    def _attach_hooks(self, params: Iterable[torch.Tensor] | None = None) -> None:
-        wanted = params if params is not None else [p for _, p in self._sparse_params()]
-        sparse = {id(p) for _, p in self._sparse_params()}
-        for p in wanted:
-            if id(p) in sparse and p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+    def _sync_hooks(self) -> None:
+        """Give every sparse param one grad hook, and dense ones none (groups may change)."""
+        sparse = [p for _, p in self._sparse_params()]
+        sparse_ids = {id(p) for p in sparse}
+        for p in [q for q in self._hook_handles if id(q) not in sparse_ids]:
+            self._hook_handles.pop(p).remove()
+        # torch refuses hooks on tensors that do not require grad: those get theirs when unfrozen.
+        self._unhooked = []
+        for p in sparse:
+            if p in self._hook_handles:
+                continue
+            if p.requires_grad:
+                self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+            else:
+                self._unhooked.append(p)
+
+    def _hook_unfrozen(self) -> None:
+        """compact_grads: hook the sparse params unfrozen since the last step."""
+        for p in [q for q in self._unhooked if q.requires_grad]:
+            self._unhooked.remove(p)
+            self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+            # This step's gradient arrived before the hook existed: gather (and free) it now.
+            self._grad_hook(p)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
-        for handle in self._hook_handles:
+        for handle in self._hook_handles.values():
             handle.remove()
         self._hook_handles.clear()
+        self._unhooked = []
         self._hooks_ready = False
 
     @torch.no_grad()
@@ -419,11 +452,15 @@ class SparseAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------- step
 
     def _validate_grads(self) -> None:
+        """Check what this step will read, before anything (selection included) changes."""
+        devices = set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 g = p.grad
-                if g is None:
+                if g is None or not p.requires_grad:
                     continue
+                if group["density"] < 1.0:
+                    devices.add(p.device)
                 if g.is_sparse:
                     raise ValueError(f"sparse-layout gradients are not supported (group {gi}, param {pi})")
                 if g.shape != p.shape or g.dtype != p.dtype:
@@ -431,6 +468,8 @@ class SparseAdamW(torch.optim.Optimizer):
                         f"grad of group {gi}, param {pi} has shape {tuple(g.shape)} and dtype {g.dtype}; "
                         f"expected {tuple(p.shape)} and {p.dtype}"
                     )
+        for device in devices:  # a forced backend that cannot run raises here, not mid-step
+            _ops.resolve("sparse_adamw_", device, self.backend)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -444,6 +483,8 @@ class SparseAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_grads()
+        if self._unhooked:
+            self._hook_unfrozen()
         self._prepare()
         if self.process_group is not None:
             self._sync_grads()
@@ -466,7 +507,7 @@ class SparseAdamW(torch.optim.Optimizer):
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "indices" not in state:
+            if not state or "indices" not in state or not p.requires_grad:
                 continue
             if self.compact_grads:
                 if p not in self._grad_ready:
@@ -510,7 +551,7 @@ class SparseAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or not p.requires_grad:
                 continue
             grad = -p.grad if group["maximize"] else p.grad
             state = self.state[p]
@@ -530,6 +571,28 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- state dict
 
+    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "backend", "max_grad_norm", "process_group",
+                "_compact", "_grad_ready")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it)."""
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._PICKLED})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._selection_seen = set()
+        self._prepared = False
+        self._pending = None
+        self._hook_handles = {}
+        self._unhooked = []
+        # Hooks are not copied with the params: the copy hooks its own.
+        self._hooks_ready = self.compact_grads
+        if self.compact_grads:
+            self._sync_hooks()
+
+
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, plus this optimizer's selection settings under "sift"."""
         sd = super().state_dict()
@@ -543,32 +606,48 @@ class SparseAdamW(torch.optim.Optimizer):
         Raises:
             ValueError: groups, param counts, or any sparse state do not fit the params.
         """
-        saved_groups = state_dict["param_groups"]
+        state_dict = state_dict.copy()  # torch's order: a shallow copy, then the pre-hooks
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        # A deep copy, as torch takes: a saved lr tensor must not be shared with the source
+        # optimizer, whose scheduler would otherwise drive this one too.
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
             )
-        id_map: dict[int, torch.Tensor] = {}
+        id_map: dict[int, tuple[torch.Tensor, float]] = {}  # saved id -> (param, its density once loaded)
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"param group {gi}: state_dict has {len(saved['params'])} params, the optimizer "
                     f"{len(group['params'])}"
                 )
-            id_map.update(zip(saved["params"], group["params"]))
+            # The saved hyper-parameters replace the group's (as in torch), so they are checked
+            # and the state is validated against the saved density, not the constructed one.
+            merged = {**group, **saved}
+            try:
+                _check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+            except ValueError as exc:
+                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
+            id_map.update((pid, (p, float(merged["density"]))) for pid, p in zip(saved["params"], group["params"]))
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
-            p = id_map[pid]
-            new_state[p] = self._load_param_state(p, saved_state, f"state of param {pid}")
+            p, density = id_map[pid]
+            new_state[p] = self._load_param_state(p, saved_state, density, f"state of param {pid}")
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
-        self._selection_complete = False
+        self._pending = None
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
                 if key not in ("params", "param_names"):
-                    group[key] = tuple(value) if key == "betas" else value
+                    group[key] = value
+            group["betas"] = tuple(group["betas"])
+            group["density"] = float(group["density"])
         meta = state_dict.get("sift", {})
         self.select_steps = meta.get("select_steps", self.select_steps)
         self.selection = meta.get("selection", self.selection)
@@ -579,17 +658,23 @@ class SparseAdamW(torch.optim.Optimizer):
             for p, state in self.state.items():
                 if "indices" in state:
                     self._compact[p] = torch.zeros(state["indices"].numel(), dtype=torch.float32, device=p.device)
+        if self._hooks_ready:  # a group may have turned sparse or dense
+            self._sync_hooks()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-    def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], what: str) -> dict[str, Any]:
-        group = self._group_of(p)
+    def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], density: float,
+                          what: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if group["density"] >= 1.0 or "indices" not in saved:
+        if density >= 1.0 or "indices" not in saved:
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor):
                     if key in ("exp_avg", "exp_avg_sq") and value.shape != p.shape:
                         raise ValueError(f"{what}: {key} has shape {tuple(value.shape)}, param {tuple(p.shape)}")
+                    if key == "score" and value.numel() != _local(p).numel():
+                        raise ValueError(f"{what}: score has {value.numel()} entries, param {_local(p).numel()}")
                     if key == "step":
-                        value = value.detach().clone().float().cpu() if group["density"] >= 1.0 else \
+                        value = value.detach().clone().float().cpu() if density >= 1.0 else \
                             value.detach().clone().float().to(p.device)
                     elif key == "score":
                         value = value.detach().to(device=p.device, dtype=torch.float32).clone()
@@ -682,6 +767,8 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         for p in group["params"]:
             if _is_dtensor(p):
                 mesh_group = p.device_mesh.get_group()
+            if not p.requires_grad:  # the step skips it
+                continue
             if group["density"] >= 1.0:
                 if p.grad is not None:
                     used.append(_local(p.grad))

@@ -262,6 +262,45 @@ def test_set_indices_mask_and_moments_follow_their_indices():
     assert state["exp_avg"][2] == 0 and state["step"] == old["step"]
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("density", [0.3, 1.0], ids=["sparse", "dense"])
+def test_frozen_param_with_a_stale_grad_is_not_stepped(compact, density):
+    """A param frozen after selection still moved when zero_grad(set_to_none=False) left it a grad."""
+    w = torch.nn.Parameter(torch.randn(20))
+    opt = SparseAdamW([w], density=density, compact_grads=compact)
+    w.square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    w.requires_grad_(False)
+    if w.grad is None:  # hook mode frees it; a stale one can still be left by hand
+        w.grad = torch.zeros(20)
+    before_w, before_state = w.detach().clone(), copy.deepcopy(dict(opt.state[w]))
+    opt.step()
+    assert torch.equal(w.detach(), before_w)
+    assert all(torch.equal(v, opt.state[w][k]) for k, v in before_state.items() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+def test_param_unfrozen_after_the_first_step_is_selected_and_trained(compact):
+    """A sparse param frozen while the others were selected was never selected (nor hooked) once unfrozen."""
+    a = torch.nn.Parameter(torch.randn(20))
+    b = torch.nn.Parameter(torch.randn(20), requires_grad=False)
+    opt = SparseAdamW([a, b], lr=1e-2, density=0.2, compact_grads=compact)
+    before = b.detach().clone()
+    for step in range(3):
+        if step == 1:
+            b.requires_grad_(True)
+        opt.zero_grad()
+        loss = a.square().sum() + (b.square().sum() if b.requires_grad else 0)
+        loss.backward()
+        opt.step()
+    assert opt.state[b]["indices"].numel() == 4
+    assert opt.state[b]["step"].item() == 2
+    assert (b.detach() != before).sum().item() == 4
+    if compact:
+        assert b.grad is None, "the unfrozen param's dense grad is gathered and freed"
+
+
 # ----------------------------------------------------------- kernels vs ref
 
 
@@ -462,6 +501,74 @@ def test_state_dict_mid_run_continues_identically(compact, dtype):
     _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()))
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+def test_load_state_dict_follows_the_saved_density(compact):
+    """A sparse state was checked against the constructed group's density (1.0) and refused, though the saved one is installed."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = SparseAdamW([w], lr=1e-2, density=0.1, compact_grads=compact)
+    w.pow(3).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = SparseAdamW([w2], lr=1e-2, density=1.0, compact_grads=compact)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["density"] == 0.1
+    assert len(opt2._hook_handles) == (1 if compact else 0)
+    for _ in range(3):
+        for p, o in ((w, opt), (w2, opt2)):
+            p.pow(3).sum().backward()
+            o.step()
+            o.zero_grad()
+    _assert_states_equal(opt, opt2, [w], [w2])
+
+
+def test_load_state_dict_does_not_share_the_lr_tensor():
+    """load_state_dict installed the source's lr tensor itself, so one scheduler drove both optimizers."""
+    a, b = torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10))
+    opt_a = SparseAdamW([a], lr=torch.tensor(0.1), density=0.5)
+    opt_b = SparseAdamW([b], lr=torch.tensor(0.1), density=0.5)
+    opt_b.load_state_dict(opt_a.state_dict())
+    opt_b.param_groups[0]["lr"].fill_(0.05)  # what a scheduler does to a tensor lr
+    assert opt_a.param_groups[0]["lr"].item() == pytest.approx(0.1)
+
+
+def test_load_state_dict_runs_torch_load_hooks():
+    """load_state_dict skipped torch's register_load_state_dict_pre_hook/post_hook hooks."""
+    _, source = _trained_opt()
+    _, target = _trained_opt()
+    calls = []
+
+    def pre(opt, sd):
+        calls.append("pre")
+        sd = dict(sd)
+        sd["param_groups"] = [{**g, "lr": 0.5} for g in sd["param_groups"]]
+        return sd
+
+    target.register_load_state_dict_pre_hook(pre)
+    target.register_load_state_dict_post_hook(lambda opt: calls.append("post"))
+    target.load_state_dict(source.state_dict())
+    assert calls == ["pre", "post"] and target.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_optimizer_keeps_its_settings_and_trains(compact, how):
+    """copy.deepcopy / pickle kept only torch's attributes, so the copy's step() raised AttributeError."""
+    import pickle
+
+    model = _model()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1, compact_grads=compact, select_steps=2)
+    _train(model, opt, 1)  # mid-selection
+    pair = {"model": model, "opt": opt}
+    copied = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+    model_c, opt_c = copied["model"], copied["opt"]
+    assert opt_c.select_steps == 2 and opt_c.compact_grads == compact
+    _train(model, opt, 3, start=1)
+    _train(model_c, opt_c, 3, start=1)
+    _assert_states_equal(opt, opt_c, list(model.parameters()), list(model_c.parameters()))
+
+
 def test_state_bytes_within_budget():
     for dtype, expected in ((torch.float32, 16), (torch.bfloat16, 18)):
         w = torch.nn.Parameter(torch.randn(1000, 100).to(dtype))
@@ -508,6 +615,35 @@ def test_bad_hyperparameters_raise(kwargs, match):
 def test_bad_params_raise(param, match):
     with pytest.raises(ValueError, match=match):
         SparseAdamW([param], density=0.5)
+
+
+def test_same_param_twice_raises():
+    """A param listed twice was stepped twice per step, the fused kernels racing on its entries."""
+    w = torch.nn.Parameter(torch.randn(10))
+    with pytest.raises(ValueError, match=r"same tensor twice \(positions 0 and 1\)"):
+        SparseAdamW([w, w], density=0.5)
+
+
+def test_param_set_in_add_param_group_raises():
+    """add_param_group accepted a set of params, whose order (and so the state_dict ids) varies between runs."""
+    opt = SparseAdamW([torch.nn.Parameter(torch.randn(3))], density=0.5)
+    with pytest.raises(TypeError, match="not a set"):
+        opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(3))}})
+    assert len(opt.param_groups) == 1
+
+
+def test_forced_backend_that_cannot_run_changes_nothing(monkeypatch):
+    """A forced backend that cannot run raised only after the selection had been made."""
+    if torch.cuda.is_available():
+        pytest.skip("triton can run here")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w = torch.nn.Parameter(torch.randn(10))
+    before = w.detach().clone()
+    opt = SparseAdamW([w], density=0.5, backend="triton")
+    w.grad = torch.randn(10)
+    with pytest.raises(RuntimeError, match="requested"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and not opt.state.get(w)
 
 
 def test_bad_group_added_later_leaves_optimizer_unchanged():
@@ -579,6 +715,10 @@ def _trained_opt():
                      "exp_avg must have shape", id="moment-length"),
         pytest.param(lambda sd: sd["state"][0].pop("delta"), "missing delta", id="missing-key"),
         pytest.param(lambda sd: sd["state"].__setitem__(17, {}), "param id 17", id="unknown-param"),
+        pytest.param(lambda sd: sd["param_groups"][0].__setitem__("density", 2.0), "param group 0 .*density",
+                     id="saved-density"),
+        pytest.param(lambda sd: sd["state"].__setitem__(0, {"score": torch.zeros(3), "selection_calls": 1}),
+                     "score has 3 entries", id="score-size"),
     ],
 )
 def test_mismatched_state_dict_raises_and_keeps_state(corrupt, match):
