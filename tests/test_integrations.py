@@ -181,3 +181,75 @@ def test_trainer_fine_tunes_sparsely(tmp_path, compact):
             changed_weights += int(moved.any())
     assert changed_weights > 0
     assert any(isinstance(h.get("grad_norm"), float) for h in trainer.state.log_history)
+
+
+def _tiny_bert_classifier() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, num_labels=2)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _tiny_train_data(n: int = 16) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 64, (10,), generator=gen), "labels": int(i % 2)} for i in range(n)]
+
+
+def _train_args(output_dir, **kwargs):
+    defaults = dict(per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.5, report_to=[],
+                    use_cpu=True, logging_steps=1, save_strategy="no", seed=0, data_seed=0)
+    return transformers.TrainingArguments(output_dir=str(output_dir), **{**defaults, **kwargs})
+
+
+def test_trainer_clips_unscaled_gradients_under_fp16_loss_scaling(tmp_path):
+    """SparseTrainer clipped (and logged) the loss-scaled fp16 gradients: grad_norm came out init_scale times too big."""
+    from sift.integrations.hf import SparseTrainer
+
+    norms = {}
+    for fp16 in (False, True):
+        trainer = SparseTrainer(model=_tiny_bert_classifier(), args=_train_args(tmp_path / str(fp16), max_steps=2,
+                                fp16=fp16), train_dataset=_tiny_train_data(), density=0.05)
+        if fp16:  # CPU has no fp16 scaler: install the one a GPU run gets
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            trainer.accelerator.native_amp = True
+        trainer.train()
+        norms[fp16] = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(norms[True]) == 2
+    # fp16 autocast changes the forward slightly; a missed unscale is off by 1024x.
+    torch.testing.assert_close(torch.tensor(norms[True]), torch.tensor(norms[False]), rtol=2e-2, atol=0)
+
+
+def test_trainer_compact_grads_misuse_errors_before_touching_the_model(tmp_path, monkeypatch):
+    """compact_grads with fp16 loss scaling or several processes trained silently wrong (the hooks free the .grad
+    the scaler and DDP work on)."""
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    with pytest.raises(ValueError, match="compact_grads=True cannot be combined with fp16=True"):
+        SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=1, fp16=True), compact_grads=True)
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"compact_grads=True is single-process only \(world_size is 2\)"):
+        SparseTrainer(model, _train_args(tmp_path, max_steps=1), compact_grads=True)
+    assert not any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+    assert all(p.grad is None and not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
+    """Stopping at a checkpoint and resuming (optimizer indices and moments reloaded) equals never stopping."""
+    from sift.integrations.hf import SparseTrainer
+
+    data = _tiny_train_data(24)
+    straight = _tiny_bert_classifier()
+    SparseTrainer(model=straight, args=_train_args(tmp_path / "a", max_steps=4), train_dataset=data,
+                  density=0.05).train()
+    first = SparseTrainer(model=_tiny_bert_classifier(), args=_train_args(tmp_path / "b", max_steps=4,
+                          save_strategy="steps", save_steps=2), train_dataset=data, density=0.05)
+    first.train()
+    resumed = _tiny_bert_classifier()
+    trainer = SparseTrainer(model=resumed, args=_train_args(tmp_path / "b", max_steps=4), train_dataset=data,
+                            density=0.05)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(opt, SparseAdamW) and any("indices" in s for s in opt.state.values())
+    for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

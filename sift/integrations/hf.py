@@ -29,10 +29,14 @@ class SparseTrainer(Trainer):
         *args: passed to `transformers.Trainer`.
         density: fraction of each weight's entries to train, in (0, 1].
         compact_grads: gradient-hook mode of `SparseAdamW` (single process only: with
-            several processes use plain mode, which the Trainer's DDP handles).
+            several processes use plain mode, which the Trainer's DDP handles; not with
+            fp16 loss scaling, whose scaler never sees the compact gradients).
         select_steps: `SparseAdamW(select_steps=...)`.
         dense_1d: train one-dimensional params densely.
         **kwargs: passed to `transformers.Trainer`.
+
+    Raises:
+        ValueError: density outside (0, 1], or compact_grads with several processes or fp16.
 
     Example:
         >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
@@ -44,6 +48,19 @@ class SparseTrainer(Trainer):
                  dense_1d: bool = True, **kwargs: Any) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if compact_grads and training_args is not None:
+            # Checked before Trainer.__init__ so that nothing (device placement) touches the model.
+            if training_args.world_size > 1:
+                raise ValueError(
+                    f"compact_grads=True is single-process only (world_size is {training_args.world_size}): its hooks "
+                    "free the dense gradients that DDP reduces; use compact_grads=False with several processes"
+                )
+            if training_args.fp16:
+                raise ValueError(
+                    "compact_grads=True cannot be combined with fp16=True: the loss scaler unscales and checks for "
+                    "inf only the dense .grad tensors, which the hooks free; use bf16=True or compact_grads=False"
+                )
         self.sift_density = density
         self.sift_compact_grads = compact_grads
         self.sift_select_steps = select_steps
@@ -73,5 +90,8 @@ class SparseTrainer(Trainer):
         return self.optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
+        # scaler remembers the unscale and does not repeat it in step().
+        self.accelerator.unscale_gradients()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         return clip_grad_norm_(optimizer, self.args.max_grad_norm)
