@@ -361,6 +361,11 @@ class SparseDelta:
                 if name is None:
                     problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
                     continue
+                if _is_dtensor(p):
+                    # Its optimizer state holds rank-local positions of one shard, not of the weight.
+                    problems.append(f"{name}: a sharded DTensor (FSDP2) parameter; gather a full state dict and "
+                                    f"use SparseDelta.from_diff(base, full_state_dict, ...)")
+                    continue
                 st = optimizer.state.get(p, {})
                 numel = p.numel()
                 if "indices" in st:
@@ -890,6 +895,14 @@ def _base_problems(base: BaseFingerprint, state: Mapping[str, torch.Tensor],
         return [f"the delta was made for another base model: {len(differing)} of {compared} sampled base values "
                 f"differ (first: {', '.join(differing[:3])})"]
     return []
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

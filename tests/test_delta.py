@@ -674,6 +674,40 @@ def test_from_optimizer_ignores_buffers_changed_by_training():
         torch.testing.assert_close(target.get_parameter(name), p, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _fsdp2_from_optimizer_worker(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        model = _model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2)
+        _train(model, opt, steps=1)
+        try:
+            SparseDelta.from_optimizer(opt, model)
+            message = "no error"
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        with open(out, "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_from_optimizer_refuses_fsdp2_shards_clearly(tmp_path):
+    """FSDP2 (DTensor) params failed deep in indexing ('got mixed torch.Tensor and DTensor')."""
+    pytest.importorskip("torch.distributed.fsdp")
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "message"
+    mp.spawn(_fsdp2_from_optimizer_worker, args=(str(tmp_path / "init"), str(out)), nprocs=1, join=True)
+    message = out.read_text()
+    assert message.startswith("DeltaError: cannot build a delta"), message
+    assert r"0.weight: a sharded DTensor (FSDP2) parameter" in message
+
+
 APPLY_BACKENDS = [pytest.param("torch", id="torch"),
                   pytest.param("cpp", id="cpp", marks=requires_cpp),
                   pytest.param("triton", id="triton", marks=requires_triton)]
