@@ -76,6 +76,8 @@ def _check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
         raise TypeError(f"{what} must be a tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{what} must be int32 or int64, got {indices.dtype}")
+    if indices.is_meta:
+        raise ValueError(f"{what} are on the meta device: their values cannot be checked")
     if indices.dim() != 1:
         raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
     if indices.numel() == 0:
@@ -308,7 +310,9 @@ class SparseAdamW(torch.optim.Optimizer):
         """Choose the trainable entries of `param` yourself.
 
         Entries kept from an earlier selection keep their moments, increment and base;
-        new entries start from zero moments. The step count is kept.
+        new entries start from zero moments. The step count is kept. In `compact_grads`
+        mode, a gradient already gathered this step is kept for the kept entries; the new
+        ones get zero (their dense gradient is gone).
 
         Args:
             param: a param of a sparse group (density < 1) of this optimizer.
@@ -331,6 +335,7 @@ class SparseAdamW(torch.optim.Optimizer):
         _check_indices(indices, local.numel(), "indices")
         indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
         old = dict(self.state.get(param, {}))
+        old_compact = self._compact.get(param) if param in self._grad_ready else None
         self._init_sparse_state(param, indices)
         state = self.state[param]
         state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
@@ -343,6 +348,8 @@ class SparseAdamW(torch.optim.Optimizer):
                 state[key][kept] = old[key][pos[kept]]
             if "base" in old:
                 state["base"][kept] = old["base"][pos[kept]]
+            if old_compact is not None:
+                self._compact[param][kept] = old_compact[pos[kept]]
 
     # ---------------------------------------------------------- gradient hooks
 

@@ -301,6 +301,24 @@ def test_param_unfrozen_after_the_first_step_is_selected_and_trained(compact):
         assert b.grad is None, "the unfrozen param's dense grad is gathered and freed"
 
 
+def test_set_indices_between_backward_and_step_keeps_the_gathered_grad():
+    """In hook mode set_indices after backward zeroed the gathered gradient of the entries it kept."""
+    results = []
+    for compact in (False, True):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 30).reshape(6, 5))
+        opt = SparseAdamW([w], lr=0.1, density=0.2, compact_grads=compact)
+        opt.set_indices(w, torch.tensor([1, 4, 9]))
+        w.pow(3).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        w.pow(3).sum().backward()
+        opt.set_indices(w, torch.tensor([1, 4, 9, 12]))
+        opt.step()
+        results.append((w.detach().reshape(-1)[[1, 4, 9]], opt.state[w]["exp_avg"][:3]))
+    (w_plain, m_plain), (w_hook, m_hook) = results
+    assert torch.equal(w_plain, w_hook) and torch.equal(m_plain, m_hook)
+
+
 # ----------------------------------------------------------- kernels vs ref
 
 
@@ -674,6 +692,7 @@ def test_sparse_layout_grad_raises_and_changes_nothing():
         pytest.param(torch.tensor([1.0, 2.0]), "int32 or int64", id="float"),
         pytest.param(torch.tensor([[1, 2]]), "1-D", id="2d"),
         pytest.param(torch.zeros(4, 4, dtype=torch.bool), "shape", id="mask-shape"),
+        pytest.param(torch.tensor([1, 2], device="meta"), "meta device", id="meta"),
     ],
 )
 def test_set_indices_bad_input_raises_and_keeps_state(indices, match):
