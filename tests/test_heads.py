@@ -815,3 +815,19 @@ def test_trainable_indices_rejects_a_score_tensor_as_selection():
     model = _tiny("llama")
     with pytest.raises(TypeError, match="selection must be a bool mask"):
         heads.trainable_indices(model, torch.rand(2, 4, dtype=torch.float64))
+
+
+def test_decoder_left_padding_does_not_change_scores():
+    """Left-padded GPT-2 batches shifted every real token's absolute position (counted from column 0), changing the scores."""
+    model = _tiny("gpt2")  # learned absolute positions; RoPE (Llama) is invariant to the shift anyway
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(1, 64, (n,), generator=g) for n in (9, 5, 7)]
+    alone = [{"input_ids": i[None], "attention_mask": torch.ones(1, len(i), dtype=torch.long)} for i in ids]
+    padded = {"input_ids": torch.zeros(3, 9, dtype=torch.long), "attention_mask": torch.zeros(3, 9, dtype=torch.long)}
+    for row, i in enumerate(ids):
+        padded["input_ids"][row, 9 - len(i):] = i
+        padded["attention_mask"][row, 9 - len(i):] = 1
+    a = heads.score_heads(model, alone, n_samples=3, progress=False)
+    b = heads.score_heads(model, padded, n_samples=3, batch_size=3, progress=False)
+    torch.testing.assert_close(a.info, b.info, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.corr, b.corr, rtol=1e-4, atol=1e-7)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.heads.capture import HeadLayout, attention_layout, capture_head_outputs
+from sift.heads.capture import _MODEL_TYPES, HeadLayout, attention_layout, capture_head_outputs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _META_KEYS = ("n_samples", "xi", "damping", "eps", "personalized", "model_type")
@@ -403,7 +403,9 @@ def score_heads(
             sequence of batches (visited in a random order drawn with `seed`), or any
             iterable of batches (consumed in order). A batch is a tokenizer output: a mapping
             with `input_ids` [B, S], optionally `attention_mask` [B, S] and any other model
-            inputs; a `labels` entry is ignored.
+            inputs; a `labels` entry is ignored. Decoders (GPT-2, Llama family) given an
+            attention mask but no `position_ids` get positions counted over real tokens, so
+            left padding changes nothing.
         n_samples: samples to average over (fewer if `batches` runs out).
         xi: information-richness threshold, in (0, 1].
         damping: PageRank damping factor d, in [0, 1).
@@ -450,6 +452,7 @@ def score_heads(
 
     from tqdm.auto import tqdm
 
+    causal = _MODEL_TYPES[layout.model_type] != "bert"
     seen = 0
     # Per module: a model in train mode may hold submodules the caller put in eval mode.
     modes = [(module, module.training) for module in model.modules()]
@@ -468,6 +471,10 @@ def score_heads(
                 mask = inputs.get("attention_mask")
                 current_mask[:] = [mask.bool() if mask is not None else torch.ones(rows, length, dtype=torch.bool,
                                                                                      device=device)]
+                if causal and mask is not None and mask.dim() == 2 and "position_ids" not in inputs:
+                    # Decoders number positions from the first column, so left padding would shift
+                    # every real token's position; count real tokens instead (as generate() does).
+                    inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
                 model(**inputs)
                 seen += rows
                 bar.update(rows)
