@@ -284,10 +284,12 @@ class SparseAdamW(torch.optim.Optimizer):
             state["score"] = magnitude.clone()
 
     def _prepare(self) -> None:
-        """Run this step's selection for params with dense grads (once per step)."""
+        """Once per step: hook newly unfrozen params (hook mode), select for dense grads (plain mode)."""
         if self._prepared:
             return
         self._prepared = True
+        if self._unhooked:
+            self._hook_unfrozen()
         if self.compact_grads or self._pending == []:
             return
         # Only the params still pending are scanned: after selection the per-step cost is nil.
@@ -490,8 +492,6 @@ class SparseAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_grads()
-        if self._unhooked:
-            self._hook_unfrozen()
         self._prepare()
         if self.process_group is not None:
             self._sync_grads()
