@@ -831,3 +831,22 @@ def test_decoder_left_padding_does_not_change_scores():
     b = heads.score_heads(model, padded, n_samples=3, batch_size=3, progress=False)
     torch.testing.assert_close(a.info, b.info, rtol=0, atol=1e-12)
     torch.testing.assert_close(a.corr, b.corr, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"eps": 0.0}, "eps must be > 0"), ({"batch_size": 0}, r"batch_size must be >= 1 \(an integer\)"),
+     ({"n_samples": 2.5}, r"n_samples must be >= 1 \(an integer\)")],
+    ids=["eps", "batch_size", "float-n_samples"],
+)
+def test_score_heads_checks_arguments_before_any_forward(kwargs, match):
+    """eps <= 0 was only rejected by PageRank after every sample had run; batch_size=0 and n_samples=2.5 failed cryptically."""
+    model = _tiny("llama")
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            heads.score_heads(model, _tiny_batch(), progress=False, **kwargs)
+    finally:
+        handle.remove()
+    assert not forwards

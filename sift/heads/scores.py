@@ -421,7 +421,8 @@ def score_heads(
         rank [n_layers, n_heads].
 
     Raises:
-        ValueError: unsupported architecture, xi or damping out of range, n_samples < 1, no
+        ValueError: unsupported architecture, xi, damping or eps out of range, n_samples or
+            batch_size not an integer >= 1, no
             sample in `batches`, a batch without a batch dimension, or non-finite head outputs.
 
     Example:
@@ -433,8 +434,13 @@ def score_heads(
     _check_xi(xi)
     if not 0.0 <= damping < 1.0:
         raise ValueError(f"damping must be in [0, 1), got {damping}")
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    # Checked here, not first in pagerank after every forward pass has run.
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    for name, value in (("n_samples", n_samples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
+            raise ValueError(f"{name} must be >= 1 (an integer), got {value!r}")
+    n_samples, batch_size = int(n_samples), int(batch_size)
     layout = attention_layout(model)
     device = next(model.parameters()).device
     h = layout.n_heads
