@@ -850,3 +850,31 @@ def test_score_heads_checks_arguments_before_any_forward(kwargs, match):
     finally:
         handle.remove()
     assert not forwards
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert-cls"])
+def test_score_heads_runs_the_backbone_only(kind):
+    """score_heads ran the whole model: full-vocabulary logits and a KV cache it never used."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=48, num_hidden_layers=2, vocab_size=64,
+                                       max_position_embeddings=64)
+        model, head_name = transformers.LlamaForCausalLM(cfg).eval(), "lm_head"
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)
+        model, head_name = transformers.GPT2LMHeadModel(cfg).eval(), "lm_head"
+    else:
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=48, num_labels=3)
+        model, head_name = transformers.BertForSequenceClassification(cfg).eval(), "classifier"
+    calls = []
+    handle = getattr(model, head_name).register_forward_hook(lambda *args: calls.append(1))
+    batch = _tiny_batch()
+    with_head = heads.score_heads(model, [batch], n_samples=3, progress=False)
+    handle.remove()
+    assert not calls, f"{head_name} ran"
+    backbone_only = heads.score_heads(model.base_model, [batch], n_samples=3, progress=False)
+    torch.testing.assert_close(with_head.info, backbone_only.info, rtol=0, atol=0)
+    torch.testing.assert_close(with_head.rank, backbone_only.rank, rtol=0, atol=0)

@@ -459,6 +459,10 @@ def score_heads(
     from tqdm.auto import tqdm
 
     causal = _MODEL_TYPES[layout.model_type] != "bert"
+    # Only the attention blocks matter: run the backbone (no LM or task head: for a 128k-token
+    # vocabulary the logits alone are 0.5 MB per token) and keep no KV cache.
+    backbone = model.base_model if isinstance(getattr(model, "base_model", None), torch.nn.Module) else model
+    extra = {"use_cache": False} if causal else {}
     seen = 0
     # Per module: a model in train mode may hold submodules the caller put in eval mode.
     modes = [(module, module.training) for module in model.modules()]
@@ -481,7 +485,7 @@ def score_heads(
                     # Decoders number positions from the first column, so left padding would shift
                     # every real token's position; count real tokens instead (as generate() does).
                     inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
-                model(**inputs)
+                backbone(**inputs, **extra)
                 seen += rows
                 bar.update(rows)
                 if seen >= n_samples:
