@@ -326,7 +326,8 @@ class SparseDelta:
         """The delta a trained `SparseAdamW` applied to `model`: its exact increments.
 
         Sparse weights give their chosen `indices` and `delta` state (the total increment
-        since selection). Weights of dense groups (`density=1.0`) carry no record of their
+        since selection), merged with the entries `set_indices` retired (`retired_indices`,
+        `retired_delta`), so a selection changed mid-training loses nothing. Weights of dense groups (`density=1.0`) carry no record of their
         increments: without `base` they are skipped with one warning naming them; with `base`
         (the state dict before training) their full difference to it is stored.
 
@@ -369,11 +370,10 @@ class SparseDelta:
                 st = optimizer.state.get(p, {})
                 numel = p.numel()
                 if "indices" in st:
-                    idx = st["indices"].detach().to("cpu").to(_index_dtype(numel))
-                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx.clone(),
-                                               st["delta"].detach().to("cpu", torch.float32).clone())
-                    if "base" in st:
-                        known[name] = (idx, st["base"].detach().cpu())
+                    idx, values, base_values = _optimizer_increments(st, _index_dtype(numel))
+                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
+                    if base_values is not None:
+                        known[name] = (idx, base_values)
                     else:
                         unknown[name] = idx
                 elif "exp_avg" in st and group.get("density", 1.0) >= 1.0:
@@ -859,6 +859,26 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _optimizer_increments(st: Mapping[str, torch.Tensor], index_dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A SparseAdamW param state's increments on the CPU, active and retired entries merged.
+
+    Returns:
+        [n] sorted positions (`index_dtype`), [n] fp32 increments, and [n] base values
+        (None for fp32 weights, whose state keeps none).
+    """
+    idx = st["indices"].detach().to("cpu", index_dtype)
+    values = st["delta"].detach().to("cpu", torch.float32)
+    base = st["base"].detach().cpu() if "base" in st else None
+    if "retired_indices" in st:
+        # The optimizer keeps the two sets disjoint and each sorted: one sort merges them.
+        idx, order = torch.sort(torch.cat([idx, st["retired_indices"].detach().to("cpu", index_dtype)]))
+        values = torch.cat([values, st["retired_delta"].detach().to("cpu", torch.float32)])[order]
+        if base is not None:
+            base = torch.cat([base, st["retired_base"].detach().cpu()])[order]
+    return idx.clone(), values.clone(), base
 
 
 def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:

@@ -16,6 +16,18 @@ i.e. 16 bytes per trainable entry for fp32 weights and 18 for bf16/fp16 ones. bf
 weights are written as round(base + delta), so no update is lost to rounding however small
 it is against the weight's ulp.
 
+`set_indices` can change the set mid-training. Entries it drops with a nonzero `delta` keep
+their increment in a retired record, disjoint from `indices` and absent while empty:
+
+    retired_indices  [r] sorted flat positions, same dtype as `indices`
+    retired_delta    [r] fp32, the increment each one had when dropped
+    retired_base     [r] bf16/fp16 weights only: their `base`
+
+An entry re-added later takes its `delta` (and `base`) back from the record and leaves it, so
+`delta` stays the total increment since the first selection (what `SparseDelta.from_optimizer`
+exports). The fused step never reads the record: it costs memory (with int32 indices, 8 bytes
+per retired entry, 10 for bf16/fp16), not time.
+
 Groups with `density=1.0` are plain dense AdamW (torch's math), for a classifier head or
 LayerNorms. The fused step runs through `sift._ops` (Triton on CUDA, C++ on CPU, the torch
 reference anywhere).
@@ -35,6 +47,7 @@ from sift import _ops
 
 _SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
+_RETIRED_KEYS = ("retired_indices", "retired_delta", "retired_base")
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
@@ -70,7 +83,7 @@ def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def _check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
+def _check_indices(indices: torch.Tensor, numel: int, what: str, allow_empty: bool = False) -> None:
     """Raise ValueError unless `indices` is a sorted, unique, in-range 1-D integer tensor."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"{what} must be a tensor, got {type(indices).__name__}")
@@ -81,12 +94,26 @@ def _check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
     if indices.dim() != 1:
         raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
     if indices.numel() == 0:
+        if allow_empty:
+            return
         raise ValueError(f"{what} is empty: a sparse weight needs at least one entry")
     lo, hi = int(indices.min()), int(indices.max())
     if lo < 0 or hi >= numel:
         raise ValueError(f"{what} out of range: values span [{lo}, {hi}] for a weight of {numel} elements")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise ValueError(f"{what} must be sorted ascending without duplicates")
+
+
+def _lookup(sorted_positions: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which `queries` are in `sorted_positions`, and where: ([q] bool, [q] int64 positions).
+
+    Positions of queries not found are arbitrary (but in range when `sorted_positions` is not empty).
+    """
+    haystack, queries = sorted_positions.long(), queries.long()
+    if haystack.numel() == 0:
+        return torch.zeros_like(queries, dtype=torch.bool), torch.zeros_like(queries)
+    pos = torch.searchsorted(haystack, queries).clamp_max(haystack.numel() - 1)
+    return haystack[pos] == queries, pos
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -312,9 +339,12 @@ class SparseAdamW(torch.optim.Optimizer):
         """Choose the trainable entries of `param` yourself.
 
         Entries kept from an earlier selection keep their moments, increment and base;
-        new entries start from zero moments. The step count is kept. In `compact_grads`
-        mode, a gradient already gathered this step is kept for the kept entries; the new
-        ones get zero (their dense gradient is gone).
+        new entries start from zero moments. No increment is lost: an entry dropped with a
+        nonzero `delta` moves to the param's retired record (`retired_indices`,
+        `retired_delta`, and `retired_base` for bf16/fp16), and if a later call re-adds it,
+        it takes its `delta` and `base` back from there (its moments still start at zero).
+        The step count is kept. In `compact_grads` mode, a gradient already gathered this
+        step is kept for the kept entries; the new ones get zero (their dense gradient is gone).
 
         Args:
             param: a param of a sparse group (density < 1) of this optimizer.
@@ -341,17 +371,37 @@ class SparseAdamW(torch.optim.Optimizer):
         self._init_sparse_state(param, indices)
         state = self.state[param]
         state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
-        if "indices" in old:
-            state["step"].copy_(old["step"])
-            old_idx = old["indices"].long()
-            pos = torch.searchsorted(old_idx, indices.long()).clamp_max(old_idx.numel() - 1)
-            kept = old_idx[pos] == indices.long()
-            for key in ("exp_avg", "exp_avg_sq", "delta"):
-                state[key][kept] = old[key][pos[kept]]
-            if "base" in old:
-                state["base"][kept] = old["base"][pos[kept]]
-            if old_compact is not None:
-                self._compact[param][kept] = old_compact[pos[kept]]
+        if "indices" not in old:
+            return
+        state["step"].copy_(old["step"])
+        kept, pos = _lookup(old["indices"], indices)
+        for key in ("exp_avg", "exp_avg_sq", "delta"):
+            state[key][kept] = old[key][pos[kept]]
+        if "base" in old:
+            state["base"][kept] = old["base"][pos[kept]]
+        if old_compact is not None:
+            self._compact[param][kept] = old_compact[pos[kept]]
+        has_base = "base" in state
+        retired_idx = old.get("retired_indices", old["indices"][:0])
+        retired_delta = old.get("retired_delta", old["delta"][:0])
+        retired_base = old.get("retired_base", old["base"][:0]) if has_base else None
+        back, rpos = _lookup(retired_idx, indices)
+        state["delta"][back] = retired_delta[rpos[back]]
+        if has_base:
+            state["base"][back] = retired_base[rpos[back]]
+        # The new record: dropped entries that carry an increment, and the retired ones not re-added.
+        still_active, _ = _lookup(indices, old["indices"])
+        leaving = ~still_active & (old["delta"] != 0)
+        still_retired = ~_lookup(indices, retired_idx)[0]
+        record_idx = torch.cat([old["indices"][leaving], retired_idx[still_retired]])
+        if record_idx.numel() == 0:
+            return
+        # Disjoint sorted sets: one sort merges them.
+        record_idx, order = torch.sort(record_idx)
+        state["retired_indices"] = record_idx
+        state["retired_delta"] = torch.cat([old["delta"][leaving], retired_delta[still_retired]])[order]
+        if has_base:
+            state["retired_base"] = torch.cat([old["base"][leaving], retired_base[still_retired]])[order]
 
     # ---------------------------------------------------------- gradient hooks
 
@@ -673,6 +723,9 @@ class SparseAdamW(torch.optim.Optimizer):
     def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], density: float,
                           what: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        stray = [k for k in _RETIRED_KEYS if k in saved and "indices" not in saved]
+        if stray:
+            raise ValueError(f"{what}: {', '.join(stray)} without indices (a retired record needs a selection)")
         if density >= 1.0 or "indices" not in saved:
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor):
@@ -710,6 +763,37 @@ class SparseAdamW(torch.optim.Optimizer):
         out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
         if "selection_calls" in saved:
             out["selection_calls"] = int(saved["selection_calls"])
+        out.update(self._load_retired(p, saved, out["indices"], what))
+        return out
+
+    def _load_retired(self, p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor,
+                      what: str) -> dict[str, torch.Tensor]:
+        """The validated retired record of a saved sparse state ({} when it has none)."""
+        keys = _RETIRED_KEYS if p.dtype != torch.float32 else _RETIRED_KEYS[:2]
+        if not any(k in saved for k in keys):
+            return {}
+        missing = [k for k in keys if k not in saved]
+        if missing:
+            raise ValueError(f"{what}: missing {', '.join(missing)} (the retired record is incomplete)")
+        retired = saved["retired_indices"]
+        _check_indices(retired, _local(p).numel(), f"{what}: retired_indices", allow_empty=True)
+        r = retired.numel()
+        for key in keys[1:]:
+            value = saved[key]
+            if not isinstance(value, torch.Tensor) or value.shape != (r,):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{what}: {key} must have shape ({r},) to match retired_indices, got {shape}")
+        retired = retired.detach().to(device=p.device, dtype=indices.dtype)
+        overlap = _lookup(indices, retired)[0]
+        if bool(overlap.any()):
+            raise ValueError(f"{what}: retired_indices must be disjoint from indices; "
+                             f"{int(overlap.sum())} are in both (first: {int(retired[overlap][0])})")
+        if r == 0:  # the record is kept only while it holds something
+            return {}
+        out = {"retired_indices": retired.clone(),
+               "retired_delta": saved["retired_delta"].detach().to(device=p.device, dtype=torch.float32).clone()}
+        if p.dtype != torch.float32:
+            out["retired_base"] = saved["retired_base"].detach().to(device=p.device, dtype=p.dtype).clone()
         return out
 
     # ------------------------------------------------------------- reporting
@@ -717,8 +801,9 @@ class SparseAdamW(torch.optim.Optimizer):
     def state_bytes(self) -> dict[str, float]:
         """Optimizer-state memory: total bytes, trainable entries, and bytes per entry.
 
-        Counts the sparse state (indices, moments, delta, base, step) and the dense state
-        of dense groups; compact gradient buffers are reported separately.
+        Counts the sparse state (indices, moments, delta, base, step, and the retired record
+        that `set_indices` may leave) and the dense state of dense groups; compact gradient
+        buffers are reported separately. `trainable_entries` counts active entries only.
         """
         total = entries = 0
         for group in self.param_groups:

@@ -403,6 +403,43 @@ def test_from_optimizer_reproduces_training(dtype):
             delta.apply_(model)
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_from_optimizer_after_set_indices_reproduces_training(dtype, compact):
+    """set_indices dropped the increments of entries leaving the set, so from_optimizer lost them (and the base)."""
+    original = _model(dtype=dtype)
+    model = copy.deepcopy(original)
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1, compact_grads=compact)
+    _train(model, opt, steps=3)
+    first = {p: opt.state[p]["indices"].clone() for p in model.parameters()}
+    for p in model.parameters():  # overlapping but different: every third position
+        opt.set_indices(p, torch.arange(0, p.numel(), 3))
+    _train(model, opt, steps=3)
+    for p in model.parameters():  # back to the first set's even half, plus positions new to both
+        again = torch.cat([first[p][::2].long(), torch.arange(1, p.numel(), 7)]).unique()
+        opt.set_indices(p, again)
+    _train(model, opt, steps=3)
+    assert all(opt.state[p]["retired_indices"].numel() for p in model.parameters())
+    delta = SparseDelta.from_optimizer(opt, model)
+    for name, p in model.named_parameters():
+        st = opt.state[p]
+        idx = delta[name].indices
+        assert idx.dtype == torch.int32 and bool((idx[1:] > idx[:-1]).all())
+        assert idx.numel() == st["indices"].numel() + st["retired_indices"].numel()
+    target = copy.deepcopy(original)
+    delta.apply_(target)  # also checks the fingerprint against the untrained copy
+    for (name, got), want in zip(target.state_dict().items(), model.state_dict().values()):
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want), name  # round(base + delta), as the optimizer writes it
+        else:
+            # The optimizer added each step to the weight in fp32; the delta holds their fp32 sum,
+            # added once: a few roundings of |w| < 1 (ulp <= 2**-24) apart, never more.
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    if dtype == torch.bfloat16:  # retired entries keep their base values for the fingerprint too
+        with pytest.raises(DeltaError, match="another base model"):
+            delta.apply_(model)
+
+
 def test_from_optimizer_dense_groups_warn_or_use_base():
     original = _model()
     model = copy.deepcopy(original)

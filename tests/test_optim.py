@@ -319,6 +319,144 @@ def test_set_indices_between_backward_and_step_keeps_the_gathered_grad():
     assert torch.equal(w_plain, w_hook) and torch.equal(m_plain, m_hook)
 
 
+def _reselect_run(dtype, compact, backend=None, steps=(3, 3, 3), save_after=None):
+    """Train a [7, 11] weight on three overlapping selections (A, then B, then C).
+
+    A: even positions; B: multiples of 3 (A and B share the multiples of 6); C: multiples of 4
+    (some of A retired by B, some of A kept by B, none of B's fresh odd positions).
+    Returns (w, opt, w0, snapshots of the state right after each set_indices).
+    """
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(7, 11).to(dtype))
+    w0 = w.detach().clone()
+    opt = SparseAdamW([w], lr=1e-2, density=0.3, compact_grads=compact, backend=backend)
+    coef = torch.linspace(-2, 2, 77).reshape(7, 11)
+    snapshots = []
+    for phase, (every, n) in enumerate(zip((2, 3, 4), steps)):
+        opt.set_indices(w, torch.arange(0, 77, every))
+        snapshots.append({k: v.clone() for k, v in opt.state[w].items() if isinstance(v, torch.Tensor)})
+        for _ in range(n):
+            opt.zero_grad()
+            (w.float() * coef).sin().sum().backward()
+            opt.step()
+        if save_after == phase:
+            return w, opt, w0, snapshots
+    return w, opt, w0, snapshots
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_set_indices_retires_dropped_increments_and_restores_them(dtype, compact):
+    """set_indices dropped the delta (and base) of entries leaving the set; a re-added one restarted from 0."""
+    w, opt, w0, (_, after_b, after_c) = _reselect_run(dtype, compact)
+    a, b, c = (set(range(0, 77, e)) for e in (2, 3, 4))
+    # After B: A's entries outside B are retired, with the increment they had; B's share of A kept it.
+    retired_b = sorted(a - b)
+    assert after_b["retired_indices"].tolist() == retired_b
+    assert after_b["retired_indices"].dtype == after_b["indices"].dtype
+    assert (after_b["retired_delta"] != 0).all()
+    assert after_b["delta"][[i for i, j in enumerate(range(0, 77, 3)) if j not in a]].eq(0).all()
+    # After C: C's entries come back from the record (A - B) or from B, never from zero.
+    retired_c = sorted((a | b) - c)
+    state = opt.state[w]
+    assert after_c["retired_indices"].tolist() == retired_c
+    c_list = list(range(0, 77, 4))
+    from_record = [i for i, j in enumerate(c_list) if j in a - b]
+    assert from_record, "C must re-add entries that B retired"
+    rows = [retired_b.index(c_list[i]) for i in from_record]
+    assert torch.equal(after_c["delta"][from_record], after_b["retired_delta"][rows])
+    assert after_c["exp_avg"][from_record].eq(0).all() and after_c["exp_avg_sq"][from_record].eq(0).all()
+    if dtype != torch.float32:
+        assert torch.equal(after_c["base"][from_record], after_b["retired_base"][rows])
+        assert torch.equal(after_c["base"], w0.view(-1)[after_c["indices"].long()])
+        assert torch.equal(state["retired_base"], w0.view(-1)[state["retired_indices"].long()])
+    _assert_weight_is_start_plus_increments(w, w0, state, a | b | c)
+
+
+def _assert_weight_is_start_plus_increments(w, w0, state, trained: set[int]) -> None:
+    """Every entry that ever trained is in exactly one of indices / retired_indices, with its
+    total increment; every other entry is untouched."""
+    active, retired = state["indices"].long(), state["retired_indices"].long()
+    assert set(active.tolist()).isdisjoint(retired.tolist())
+    assert sorted(active.tolist() + retired.tolist()) == sorted(trained)
+    flat, flat0 = w.detach().view(-1), w0.view(-1)
+    untouched = torch.ones(flat.numel(), dtype=torch.bool)
+    untouched[active] = untouched[retired] = False
+    assert torch.equal(flat[untouched], flat0[untouched])
+    for idx, delta in ((active, state["delta"]), (retired, state["retired_delta"])):
+        if w.dtype == torch.float32:
+            # The weight summed the steps one by one in fp32, delta summed them apart: they agree
+            # up to a few roundings of the weight (|w| < 4, ulp 2**-22), not bit for bit.
+            torch.testing.assert_close(flat[idx], flat0[idx] + delta, rtol=0, atol=2e-6)
+        else:
+            assert torch.equal(flat[idx], (flat0[idx].float() + delta).to(w.dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retired_increments_on_every_backend(backend):
+    """Re-selection kept every increment on each backend (fp32: the Triton interpreter truncates
+    fp32->bf16 casts, so bf16 exactness is pinned on the default backend above)."""
+    w, opt, w0, _ = _reselect_run(torch.float32, False, backend=backend)
+    trained = set(range(0, 77, 2)) | set(range(0, 77, 3)) | set(range(0, 77, 4))
+    _assert_weight_is_start_plus_increments(w, w0, opt.state[w], trained)
+
+
+def test_set_indices_drops_entries_without_an_increment():
+    """Entries that never moved are not kept in the retired record (nothing to lose)."""
+    w = torch.nn.Parameter(torch.randn(20))
+    opt = SparseAdamW([w], lr=1e-2, density=0.3)
+    opt.set_indices(w, torch.tensor([1, 2, 3]))
+    opt.set_indices(w, torch.tensor([4, 5]))
+    assert "retired_indices" not in opt.state[w]
+    w.grad = torch.zeros(20)
+    w.grad[4] = 1.0  # 5 sees a zero gradient and no weight decay: its delta stays 0
+    opt.param_groups[0]["weight_decay"] = 0.0
+    opt.step()
+    opt.set_indices(w, torch.tensor([6]))
+    assert opt.state[w]["retired_indices"].tolist() == [4]
+    opt.set_indices(w, torch.tensor([4, 6]))
+    assert "retired_indices" not in opt.state[w], "an emptied record is removed"
+    assert opt.state[w]["delta"][0] != 0
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_state_dict_with_retired_entries_continues_identically(dtype, compact):
+    """The retired record of set_indices survives state_dict()/load_state_dict() and the run continues bit for bit."""
+    w_a, opt_a, _, _ = _reselect_run(dtype, compact, save_after=1)
+    assert "retired_indices" in opt_a.state[w_a]
+    buf = io.BytesIO()
+    torch.save({"w": w_a.detach(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    w_b = torch.nn.Parameter(saved["w"].clone())
+    opt_b = SparseAdamW([w_b], lr=1.0, density=0.5, compact_grads=compact)
+    opt_b.load_state_dict(saved["opt"])
+    _assert_states_equal(opt_a, opt_b, [w_a], [w_b])
+    coef = torch.linspace(-2, 2, 77).reshape(7, 11)
+    for w, opt in ((w_a, opt_a), (w_b, opt_b)):
+        opt.set_indices(w, torch.arange(0, 77, 4))
+        for _ in range(3):
+            opt.zero_grad()
+            (w.float() * coef).sin().sum().backward()
+            opt.step()
+    _assert_states_equal(opt_a, opt_b, [w_a], [w_b])
+
+
+def test_state_bytes_counts_the_retired_record():
+    """state_bytes() must count the retired record of set_indices: it is memory the optimizer holds."""
+    w = torch.nn.Parameter(torch.randn(1000).to(torch.bfloat16))
+    opt = SparseAdamW([w], density=0.01)
+    opt.set_indices(w, torch.arange(0, 10))
+    w.grad = torch.randn(1000).to(torch.bfloat16)
+    opt.step()
+    before = opt.state_bytes()["state_bytes"]
+    opt.set_indices(w, torch.arange(5, 15))
+    # 5 kept, 5 new (same active size), 5 retired at 4 (int32) + 4 (delta) + 2 (bf16 base) bytes.
+    assert opt.state_bytes()["state_bytes"] == before + 5 * 10
+    assert opt.state_bytes()["trainable_entries"] == 10
+
+
 # ----------------------------------------------------------- kernels vs ref
 
 
@@ -719,6 +857,48 @@ def _trained_opt():
     opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
     _train(model, opt, 2)
     return model, opt
+
+
+def _retired_opt():
+    w, opt, _, _ = _reselect_run(torch.bfloat16, False, steps=(2, 1, 1), save_after=1)
+    return w, opt
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        pytest.param(lambda sd: sd["state"][0].pop("retired_delta"), "missing retired_delta", id="missing-delta"),
+        pytest.param(lambda sd: sd["state"][0].pop("retired_indices"), "missing retired_indices",
+                     id="missing-indices"),
+        pytest.param(lambda sd: sd["state"][0].pop("retired_base"), "missing retired_base", id="missing-base"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("retired_delta", sd["state"][0]["retired_delta"][1:]),
+                     r"retired_delta must have shape \(\d+,\) to match retired_indices", id="delta-length"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("retired_base", sd["state"][0]["retired_base"][:, None]),
+                     "retired_base must have shape", id="base-shape"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("retired_indices",
+                                                           sd["state"][0]["retired_indices"].flip(0)),
+                     "retired_indices must be sorted", id="unsorted"),
+        pytest.param(lambda sd: sd["state"][0].__setitem__("retired_indices",
+                                                           sd["state"][0]["retired_indices"] + 1000),
+                     "retired_indices out of range", id="out-of-range"),
+        pytest.param(lambda sd: sd["state"][0]["retired_indices"].__setitem__(0, sd["state"][0]["indices"][0]),
+                     "retired_indices must be disjoint from indices", id="overlap"),
+        pytest.param(lambda sd: sd["state"].__setitem__(0, {"retired_indices": torch.tensor([1]),
+                                                            "retired_delta": torch.ones(1)}),
+                     "retired_indices, retired_delta without indices", id="without-indices"),
+    ],
+)
+def test_corrupted_retired_record_raises_and_keeps_state(corrupt, match):
+    """load_state_dict took a retired record (of set_indices) unchecked; a bad one now raises naming the key."""
+    _, source = _retired_opt()
+    sd = copy.deepcopy(source.state_dict())
+    corrupt(sd)
+    _, target = _retired_opt()
+    target.param_groups[0]["lr"] = 0.123
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(sd)
+    _assert_state_dicts_equal(target.state_dict(), before)
 
 
 @pytest.mark.parametrize(
