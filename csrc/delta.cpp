@@ -16,6 +16,11 @@
 //
 // Apply. w[idx[j]] = W(float(w[idx[j]]) + float(scale) * v[j]) for unique sorted idx, with the
 // old w[idx[j]] optionally saved, in chunks over all tensors with software prefetch ahead.
+//
+// Index validation. The ops are public (torch.ops.sift.*), so they do not trust the sortedness
+// the Python API checks: before anything is planned or written, one parallel pass over all index
+// tensors checks every position (in range, and above its predecessor), and the first violation
+// (lowest tensor, then lowest position) raises naming the tensor and the position.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,7 +29,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace sift {
@@ -35,6 +42,92 @@ constexpr int64_t PREFETCH_DISTANCE = 32;
 // Ranges smaller than this are not worth a thread: the merge of one costs ~microseconds.
 constexpr int64_t MIN_RANGE_ENTRIES = 1 << 16;
 constexpr int64_t NO_INDEX = std::numeric_limits<int64_t>::max();
+// Entries per task of the index validation pass (a streaming read of <= 512 KB).
+constexpr int64_t CHECK_CHUNK = 1 << 16;
+
+struct Chunk {
+  int64_t tensor, begin, end;
+};
+
+template <typename I>
+int64_t at_position(const at::Tensor& t, int64_t pos) {
+  return static_cast<int64_t>(t.data_ptr<I>()[pos]);
+}
+
+int64_t index_at(const at::Tensor& t, int64_t pos) {
+  return t.scalar_type() == at::kInt ? at_position<int32_t>(t, pos) : at_position<int64_t>(t, pos);
+}
+
+// ------------------------------------------------------------------------------------------
+// Index validation
+// ------------------------------------------------------------------------------------------
+
+// First position j in [begin, end) breaking the contract, or -1: idx[0] must lie in [0, limit),
+// and idx[j] (j > 0) in (idx[j - 1], limit), idx[j - 1] possibly in the previous chunk. Whether a
+// position breaks it depends on that position alone, so the lowest over the chunks of a tensor is
+// the tensor's first violation, and with none, every index is in [0, limit) by induction.
+template <typename I>
+int64_t first_violation(const I* __restrict idx, int64_t begin, int64_t end, int64_t limit) {
+  using U = std::make_unsigned_t<I>;
+  if (begin >= end) return -1;
+  // Fast test, branch-free and vectorizable (SSE2 has no 64-bit compare, but has 64-bit sub/or):
+  // the sign bit of a | (last - a) | (a - prev - 1) is set iff a is outside [0, last] or, both
+  // in range (no overflow then), a <= prev. Wrapped garbage from an out-of-range prev can only
+  // err at `begin` after an out-of-range idx[begin - 1], which its own chunk reports; any hit is
+  // confirmed by the exact scan below.
+  const I last = static_cast<I>(std::min<int64_t>(limit - 1, std::numeric_limits<I>::max()));
+  const U ulast = static_cast<U>(last);
+  U acc = 0;
+  if (begin == 0) acc = static_cast<U>(idx[0]) | (ulast - static_cast<U>(idx[0]));
+  for (int64_t j = std::max<int64_t>(begin, 1); j < end; ++j) {
+    const U a = static_cast<U>(idx[j]);
+    acc |= a | (ulast - a) | (a - static_cast<U>(idx[j - 1]) - U{1});
+  }
+  if (static_cast<I>(acc) >= 0) return -1;
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t a = idx[j];
+    if (a >= limit || (j == 0 ? a < 0 : a <= static_cast<int64_t>(idx[j - 1]))) return j;
+  }
+  return -1;
+}
+
+struct Violation {
+  int64_t tensor = -1, position = -1;
+};
+
+// Checks every index of every tensor (int32 or int64, contiguous 1-D, already checked) against
+// its tensor's limit, in parallel; returns the first violation in (tensor, position) order.
+Violation find_violation(at::TensorList indices, const std::vector<int64_t>& limits) {
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < static_cast<int64_t>(indices.size()); ++i) {
+    const int64_t k = indices[i].numel();
+    for (int64_t b = 0; b < k; b += CHECK_CHUNK) chunks.push_back({i, b, std::min(k, b + CHECK_CHUNK)});
+  }
+  std::vector<int64_t> found(chunks.size(), -1);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const Chunk& ch = chunks[c];
+      const at::Tensor& t = indices[ch.tensor];
+      found[c] = t.scalar_type() == at::kInt
+                     ? first_violation<int32_t>(t.data_ptr<int32_t>(), ch.begin, ch.end, limits[ch.tensor])
+                     : first_violation<int64_t>(t.data_ptr<int64_t>(), ch.begin, ch.end, limits[ch.tensor]);
+    }
+  });
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (found[c] >= 0) return {chunks[c].tensor, found[c]};
+  }
+  return {};
+}
+
+// "indices[i] has V at position j, outside [0, L)" or "..., not above U at position j - 1".
+std::string describe_violation(at::TensorList indices, const Violation& v, int64_t limit,
+                               const std::string& limit_text) {
+  const at::Tensor& t = indices[v.tensor];
+  const int64_t value = index_at(t, v.position);
+  std::string out = c10::str("indices[", v.tensor, "] has ", value, " at position ", v.position);
+  if (value < 0 || value >= limit) return out + c10::str(", outside [0, ", limit_text, ")");
+  return out + c10::str(", not above ", index_at(t, v.position - 1), " at position ", v.position - 1);
+}
 
 // ------------------------------------------------------------------------------------------
 // Merge
@@ -194,11 +287,6 @@ int64_t lower_bound_in(const at::Tensor& t, int64_t value) {
   return std::lower_bound(p, p + n, value, [](I a, int64_t b) { return static_cast<int64_t>(a) < b; }) - p;
 }
 
-template <typename I>
-int64_t at_position(const at::Tensor& t, int64_t pos) {
-  return static_cast<int64_t>(t.data_ptr<I>()[pos]);
-}
-
 // Cuts the inputs of one group into ranges of roughly equal total size.
 template <typename I>
 void plan_group(at::TensorList indices, int64_t first, int64_t n_inputs, int64_t group, int64_t n_ranges,
@@ -257,10 +345,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
   const int64_t threads = at::get_num_threads();
   std::vector<MergeRange> ranges;
   std::vector<at::Tensor> out_idx(n_groups), out_val(n_groups);
-  std::vector<int64_t> range_first(n_groups + 1, 0);
+  std::vector<int64_t> range_first(n_groups + 1, 0), totals(n_groups, 0), limits(n_in), limit_bits(n_in);
   for (int64_t g = 0; g < n_groups; ++g) {
     const auto dtype = indices[first[g]].scalar_type();
-    int64_t total = 0;
+    int64_t& total = totals[g];
     for (int64_t i = first[g]; i < first[g] + group_sizes[g]; ++i) {
       const auto& ix = indices[i];
       const auto& v = values[i];
@@ -273,19 +361,25 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
       TORCH_CHECK(v.numel() == ix.numel(), "values must have one entry per index");
       total += ix.numel();
     }
-    // The tree packs (index << id_bits | input) into 64 bits; sortedness is the caller's
-    // contract (validated once in Python), so the ends bound every index.
+    // The tree packs (index << id_bits | input) into 64 bits, so indices must stay below
+    // 2**(62 - id_bits); the ranges, the tree and the output bounds rely on each input being
+    // strictly increasing. Both are checked on every index below, before any planning.
     int id_bits = 0;
     while ((int64_t{1} << id_bits) < group_sizes[g]) ++id_bits;
-    const int64_t limit = int64_t{1} << (62 - std::min(id_bits, 40));
     for (int64_t i = first[g]; i < first[g] + group_sizes[g]; ++i) {
-      const int64_t len = indices[i].numel();
-      if (len == 0) continue;
-      const int64_t lo = dtype == at::kInt ? at_position<int32_t>(indices[i], 0) : at_position<int64_t>(indices[i], 0);
-      const int64_t hi = dtype == at::kInt ? at_position<int32_t>(indices[i], len - 1)
-                                           : at_position<int64_t>(indices[i], len - 1);
-      TORCH_CHECK(lo >= 0 && hi < limit, "indices must be non-negative and below 2**", 62 - std::min(id_bits, 40));
+      limit_bits[i] = 62 - std::min(id_bits, 40);
+      limits[i] = int64_t{1} << limit_bits[i];
     }
+  }
+  const Violation bad = find_violation(indices, limits);
+  if (bad.tensor >= 0) {
+    const int64_t bits = limit_bits[bad.tensor];
+    TORCH_CHECK(false, "indices must be non-negative, strictly increasing and below 2**", bits, ": ",
+                describe_violation(indices, bad, limits[bad.tensor], c10::str("2**", bits)));
+  }
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const auto dtype = indices[first[g]].scalar_type();
+    const int64_t total = totals[g];
     out_idx[g] = at::empty({total}, indices[first[g]].options());
     out_val[g] = at::empty({total}, values[first[g]].options());
     const int64_t n_ranges = std::max<int64_t>(1, std::min<int64_t>(16 * threads, total / MIN_RANGE_ENTRIES));
@@ -342,10 +436,6 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
 // Apply and restore
 // ------------------------------------------------------------------------------------------
 
-struct Chunk {
-  int64_t tensor, begin, end;
-};
-
 // Both loops prefetch the weight line PREFETCH_DISTANCE entries ahead, across chunk ends (k is
 // the tensor's entry count): sorted indices make the line known long before it is needed.
 template <typename W, typename I>
@@ -375,6 +465,7 @@ std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices, at
   TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
   TORCH_CHECK(static_cast<int64_t>(values.size()) == n, values_name, " must have one tensor per param");
   std::vector<Chunk> work;
+  std::vector<int64_t> limits(n);
   for (int64_t i = 0; i < n; ++i) {
     const auto& p = params[i];
     const auto& ix = indices[i];
@@ -391,14 +482,16 @@ std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices, at
     TORCH_CHECK(v.scalar_type() == (values_in_param_dtype ? p.scalar_type() : at::kFloat), values_name,
                 values_in_param_dtype ? " must have the dtype of their params" : " must be float32");
     const int64_t k = ix.numel();
-    // Range is checked on the ends only: the indices are sorted (checked by the caller once,
-    // not on every apply), so the first and last bound all of them.
-    if (k > 0) {
-      const int64_t lo = ix.scalar_type() == at::kInt ? ix.data_ptr<int32_t>()[0] : ix.data_ptr<int64_t>()[0];
-      const int64_t hi = ix.scalar_type() == at::kInt ? ix.data_ptr<int32_t>()[k - 1] : ix.data_ptr<int64_t>()[k - 1];
-      TORCH_CHECK(lo >= 0 && hi < p.numel(), "indices must lie in [0, param.numel())");
-    }
+    limits[i] = p.numel();
     for (int64_t b = 0; b < k; b += APPLY_CHUNK) work.push_back({i, b, std::min(k, b + APPLY_CHUNK)});
+  }
+  // Every index of every tensor, before any param is written: a bad tensor late in the list
+  // leaves the earlier params untouched.
+  const Violation bad = find_violation(indices, limits);
+  if (bad.tensor >= 0) {
+    const int64_t numel = limits[bad.tensor];
+    TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: ",
+                describe_violation(indices, bad, numel, c10::str(numel)));
   }
   return work;
 }

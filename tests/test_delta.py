@@ -170,6 +170,73 @@ def test_apply_cpp_without_saving_returns_nothing_and_checks_range():
     assert w.tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 2]
 
 
+# Each case: (indices of the bad tensor, numel of its param, position and value the error names).
+# The C++ ops only range-checked the first and last index, trusting sortedness checked in Python.
+_BAD_INDEX_CASES = [
+    pytest.param([5, 10**9, 7], 16, 1, 10**9, id="unsorted-huge-inside"),
+    pytest.param([5, 16, 20, 3], 16, 1, 16, id="unsorted-past-end-inside"),
+    pytest.param([2, -7, 9], 16, 1, -7, id="negative-inside"),
+    pytest.param([-1, 3], 16, 0, -1, id="negative-first"),
+    pytest.param([1, 4, 4, 9], 16, 2, 4, id="duplicate"),
+    pytest.param([9, 3, 15], 16, 1, 3, id="descending-in-range"),
+    pytest.param([3, 16], 16, 1, 16, id="past-end-last"),
+    # Sorted everywhere but across the boundary of the C++ validation chunks (2**16 entries).
+    pytest.param(list(range(2**16)) + [2**16 - 1] + list(range(2**16 + 1, 2**17)), 2**17, 2**16, 2**16 - 1,
+                 id="repeat-at-chunk-boundary"),
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+@requires_cpp
+@pytest.mark.parametrize("bad_tensor", [0, 1], ids=["bad-first", "bad-second"])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("bad,numel,position,value", _BAD_INDEX_CASES)
+def test_raw_apply_and_restore_check_every_index_before_writing(bad, numel, position, value, index_dtype,
+                                                                bad_tensor):
+    """The raw C++ apply/restore checked only the end indices: unsorted ones wrote out of bounds."""
+    gen = torch.Generator().manual_seed(11)
+    good_w = torch.randn(64, generator=gen).to(torch.bfloat16)
+    good_idx = torch.tensor([0, 7, 63], dtype=index_dtype)
+    bad_w = torch.randn(numel, generator=gen)
+    bad_idx = torch.tensor(bad, dtype=index_dtype)
+    params, indices = [good_w, bad_w], [good_idx, bad_idx]
+    if bad_tensor == 0:
+        params, indices = params[::-1], indices[::-1]
+    before = [_bits(p) for p in params]
+    match = (rf"indices must lie in \[0, param.numel\(\)\) and be strictly increasing: "
+             rf"indices\[{bad_tensor}\] has {value} at position {position}\b")
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.sift.sparse_delta_apply_(params, indices, [torch.ones(i.numel()) for i in indices], 1.0, True)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.sift.sparse_delta_restore_(params, indices, [torch.zeros(i.numel(), dtype=p.dtype)
+                                                               for p, i in zip(params, indices)])
+    for p, b in zip(params, before):
+        assert torch.equal(_bits(p), b)
+
+
+@requires_cpp
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("bad,position", [
+    pytest.param([5, 10**9, 7], 2, id="unsorted"),
+    pytest.param([2, -7, 9], 1, id="negative-inside"),
+    pytest.param([1, 4, 4, 9], 2, id="duplicate"),
+])
+def test_raw_merge_checks_every_index(bad, position, index_dtype):
+    """The raw C++ merge checked only the end indices: unsorted or negative ones broke its tree and ranges."""
+    idx = [torch.tensor([0, 3], dtype=index_dtype), torch.tensor(bad, dtype=index_dtype)]
+    val = [torch.ones(2), torch.ones(len(bad))]
+    with pytest.raises(RuntimeError, match=rf"indices must be non-negative, strictly increasing and below 2\*\*61: "
+                                           rf"indices\[1\] has -?\d+ at position {position}\b"):
+        torch.ops.sift.merge_sorted_deltas(idx, val, [1.0, 1.0], [2], False)
+    if index_dtype == torch.int64:
+        idx[1] = torch.tensor([1, 2**61, 2**61 + 1])
+        with pytest.raises(RuntimeError, match=r"indices\[1\] has 2305843009213693952 at position 1, outside"):
+            torch.ops.sift.merge_sorted_deltas(idx, [torch.ones(2), torch.ones(3)], [1.0, 1.0], [2], False)
+
+
 @requires_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_and_restore_triton_match_reference(dtype):
