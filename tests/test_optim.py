@@ -1073,3 +1073,27 @@ def test_captured_step_survives_another_optimizer_of_the_same_shapes():
     torch.cuda.synchronize()
     for p, r in zip(params, refs):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
+def test_fp32_base_layout_matches_reference_and_the_read_layout(backend):
+    """fp32 weights with a base (rebuilt as base + delta, never read) step like the reference and like no base."""
+    shapes = [(37, 29), (1,), (513,), (2049,)]
+    inputs = _kernel_inputs(shapes, torch.float32, 0.3, False, seed=11)
+    no_base = copy.deepcopy(inputs)
+    # base + delta == the weight at the chosen entries, as the optimizer would keep it
+    inputs[6] = [p.reshape(-1)[i.long()] - d for p, i, d in zip(inputs[0], inputs[2], inputs[5])]
+    expected = copy.deepcopy(inputs)
+    kwargs = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
+    _, fn = _ops.resolve("sparse_adamw_", "cpu", backend)
+    fn(*inputs, **kwargs)
+    _ops.sparse_adamw_ref(*expected, **kwargs)
+    fn(*no_base, **kwargs)
+    for got, want, plain in zip(inputs[0], expected[0], no_base[0]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-7)  # same step, one rounding apart
+    for j in (3, 4, 5):  # the tolerance of test_kernel_matches_reference for state
+        for got, want in zip(inputs[j], expected[j]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for got, want in zip(inputs[6], expected[6]):
+        assert torch.equal(got, want), "the base is read only"
