@@ -68,13 +68,11 @@ def _check(p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, what: str, dt
         raise ValueError("params, indices and values must be on one device")
 
 
-def _check_lengths(params: list[torch.Tensor], indices: list[torch.Tensor], vals: list[torch.Tensor],
-                   what: str) -> None:
+def _check_lengths(n_params: int, **lists: list[torch.Tensor]) -> None:
     # zip() would silently skip the params past the shorter list.
-    if len(indices) != len(params):
-        raise ValueError(f"indices must have one tensor per param (got {len(indices)} for {len(params)})")
-    if len(vals) != len(params):
-        raise ValueError(f"{what} must have one tensor per param (got {len(vals)} for {len(params)})")
+    for name, tensors in lists.items():
+        if len(tensors) != n_params:
+            raise ValueError(f"{name} must have one tensor per param (got {len(tensors)} for {n_params})")
 
 
 def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor], values: list[torch.Tensor],
@@ -97,7 +95,7 @@ def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor],
         ...                     [torch.ones(2, device="cuda")], 0.5, False)
         []
     """
-    _check_lengths(params, indices, values, "values")
+    _check_lengths(len(params), indices=indices, values=values)
     saved = []
     for p, idx, val in zip(params, indices, values):
         _check(p, idx, val, "values", torch.float32)
@@ -127,7 +125,7 @@ def sparse_delta_restore_(params: list[torch.Tensor], indices: list[torch.Tensor
         >>> old = sparse_delta_apply_([w], [idx], [torch.ones(2, device="cuda")], 1.0, True)
         >>> sparse_delta_restore_([w], [idx], old)
     """
-    _check_lengths(params, indices, originals, "originals")
+    _check_lengths(len(params), indices=indices, originals=originals)
     for p, idx, old in zip(params, indices, originals):
         _check(p, idx, old, "originals", p.dtype)
         k = idx.numel()
