@@ -45,7 +45,11 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sift._l2 import get_l2_fetch_granularity, l2_fetch_granularity  # noqa: E402
+from sift._l2 import (  # noqa: E402
+    get_l2_fetch_granularity,
+    l2_fetch_granularity,
+    l2_fetch_granularity_unavailable,
+)
 from sift.bench._harness import header_lines  # noqa: E402
 from sift.triton_kernels.sparse_adamw import sparse_adamw_  # noqa: E402
 
@@ -107,8 +111,8 @@ def random_sorted_indices(numel: int, density: float, device: torch.device, seed
 
 
 def _granularity(nbytes: int | None, device: torch.device):
-    """`l2_fetch_granularity` on CUDA; on CPU a no-op block that reports nothing."""
-    if device.type == "cuda":
+    """`l2_fetch_granularity` where it can be read; elsewhere a no-op block that reports nothing."""
+    if device.type == "cuda" and l2_fetch_granularity_unavailable(device) is None:
         return l2_fetch_granularity(nbytes, device)
     return contextlib.nullcontext(None)
 
@@ -124,9 +128,10 @@ def main() -> None:
     numel = (1 << 20) if args.quick or device.type != "cuda" else 8 * 8192 * 16384
     numel = args.numel or numel
     requested = [None if x.strip() == "default" else int(x) for x in args.l2_fetch.split(",")]
-    default = get_l2_fetch_granularity(device) if device.type == "cuda" else None
-    # On CPU there is no such setting: one pass. On CUDA, skip a bound equal to the default.
-    settings = [None] if device.type != "cuda" else [
+    why_not = l2_fetch_granularity_unavailable(device) if device.type == "cuda" else "no CUDA device"
+    default = get_l2_fetch_granularity(device) if why_not is None else None
+    # Without the setting: one pass. Otherwise skip a bound equal to the default.
+    settings = [None] if why_not is not None else [
         g for i, g in enumerate(requested) if (g is None or g != default) and g not in requested[:i]]
     w = torch.zeros(numel, device=device)
     g = torch.randn(numel, device=device)
@@ -141,7 +146,7 @@ def main() -> None:
     del dense_params, fused
     print("\n".join(header_lines()))
     print(f"\nfp32 weight and gradient of {numel:,} elements; L2 fetch granularity bound by default: "
-          f"{f'{default} B' if default is not None else 'n/a'}")
+          f"{f'{default} B' if default is not None else f'n/a ({why_not})'}")
     print("fused AdamW step: " + ", ".join(
         f"{ms:.3f} ms at L2 fetch {_label(s, a)}" for s, (ms, a) in fused_ms.items()) + "\n")
     print("| density | L2 fetch | pattern | ms | sector GB/s | % of 4.8 TB/s | x vs fused (default L2 fetch) |")

@@ -85,6 +85,15 @@ def set_l2_fetch_granularity(nbytes: int, device: torch.device | str | int | Non
     return old
 
 
+def l2_fetch_granularity_unavailable(device: torch.device | str | int | None = None) -> str | None:
+    """Why the bound cannot be read here (no CUDA, no driver library, the driver refuses), else None."""
+    try:
+        get_l2_fetch_granularity(device)
+    except (RuntimeError, ValueError, OSError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 @contextmanager
 def l2_fetch_granularity(nbytes: int | None, device: torch.device | str | int | None = None) -> Iterator[int]:
     """Run a block with the L2 fetch-size bound set to `nbytes` (None: leave it), then restore it.

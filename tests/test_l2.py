@@ -32,3 +32,14 @@ def test_fetch_granularity_is_set_inside_the_block_and_restored_after():
         idx = torch.randperm(g.numel())[: 1 << 12].sort().values
         assert torch.equal(g.cuda()[idx.cuda()].cpu(), g[idx])  # gathers stay exact under the bound
     assert _l2.get_l2_fetch_granularity() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given without CUDA")
+def test_unavailable_says_why_without_cuda():
+    why = _l2.l2_fetch_granularity_unavailable()
+    assert why is not None and "CUDA" in why
+
+
+@pytest.mark.gpu
+def test_available_on_a_cuda_machine():
+    assert _l2.l2_fetch_granularity_unavailable() is None

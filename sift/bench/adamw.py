@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sift import _ops
-from sift._l2 import l2_fetch_granularity
+from sift._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
 from sift.bench._harness import markdown_table, save_results, time_cpu, time_gpu
 from sift.optim import SparseAdamW
 
@@ -223,6 +223,10 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         info["param_and_grad_bytes"] = 2 * sum(p.numel() * p.element_size() for p in params)
     rows: list[dict[str, object]] = []
     extra_dense: list[dict[str, object]] = []
+    # The L2 fetch-bound rows only where the driver lets us read (and so set) the bound.
+    l2_rows = kind == "cuda" and l2_fetch_granularity_unavailable(device) is None
+    if kind == "cuda" and info is not None:
+        info["l2_fetch_bound"] = l2_fetch_granularity_unavailable(device) or "available"
     dense_ms: dict[str, float] = {}
     for flavour in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **{flavour: True})
@@ -235,7 +239,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         rows.append(_row(f"AdamW({flavour})", "torch", dtype_name, "100%", timing, state,
                          dense_step_bytes(params), peak_gbps))
         dense_ms[flavour] = timing["median_ms"]
-        if kind == "cuda" and flavour == "fused":
+        if l2_rows and flavour == "fused":
             # Does a 32-byte L2 fetch bound (which may help the sparse gathers) cost a streaming step?
             with l2_fetch_granularity(L2_FETCH_BYTES, device):
                 timing = _timer(device)(opt.step)
@@ -272,7 +276,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                 except Exception as exc:  # the benchmark reports a failed capture instead of dying
                     rows.append({"optimizer": "SparseAdamW", "backend": f"triton+graph: {type(exc).__name__}",
                                  "dtype": dtype_name, "density": f"{100 * density:g}%"})
-            if kind == "cuda" and backend == "triton":
+            if l2_rows and backend == "triton":
                 variants += [(f"{name}, L2 fetch {L2_FETCH_BYTES} B", fn, L2_FETCH_BYTES) for name, fn, _ in variants]
             for name, fn, fetch in variants:
                 if fetch is None:
