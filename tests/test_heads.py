@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import warnings
 import sys
 
 import numpy as np
@@ -878,3 +879,15 @@ def test_score_heads_runs_the_backbone_only(kind):
     backbone_only = heads.score_heads(model.base_model, [batch], n_samples=3, progress=False)
     torch.testing.assert_close(with_head.info, backbone_only.info, rtol=0, atol=0)
     torch.testing.assert_close(with_head.rank, backbone_only.rank, rtol=0, atol=0)
+
+
+def test_pagerank_warns_when_it_stops_at_max_iter():
+    """pagerank returned the iterate at max_iter silently, as if it had converged."""
+    info = torch.tensor([[3.0, 1.0, 2.0], [1.0, 1.0, 1.0]])
+    corr = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.5], [2.0, 0.5, 0.0]]).expand(2, 3, 3)
+    with pytest.warns(RuntimeWarning, match="max_iter=3"):
+        rank, iterations = heads.pagerank(info, corr, eps=1e-300, max_iter=3)
+    assert int(iterations.max()) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        heads.pagerank(info, corr)  # converges well before the default cap: no warning

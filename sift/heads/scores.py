@@ -5,6 +5,7 @@ correlation, PageRank, and the Monte-Carlo scoring loop over samples (Alg. 1-2).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -189,7 +190,7 @@ def pagerank(
         damping: d in [0, 1).
         eps: L1 tolerance between consecutive iterates, > 0.
         personalized: teleport to P0 instead of uniformly.
-        max_iter: cap on iterations.
+        max_iter: cap on iterations (reaching it warns: the ranks are then the last iterate).
 
     Returns:
         `(rank, iterations)`: rank [..., H] float64 summing to 1, and the number of steps
@@ -231,6 +232,10 @@ def pagerank(
         cur = torch.where(active[..., None], nxt, cur)
         iterations += active.long()
         active = active & ((cur - prev).abs().sum(-1) > eps)
+    if bool(active.any()):
+        warnings.warn(f"pagerank stopped at max_iter={max_iter} with {int(active.sum())} of {active.numel()} "
+                      f"walks not yet within eps={eps:g}; the ranks are the last iterate", RuntimeWarning,
+                      stacklevel=2)
     return cur, iterations
 
 
