@@ -24,6 +24,7 @@ live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a sche
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 
@@ -134,7 +135,7 @@ _block_cache: dict[tuple, torch.Tensor] = {}
 # Segment tables by their exact contents. A captured CUDA graph keeps reading the table it was
 # captured with, so tables are not overwritten in place: the most recent ones stay alive.
 _TABLE_CACHE_SIZE = 32
-_table_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_table_cache: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()
 
 
 def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
@@ -147,18 +148,20 @@ def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> to
     return blocks
 
 
-def _segment_table(key: tuple, columns: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    full_key = (key, tuple(x for col in columns for x in col))
-    table = _table_cache.get(full_key)
-    if table is not None:
+def _segment_table(key: tuple, columns: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The device copy of `columns` (cached by content) and whether the compact arrays are 16-byte aligned."""
+    full_key = (key, columns)  # a tuple of tuples: hashed and compared in C
+    hit = _table_cache.get(full_key)
+    if hit is not None:
         _table_cache.move_to_end(full_key)
-        return table
+        return hit
     host = torch.tensor(columns, dtype=torch.int64)
     table = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    _table_cache[full_key] = table
+    aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
+    _table_cache[full_key] = (table, aligned)
     if len(_table_cache) > _TABLE_CACHE_SIZE:
         _table_cache.popitem(last=False)
-    return table
+    return table, aligned
 
 
 def sparse_adamw_(
@@ -208,34 +211,25 @@ def sparse_adamw_(
     device = params[0].device
     w_dtype = params[0].dtype
     i_dtype = indices[0].dtype
-    for i, p in enumerate(params):
-        if p.device != device or p.dtype != w_dtype or indices[i].dtype != i_dtype:
-            raise ValueError("params must share one device and dtype, and indices one dtype")
-        if not p.is_contiguous() or not grads[i].is_contiguous():
-            raise ValueError("params and grads must be contiguous")
+    # The Python side runs every step over every tensor (hundreds in a large model): C-level
+    # map/zip instead of per-element Python, and the table is rebuilt only when an address moves.
+    if len({(p.device, p.dtype) for p in params}) != 1 or len({t.dtype for t in indices}) != 1:
+        raise ValueError("params must share one device and dtype, and indices one dtype")
+    if not (all(map(torch.Tensor.is_contiguous, params)) and all(map(torch.Tensor.is_contiguous, grads))):
+        raise ValueError("params and grads must be contiguous")
     if w_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params must be float32, bfloat16 or float16, got {w_dtype}")
     has_base = bool(bases)
     if not has_base and w_dtype != torch.float32:
         raise ValueError("bases are required for bf16/fp16 params")
-    sizes = tuple(int(t.numel()) for t in indices)
-    columns = [
-        (
-            sizes[i],
-            params[i].data_ptr(),
-            grads[i].data_ptr(),
-            indices[i].data_ptr(),
-            exp_avgs[i].data_ptr(),
-            exp_avg_sqs[i].data_ptr(),
-            deltas[i].data_ptr(),
-            bases[i].data_ptr() if has_base else 0,
-            steps[i].data_ptr(),
-        )
-        for i in range(len(params))
-    ]
-    aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
+    sizes = tuple(map(torch.Tensor.numel, indices))
+    ptr = torch.Tensor.data_ptr
+    columns = tuple(zip(
+        sizes, map(ptr, params), map(ptr, grads), map(ptr, indices), map(ptr, exp_avgs), map(ptr, exp_avg_sqs),
+        map(ptr, deltas), map(ptr, bases) if has_base else itertools.repeat(0), map(ptr, steps),
+    ))
     key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
-    table = _segment_table(key, columns, device)
+    table, aligned = _segment_table(key, columns, device)
     block = block or _BLOCK
     blocks = _block_table(sizes, device, block)
     n_blocks = blocks.shape[0]
