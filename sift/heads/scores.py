@@ -454,12 +454,14 @@ def score_heads(
     current_mask: list[torch.Tensor] = []
 
     def on_heads(layer: int, heads: torch.Tensor) -> None:
-        mask = current_mask[0]
+        # A model split over devices (device_map) runs each layer where its weights are: the
+        # mask follows the heads there, the sums come back to the first device.
+        mask = current_mask[0].to(heads.device, non_blocking=True)
         # Zero padding rows: zero rows add only zero singular values, which Eq. 2 ignores.
         per_head = torch.where(mask[:, :, None, None], heads, 0.0).permute(0, 2, 1, 3)
         sigma = singular_values(per_head, backend=backend)
-        info_sum[layer] += information_richness(sigma, xi).sum(0).to(torch.float64)
-        corr_sum[layer] += head_correlation(heads, mask).sum(0)
+        info_sum[layer] += information_richness(sigma, xi).sum(0).to(device, torch.float64)
+        corr_sum[layer] += head_correlation(heads, mask).sum(0).to(device)
 
     from tqdm.auto import tqdm
 
