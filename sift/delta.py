@@ -327,9 +327,10 @@ class SparseDelta:
 
         Sparse weights give their chosen `indices` and `delta` state (the total increment
         since selection), merged with the entries `set_indices` retired (`retired_indices`,
-        `retired_delta`), so a selection changed mid-training loses nothing. Weights of dense groups (`density=1.0`) carry no record of their
-        increments: without `base` they are skipped with one warning naming them; with `base`
-        (the state dict before training) their full difference to it is stored.
+        `retired_delta`), so a selection changed mid-training loses nothing. Weights of dense
+        groups (`density=1.0`) carry no record of their increments: without `base` they are
+        skipped with one warning naming them; with `base` (the state dict before training)
+        their full difference to it is stored.
 
         Args:
             optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
