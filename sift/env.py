@@ -73,6 +73,13 @@ def report() -> str:
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")
+    if torch.cuda.is_available():
+        from sift._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
+
+        # The bound on what an L2 miss fetches (bench/gpu_sector_ceiling.py times the gathers under it).
+        why_not = l2_fetch_granularity_unavailable()
+        lines.append(f"{'L2 fetch bound':>14}: " + (f"{get_l2_fetch_granularity()} B" if why_not is None
+                                                     else f"unknown ({why_not})"))
     lines.append("")
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     lines.append("| op | device | active backend | other backends |")
