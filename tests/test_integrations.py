@@ -253,3 +253,40 @@ def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
     assert isinstance(opt, SparseAdamW) and any("indices" in s for s in opt.state.values())
     for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_trainer_trains_given_head_indices(tmp_path):
+    """SparseTrainer could not take HiFi's head indices: it always chose entries by |grad| itself."""
+    from sift import heads
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    chosen = heads.trainable_indices(model, {0: [1], 1: [0, 3]})
+    for name, p in model.named_parameters():  # HiFi: only the chosen heads (and the classifier) train
+        p.requires_grad_(name in chosen or name.startswith("classifier"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=3), train_dataset=_tiny_train_data(),
+                            indices=chosen)
+    trainer.train()
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    params = dict(model.named_parameters())
+    for name, idx in chosen.items():
+        p = params[name]
+        assert torch.equal(opt.state[p]["indices"].long(), idx.long()), name
+        moved = (p.detach() != before[name]).reshape(-1)
+        outside = torch.ones_like(moved)
+        outside[idx.long()] = False
+        assert moved.any() and not moved[outside].any(), name
+    for name, p in params.items():
+        if not p.requires_grad:
+            assert torch.equal(p, before[name]), f"frozen {name} changed"
+
+
+def test_trainer_indices_for_unknown_or_frozen_params_raise_before_touching_the_model(tmp_path):
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    bad = {"no.such.weight": torch.tensor([0]), "bert.embeddings.word_embeddings.weight": torch.tensor([0])}
+    with pytest.raises(ValueError, match=r"unknown \['no.such.weight'\], frozen \['bert.embeddings"):
+        SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=1), indices=bad)

@@ -3,6 +3,7 @@ Trainer's own arguments and clips the gradients the optimizer actually uses."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,10 +34,16 @@ class SparseTrainer(Trainer):
             fp16 loss scaling, whose scaler never sees the compact gradients).
         select_steps: `SparseAdamW(select_steps=...)`.
         dense_1d: train one-dimensional params densely.
+        indices: {param name: [k] sorted flat positions (or a bool mask of the param's shape)}
+            to train instead of a top-|grad| choice, e.g. HiFi's
+            `sift.heads.trainable_indices(model, sift.heads.select_heads(...))`. The other
+            params follow `density` and `dense_1d` as usual; to train only these entries,
+            freeze the rest (`requires_grad_(False)`) first.
         **kwargs: passed to `transformers.Trainer`.
 
     Raises:
-        ValueError: density outside (0, 1], or compact_grads with several processes or fp16.
+        ValueError: density outside (0, 1], compact_grads with several processes or fp16, or
+            `indices` naming a param the model does not have (or a frozen one).
 
     Example:
         >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
@@ -45,9 +52,18 @@ class SparseTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, density: float = 0.01, compact_grads: bool = False, select_steps: int = 1,
-                 dense_1d: bool = True, **kwargs: Any) -> None:
+                 dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
+        model = kwargs.get("model", args[0] if args else None)
+        if indices is not None and model is not None:
+            # Checked before Trainer.__init__, like the other misuse, so the model is untouched.
+            named = dict(model.named_parameters())
+            unknown = sorted(n for n in indices if n not in named)
+            frozen = sorted(n for n in indices if n in named and not named[n].requires_grad)
+            if unknown or frozen:
+                raise ValueError(f"indices names params the model does not train: unknown {unknown}, "
+                                 f"frozen {frozen}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if compact_grads and training_args is not None:
             # Checked before Trainer.__init__ so that nothing (device placement) touches the model.
@@ -65,6 +81,7 @@ class SparseTrainer(Trainer):
         self.sift_compact_grads = compact_grads
         self.sift_select_steps = select_steps
         self.sift_dense_1d = dense_1d
+        self.sift_indices = dict(indices) if indices is not None else {}
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -73,10 +90,15 @@ class SparseTrainer(Trainer):
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
         groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+        given: dict[torch.Tensor, torch.Tensor] = {}
         for name, p in opt_model.named_parameters():
             if not p.requires_grad:
                 continue
             density = 1.0 if (self.sift_dense_1d and p.dim() < 2) else self.sift_density
+            if name in self.sift_indices:
+                given[p] = self.sift_indices[name]
+                # Any density below 1 makes the group sparse; the given entries replace its selection.
+                density = min(self.sift_density, 0.5)
             weight_decay = self.args.weight_decay if name in decay else 0.0
             groups.setdefault((density, weight_decay), []).append(p)
         self.optimizer = SparseAdamW(
@@ -87,6 +109,8 @@ class SparseTrainer(Trainer):
             select_steps=self.sift_select_steps,
             compact_grads=self.sift_compact_grads,
         )
+        for p, idx in given.items():
+            self.optimizer.set_indices(p, idx)
         return self.optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
