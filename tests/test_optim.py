@@ -970,6 +970,21 @@ def test_triton_on_cuda_matches_reference(dtype):
 
 
 @pytest.mark.gpu
+def test_triton_on_cuda_fp32_base_layout_matches_reference():
+    """The fp32 base layout (weight rebuilt as base + delta, never read) on the GPU kernel."""
+    inputs = _kernel_inputs([(4096, 37), (1,), (12345,)], torch.float32, 0.05, False, seed=12)
+    inputs[6] = [p.reshape(-1)[i.long()] - d for p, i, d in zip(inputs[0], inputs[2], inputs[5])]
+    inputs = [[t.cuda() for t in group] for group in inputs]
+    expected = copy.deepcopy(inputs)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
+    _ops.resolve("sparse_adamw_", "cuda", "triton")[1](*inputs, **kwargs)
+    _ops.sparse_adamw_ref(*expected, **kwargs)
+    for group in (0, 3, 4, 5):
+        for got, want in zip(inputs[group], expected[group]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_capture_follows_lr_tensor():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(1000, 100, device="cuda"))
