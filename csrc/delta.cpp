@@ -335,6 +335,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
   int64_t total_inputs = 0;
   for (int64_t g : group_sizes) {
     TORCH_CHECK(g >= 1, "group_sizes must be >= 1");
+    // Bounded before the sum, which huge sizes would overflow (and wrap back to n_in).
+    TORCH_CHECK(g <= n_in - total_inputs, "group_sizes must add up to the number of indices tensors");
     total_inputs += g;
   }
   TORCH_CHECK(total_inputs == n_in, "group_sizes must add up to the number of indices tensors");

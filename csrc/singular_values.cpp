@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <vector>
 
 namespace sift {
@@ -96,15 +98,21 @@ inline double to_double<double>(double v) {
 }
 
 // Aligned scratch for one thread: panel [PANEL_ROWS][np], Gram [np][np], vectors [np].
+// Plain aligned new, not at::empty: it is built inside at::parallel_for, whose worker threads
+// do not carry the caller's dispatcher state, so no ATen op belongs there.
+struct AlignedFree {
+  void operator()(double* p) const { ::operator delete[](p, std::align_val_t{64}); }
+};
+
 struct Workspace {
-  at::Tensor storage;
+  std::unique_ptr<double[], AlignedFree> storage;
   double* panel = nullptr;
   double* gram = nullptr;
   double* vecs = nullptr;  // v, y, d, e: 4 x [np] v8d
   Workspace(int64_t np) {
     const int64_t doubles = (PANEL_ROWS * np + np * np + 4 * np) * LANES;
-    storage = at::empty({doubles}, at::TensorOptions().dtype(at::kDouble));  // 64-byte aligned
-    panel = storage.data_ptr<double>();
+    storage.reset(static_cast<double*>(::operator new[](sizeof(double) * doubles, std::align_val_t{64})));
+    panel = storage.get();
     gram = panel + PANEL_ROWS * np * LANES;
     vecs = gram + np * np * LANES;
   }

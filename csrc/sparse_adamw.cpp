@@ -15,6 +15,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace sift {
@@ -61,6 +63,61 @@ struct Segment {
   int64_t begin;
   int64_t end;
 };
+
+// First position j in [begin, end) with idx[j] outside [0, numel) or not above idx[j - 1]
+// (idx[j - 1] possibly in the previous segment), or -1. Whether a position is bad depends on
+// that position alone, so the lowest over a tensor's segments is its first bad index, and with
+// none every index is in range by induction from idx[0] >= 0.
+template <typename I>
+int64_t first_bad_index(const I* __restrict idx, int64_t begin, int64_t end, int64_t numel) {
+  using U = std::make_unsigned_t<I>;
+  if (begin >= end) return -1;
+  // Branch-free fast test that vectorises: the sign bit of a | (last - a) | (a - prev - 1) is set iff a is outside
+  // [0, last] or, both in range, a <= prev. Any hit is confirmed by the exact scan below.
+  const U ulast = static_cast<U>(static_cast<I>(std::min<int64_t>(numel - 1, std::numeric_limits<I>::max())));
+  const U first = static_cast<U>(idx[begin]);
+  U acc = first | (ulast - first);
+  if (begin > 0) acc |= first - static_cast<U>(idx[begin - 1]) - U{1};
+  for (int64_t j = begin + 1; j < end; ++j) {
+    const U a = static_cast<U>(idx[j]);
+    acc |= a | (ulast - a) | (a - static_cast<U>(idx[j - 1]) - U{1});
+  }
+  if (static_cast<I>(acc) >= 0) return -1;
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t a = idx[j];
+    if (a < 0 || a >= numel || (j > 0 && a <= static_cast<int64_t>(idx[j - 1]))) return j;
+  }
+  return -1;
+}
+
+int64_t index_value(const at::Tensor& idx, int64_t pos) {
+  return idx.scalar_type() == at::kInt ? idx.data_ptr<int32_t>()[pos] : idx.data_ptr<int64_t>()[pos];
+}
+
+// The op is public (torch.ops.sift.sparse_adamw_), so it does not trust the sortedness the
+// optimizer checks: an index outside the param would be a wild write, a repeated one a race
+// between chunks. Each chunk is checked just before it is stepped (its indices then sit in L1
+// for the step; a separate pass over all indices, cold in memory, cost ~15% of a step) and is skipped when
+// bad; afterwards the first bad index raises. The step may then be partly applied, but
+// nothing outside the params is ever written.
+int64_t chunk_first_bad_index(const at::Tensor& idx, const Segment& s, int64_t numel) {
+  return idx.scalar_type() == at::kInt ? first_bad_index<int32_t>(idx.data_ptr<int32_t>(), s.begin, s.end, numel)
+                                       : first_bad_index<int64_t>(idx.data_ptr<int64_t>(), s.begin, s.end, numel);
+}
+
+void raise_first_bad_index(at::TensorList indices, const std::vector<Segment>& work,
+                           const std::vector<int64_t>& found, at::TensorList params) {
+  for (size_t c = 0; c < work.size(); ++c) {
+    if (found[c] < 0) continue;
+    const int64_t i = work[c].tensor, j = found[c], numel = params[i].numel();
+    const int64_t value = index_value(indices[i], j);
+    if (value < 0 || value >= numel)
+      TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: indices[", i, "] has ",
+                  value, " at position ", j, ", outside [0, ", numel, ")");
+    TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: indices[", i, "] has ",
+                value, " at position ", j, ", not above ", index_value(indices[i], j - 1), " at position ", j - 1);
+  }
+}
 
 template <typename W, typename G, typename I, bool COMPACT, bool HAS_BASE>
 void run_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
@@ -112,6 +169,10 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
     const auto& p = params[i];
     const int64_t k = indices[i].numel();
     TORCH_CHECK(p.device().is_cpu(), "params must be CPU tensors");
+    for (const auto* t : {&grads[i], &indices[i], &exp_avgs[i], &exp_avg_sqs[i], &deltas[i], &steps[i]}) {
+      TORCH_CHECK(t->device().is_cpu(), "grads, indices, exp_avgs, exp_avg_sqs, deltas and steps must be CPU tensors");
+    }
+    if (!bases.empty()) TORCH_CHECK(bases[i].device().is_cpu(), "bases must be CPU tensors");
     TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
     TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "params must share one dtype");
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
@@ -137,6 +198,8 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
     } else {
       TORCH_CHECK(p.scalar_type() == at::kFloat, "bases are required for non-fp32 params");
     }
+    TORCH_CHECK(steps[i].numel() == 1, "steps must hold one value per param, got ", steps[i].numel(), " in steps[", i,
+                "]");
     const double t = steps[i].item<double>();
     TORCH_CHECK(t >= 1, "steps must be >= 1 (incremented before the update)");
     step_size[i] = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
@@ -148,10 +211,13 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   const auto dtype = n ? params[0].scalar_type() : at::kFloat;
   // A grain of 16 chunks (8192 entries) keeps small steps on the calling thread, where
   // waking the pool would cost more than the work.
+  std::vector<int64_t> found(work.size(), -1);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Segment& s = work[c];
       const int64_t i = s.tensor;
+      found[c] = chunk_first_bad_index(indices[i], s, params[i].numel());
+      if (found[c] >= 0) continue;
       const at::Tensor* base = bases.empty() ? nullptr : &bases[i];
       switch (dtype) {
         case at::kFloat:
@@ -171,6 +237,7 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
       }
     }
   });
+  raise_first_bad_index(indices, work, found, params);
 }
 
 }  // namespace

@@ -889,3 +889,11 @@ def test_bench_quick_runs_and_saves_its_tables(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "delta-cpu.json").read_text())
     assert len(saved["rows"]) == 8 and saved["quick"] is True
     assert all(8.0 <= row["bytes / entry"] < 8.01 for row in saved["files"])  # the header is ~350 B
+
+
+@requires_cpp
+def test_cpp_merge_rejects_group_sizes_whose_sum_wraps():
+    """merge_sorted_deltas summed group_sizes in int64 unchecked: sizes wrapping to len(indices) passed, then crashed."""
+    ix, val = torch.tensor([1, 4], dtype=torch.int32), torch.ones(2)
+    with pytest.raises(RuntimeError, match="group_sizes must add up to the number of indices tensors"):
+        torch.ops.sift.merge_sorted_deltas([ix], [val], [1.0], [2**62] * 3 + [2**62 + 1], False)

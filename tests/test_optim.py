@@ -1109,3 +1109,31 @@ def test_fp32_base_layout_matches_reference_and_the_read_layout(backend):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     for got, want in zip(inputs[6], expected[6]):
         assert torch.equal(got, want), "the base is read only"
+
+
+def _raw_cpp_step(params, indices, steps=None):
+    k = [i.numel() for i in indices]
+    torch.ops.sift.sparse_adamw_(params, [torch.ones_like(p) for p in params], indices, [torch.zeros(n) for n in k],
+                                 [torch.zeros(n) for n in k], [torch.zeros(n) for n in k], [],
+                                 steps or [torch.ones(()) for _ in params], 1e-2, 0.9, 0.999, 1e-8, 0.01, False, False)
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@pytest.mark.parametrize("bad, match", [pytest.param([3, 10], "10 at position 1, outside", id="past-end"),
+                                        pytest.param([-1, 3], "-1 at position 0, outside", id="negative"),
+                                        pytest.param([3, 3], "3 at position 1, not above 3", id="repeated"),
+                                        pytest.param([5, 3], "3 at position 1, not above 5", id="descending")])
+def test_cpp_step_rejects_bad_indices_before_writing(bad, match):
+    """The raw C++ sparse_adamw_ wrote outside its param for out-of-range indices (and raced on repeats)."""
+    buf = torch.zeros(25)
+    first, second = buf[:5], buf[10:20]  # contiguous views: a wild write lands in buf[5:10] or buf[20:]
+    with pytest.raises(RuntimeError, match=f"indices\\[1\\] has {match}"):
+        _raw_cpp_step([first, second], [torch.tensor([0, 2]), torch.tensor(bad)])
+    assert torch.equal(buf[5:], torch.zeros(20))  # the chunk holding the bad index is not stepped
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+def test_cpp_step_names_a_step_tensor_without_one_value():
+    """The raw C++ sparse_adamw_ failed on a multi-element step with an error not naming `steps`."""
+    with pytest.raises(RuntimeError, match=r"steps must hold one value per param, got 2 in steps\[0\]"):
+        _raw_cpp_step([torch.zeros(4)], [torch.tensor([1])], steps=[torch.ones(2)])
