@@ -227,6 +227,86 @@ def test_singular_values_triton_strided_and_rank_deficient():
     assert (got[2] == 0).all()
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@pytest.mark.parametrize("shape", [(3, 0, 5), (2, 4, 0), (0, 0)], ids=["3x0x5", "2x4x0", "0x0"])
+def test_singular_values_triton_empty_matrices(shape):
+    """The Triton launcher's reshape(-1, S, D) raised for an empty matrix (S or D = 0)."""
+    from sift.triton_kernels.singular_values import singular_values as triton_singular_values
+
+    got = triton_singular_values(torch.zeros(shape, device=TRITON_DEVICE))
+    assert got.shape == torch.linalg.svdvals(torch.zeros(shape)).shape
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@pytest.mark.parametrize("scale", [1e-100, 1e100], ids=["1e-100", "1e+100"])
+@pytest.mark.parametrize("by_dot", [True, False], ids=["dot", "fma"])
+def test_singular_values_triton_fp64_far_from_one(scale, by_dot):
+    """Squared column norms of the fp64 Gram underflowed/overflowed: 31% error at 1e-100, all wrong at 1e100."""
+    from sift.triton_kernels.singular_values import singular_values as triton_singular_values
+
+    x = torch.randn(2, 20, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * scale
+    got = triton_singular_values(x.to(TRITON_DEVICE), gram_by_dot=by_dot).cpu()
+    ref = torch.linalg.svdvals(x)
+    torch.testing.assert_close(got / scale, ref / scale, rtol=1e-9, atol=1e-9 * (ref / scale).max().item())
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+def test_singular_values_triton_nan_input_is_nan():
+    """A NaN input came out as singular values 0 (tl.maximum(NaN, 0) = 0): a silent 'no signal'."""
+    from sift.triton_kernels.singular_values import singular_values as triton_singular_values
+
+    x = torch.randn(2, 9, 7)
+    x[0, 2, 3] = float("nan")
+    got = triton_singular_values(x.to(TRITON_DEVICE)).cpu()
+    assert got[0].isnan().all()
+    torch.testing.assert_close(got[1].double(), torch.linalg.svdvals(x[1].double()), rtol=1e-5, atol=1e-6)
+
+
+_PAST_INT32_SCRIPT = """
+import sys, torch
+from sift.triton_kernels.singular_values import singular_values
+stride = 2**30 + 7  # row 2 of the matrix starts past element 2**31
+try:
+    buf = torch.empty(2 * stride + 64, dtype=torch.float16, device=sys.argv[1])  # 4 GiB, mostly untouched
+except (RuntimeError, MemoryError):
+    sys.exit(77)
+x = buf.as_strided((1, 3, 16), (0, stride, 1))
+for r in range(3):
+    buf[r * stride : r * stride + 16] = torch.randn(16, generator=torch.Generator().manual_seed(r)).half()
+for by_dot in (True, False):
+    got = singular_values(x, gram_by_dot=by_dot).cpu().double()
+    ref = torch.linalg.svdvals(x.cpu().double())
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (by_dot, got, ref)
+"""
+
+
+def _run_past_int32(device):
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0")
+    proc = subprocess.run([sys.executable, "-c", _PAST_INT32_SCRIPT, device], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 77:
+        pytest.skip("cannot reserve a 4 GiB buffer here")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+def test_singular_values_triton_offsets_past_int32():
+    """int32 offs_r * stride_x_reduce wrapped for a strided matrix spanning > 2**31 elements (segfault)."""
+    _run_past_int32("cpu")  # a subprocess: the unfixed kernel reads a wild address and kills the process
+
+
+@pytest.mark.gpu
+def test_singular_values_cuda_kernel_offsets_past_int32_and_nan():
+    """The compiled kernel: int64 offsets past 2**31 elements, and NaN in -> NaN out (PTX max.f64 drops NaN)."""
+    _run_past_int32("cuda")
+    x = torch.randn(2, 9, 7, device="cuda")
+    x[0, 2, 3] = float("nan")
+    got = heads.singular_values(x, backend="triton").cpu()
+    assert got[0].isnan().all() and not got[1].isnan().any()
+
+
 GPU_SHAPES = [
     pytest.param((256, 128, 64), torch.float32, id="bench-128x64-fp32"),
     pytest.param((64, 512, 128), torch.float32, id="bench-512x128-fp32"),

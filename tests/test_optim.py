@@ -544,6 +544,72 @@ def test_low_precision_kernel_error_within_twice_torch_rounding():
     assert kernel_err <= 2 * torch_err
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@pytest.mark.parametrize("beta2", [0.999, 0.9999, 0.99999], ids=["b2=0.999", "b2=0.9999", "b2=0.99999"])
+def test_triton_bias_correction_exact_for_beta_near_one(beta2):
+    """The Triton step formed 1 - beta^t in fp32: at t=1, beta2=0.99999 its update was off by ~0.1%."""
+    from sift.triton_kernels.sparse_adamw import sparse_adamw_
+
+    inputs = _kernel_inputs([(37, 29), (513,)], torch.float32, 0.3, True, seed=5)
+    inputs[7] = [torch.tensor(1.0) for _ in inputs[7]]
+    inputs[5] = [torch.zeros_like(d) for d in inputs[5]]  # the delta becomes the update itself
+    expected = copy.deepcopy(inputs)
+    kwargs = dict(lr=1e-3, beta1=0.9999, beta2=beta2, eps=1e-12, weight_decay=0.0, maximize=False,
+                  compact_grads=True)
+    sparse_adamw_(*inputs, **kwargs)
+    _ops.sparse_adamw_ref(*expected, **kwargs)
+    for got, want in zip(inputs[5], expected[5]):
+        torch.testing.assert_close(got, want, rtol=TOLERANCES[torch.float32][0], atol=0.0)
+
+
+def _adamw_bad_input(kind, inputs):
+    params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps = inputs
+    if kind == "strided-indices":
+        wide = torch.zeros(2 * indices[1].numel(), dtype=indices[1].dtype)
+        wide[::2] = indices[1]
+        indices[1] = wide[::2]
+    elif kind == "short-exp-avg":
+        exp_avgs[1] = exp_avgs[1][:-1]
+    elif kind == "fp64-step":
+        steps[0] = steps[0].double()
+    elif kind == "missing-delta":
+        deltas.pop()
+    elif kind == "short-compact-grad":
+        grads[1] = grads[1][:-1]
+    elif kind == "wrong-base-dtype":
+        bases[0] = bases[0].float()
+    return inputs
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@pytest.mark.parametrize("kind, dtype, match", [
+    pytest.param("strided-indices", torch.float32, r"indices\[1\] must be a contiguous", id="strided-indices"),
+    pytest.param("short-exp-avg", torch.float32, r"exp_avgs\[1\] must be .* one entry per index", id="short-exp-avg"),
+    pytest.param("fp64-step", torch.float32, r"steps\[0\] must be a one-element float32", id="fp64-step"),
+    pytest.param("missing-delta", torch.float32, r"deltas must have one tensor per param \(got 1 for 2\)",
+                 id="missing-delta"),
+    pytest.param("short-compact-grad", torch.float32, r"grads\[1\] must be float32 with one entry per index",
+                 id="short-compact-grad"),
+    pytest.param("wrong-base-dtype", torch.bfloat16, r"bases\[0\] must be a contiguous torch.bfloat16",
+                 id="wrong-base-dtype"),
+])
+def test_triton_step_rejects_bad_tensors_before_writing(kind, dtype, match, monkeypatch):
+    """The Triton launcher read strided/short/wrong-dtype state tensors through raw addresses, silently."""
+    from collections import OrderedDict
+
+    from sift.triton_kernels import sparse_adamw as kernel_module
+
+    monkeypatch.setattr(kernel_module, "_table_cache", OrderedDict())  # no table from an earlier test's addresses
+    inputs = _adamw_bad_input(kind, _kernel_inputs([(37, 29), (513,)], dtype, 0.3, True, seed=6))
+    before = copy.deepcopy(inputs)
+    with pytest.raises(ValueError, match=match):
+        kernel_module.sparse_adamw_(*inputs, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                    maximize=False, compact_grads=True)
+    for got_list, want_list in zip(inputs, before):
+        for got, want in zip(got_list, want_list):
+            assert torch.equal(got, want)
+
+
 # ---------------------------------------------------- hook mode, accumulation
 
 

@@ -29,6 +29,8 @@ scratch [B, 2, N] fp64 (the diagonal and squared off-diagonal of T).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -60,29 +62,40 @@ def _gram_tridiag_singular_values_kernel(
     offs = tl.arange(0, N)
     keep_mask = offs < n_keep
     x_base = x_ptr + pid * stride_x_batch
+    offs_keep = offs.to(tl.int64)
 
     a = tl.zeros([N, N], dtype=tl.float64)
     if GRAM_BY_DOT:
         for r0 in range(0, n_reduce, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
+            # int64: one matrix of a strided view may span more than 2**31 elements.
+            offs_r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
             x = tl.load(
-                x_base + offs_r[:, None] * stride_x_reduce + offs[None, :] * stride_x_keep,
+                x_base + offs_r[:, None] * stride_x_reduce + offs_keep[None, :] * stride_x_keep,
                 mask=(offs_r[:, None] < n_reduce) & keep_mask[None, :],
                 other=0.0,
             ).to(tl.float64)
             a = tl.dot(tl.trans(x), x, a, input_precision="ieee", out_dtype=tl.float64)
     else:
         # Rank-1 updates with plain fp64 FMAs, for Triton builds without an fp64 tl.dot.
+        # The row pointer advances by the stride (64-bit pointer arithmetic, no int32 r * stride).
+        row_ptr = x_base
         for r in range(0, n_reduce):
-            row = x_base + r * stride_x_reduce + offs * stride_x_keep
-            x_i = tl.load(row, mask=keep_mask, other=0.0).to(tl.float64)
+            x_i = tl.load(row_ptr + offs_keep * stride_x_keep, mask=keep_mask, other=0.0).to(tl.float64)
             a += x_i[:, None] * x_i[None, :]
+            row_ptr += stride_x_reduce
 
     cols = offs[None, :]
+    # Everything that is squared below (column norms, v.v, e^2) is taken relative to
+    # max |G_ij| = max_i G_ii (G is a Gram matrix): it would underflow or overflow for fp64 inputs
+    # far from 1 (|x| ~ 1e-100). Scaling v leaves H = I - 2 v v^T / v.v unchanged; G itself is not
+    # rescaled (one more [N, N] pass spills at N = 128).
+    g_max = tl.max(tl.sum(tl.where(offs[:, None] == cols, a, 0.0), axis=1), axis=0)
+    g_scale = tl.where(g_max > 0.0, g_max, 1.0)
+    inv_scale = 1.0 / g_scale
     # Householder tridiagonalisation, the symmetric matrix kept whole in registers.
     for k in range(0, N - 2):
         col = tl.sum(tl.where(cols == k, a, 0.0), axis=1)  # col[i] = a[i, k]
-        below = tl.where(offs > k, col, 0.0)
+        below = tl.where(offs > k, col, 0.0) * inv_scale
         norm = tl.sqrt(tl.sum(below * below, axis=0))
         head = tl.sum(tl.where(offs == k + 1, below, 0.0), axis=0)
         # alpha takes the sign opposite to the head so that v has no cancellation.
@@ -95,10 +108,11 @@ def _gram_tridiag_singular_values_kernel(
         w = p - (0.5 * tau * tl.sum(v * p, axis=0)) * v
         a = a - v[:, None] * w[None, :] - w[:, None] * v[None, :]
 
-    diag = tl.sum(tl.where(offs[:, None] == cols, a, 0.0), axis=1)
-    sub = tl.sum(tl.where(offs[:, None] + 1 == cols, a, 0.0), axis=1)  # sub[i] = a[i, i+1]
+    # T / g_scale: its eigenvalues are scaled back at the end.
+    diag = tl.sum(tl.where(offs[:, None] == cols, a, 0.0), axis=1) * inv_scale
+    sub = tl.sum(tl.where(offs[:, None] + 1 == cols, a, 0.0), axis=1) * inv_scale  # sub[i] = a[i, i+1]
     # e2[i] = a[i-1, i]^2 (e2[0] = 0), the term the Sturm recurrence needs at row i.
-    sub_shifted = tl.sum(tl.where(offs[:, None] == cols + 1, a, 0.0), axis=1)  # a[i, i-1]
+    sub_shifted = tl.sum(tl.where(offs[:, None] == cols + 1, a, 0.0), axis=1) * inv_scale  # a[i, i-1]
     w_base = work_ptr + pid * (2 * N)
     tl.store(w_base + offs, diag)
     tl.store(w_base + N + offs, sub_shifted * sub_shifted)
@@ -124,8 +138,9 @@ def _gram_tridiag_singular_values_kernel(
         left = below_mid > offs
         hi = tl.where(left, mid, hi)
         lo = tl.where(left, lo, mid)
-    eig = 0.5 * (lo + hi)
-    sigma = tl.sqrt(tl.maximum(eig, 0.0))
+    eig = 0.5 * (lo + hi) * g_scale
+    # Not tl.maximum(eig, 0): that maps NaN (a non-finite input) to 0, a silent "no signal".
+    sigma = tl.sqrt(tl.where(eig < 0.0, 0.0, eig))
     # Lane j holds the j-th smallest: write it to position N-1-j (descending); padding
     # contributes zero eigenvalues, which land past the K kept values.
     out_pos = N - 1 - offs
@@ -157,8 +172,8 @@ def singular_values(x: torch.Tensor, *, gram_by_dot: bool | None = None) -> torc
     if k > MAX_K:
         raise ValueError(f"min(S, D) must be <= {MAX_K} for the Triton kernel, got {k}")
     out_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x3 = x.reshape(-1, s, d)
-    n_mat = x3.shape[0]
+    n_mat = math.prod(batch)
+    x3 = x.reshape(n_mat, s, d)  # not -1: ambiguous for an empty matrix (S or D = 0)
     sigma = torch.empty(n_mat, k, dtype=out_dtype, device=x.device)
     if n_mat == 0 or k == 0:
         return sigma.reshape(*batch, k)

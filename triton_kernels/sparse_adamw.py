@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import triton
@@ -97,15 +98,17 @@ def _sparse_adamw_kernel(
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
 
-    step = tl.load(step_ptr)
+    # Bias corrections in fp64 (scalars, once per program): in fp32, 1 - beta^t cancels for
+    # beta near 1 (beta2 = 0.99999 at t = 1 leaves 1e-5 with an absolute error of ~6e-8).
+    step = tl.load(step_ptr).to(tl.float64)
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
     bias_correction2 = 1.0 - tl.exp2(step * log2_beta2)
     if LR_ON_DEVICE:
         lr_value = tl.load(lr_ptr).to(tl.float32)
     else:
         lr_value = lr
-    step_size = lr_value / bias_correction1
-    inv_bc2_sqrt = 1.0 / tl.sqrt_rn(bias_correction2)
+    step_size = (lr_value / bias_correction1).to(tl.float32)
+    inv_bc2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)
 
     if HAS_BASE:
         b_ptr = tl.load(row + 7).to(tl.pointer_type(W_DTYPE))
@@ -148,13 +151,19 @@ def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> to
     return blocks
 
 
-def _segment_table(key: tuple, columns: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The device copy of `columns` (cached by content) and whether the compact arrays are 16-byte aligned."""
+def _segment_table(key: tuple, columns: tuple[tuple[int, ...], ...], device: torch.device,
+                   check: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+    """The device copy of `columns` (cached by content) and whether the compact arrays are 16-byte aligned.
+
+    `check` validates the tensors behind a table before it is built; a cached table stands for
+    addresses that passed it.
+    """
     full_key = (key, columns)  # a tuple of tuples: hashed and compared in C
     hit = _table_cache.get(full_key)
     if hit is not None:
         _table_cache.move_to_end(full_key)
         return hit
+    check()
     host = torch.tensor(columns, dtype=torch.int64)
     table = host.to(device, non_blocking=True) if device.type == "cuda" else host
     aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
@@ -162,6 +171,30 @@ def _segment_table(key: tuple, columns: tuple[tuple[int, ...], ...], device: tor
     if len(_table_cache) > _TABLE_CACHE_SIZE:
         _table_cache.popitem(last=False)
     return table, aligned
+
+
+def _check_tensors(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, sizes, compact_grads,
+                   device) -> None:
+    # The kernel reads every tensor through a raw address at flat offsets 0..k_i-1: a strided
+    # view, a short or wrong-dtype state tensor or one on another device is read and written
+    # wrongly (or out of bounds) without any error.
+    for i, (p, g, idx, k) in enumerate(zip(params, grads, indices, sizes)):
+        if idx.dim() != 1 or not idx.is_contiguous() or idx.device != device:
+            raise ValueError(f"indices[{i}] must be a contiguous 1-D tensor on {device}")
+        if compact_grads:
+            if g.dtype != torch.float32 or g.numel() != k or g.device != device:
+                raise ValueError(f"grads[{i}] must be float32 with one entry per index on {device} (compact_grads)")
+        elif g.dtype != p.dtype or g.numel() != p.numel() or g.device != device:
+            raise ValueError(f"grads[{i}] must have the shape and dtype of params[{i}] and be on {device}")
+        state = [("exp_avgs", exp_avgs[i], torch.float32), ("exp_avg_sqs", exp_avg_sqs[i], torch.float32),
+                 ("deltas", deltas[i], torch.float32)]
+        if bases:
+            state.append(("bases", bases[i], p.dtype))
+        for name, t, dtype in state:
+            if t.dtype != dtype or t.numel() != k or not t.is_contiguous() or t.device != device:
+                raise ValueError(f"{name}[{i}] must be a contiguous {dtype} tensor with one entry per index on {device}")
+        if steps[i].dtype != torch.float32 or steps[i].numel() != 1 or steps[i].device != device:
+            raise ValueError(f"steps[{i}] must be a one-element float32 tensor on {device}")
 
 
 def sparse_adamw_(
@@ -208,6 +241,13 @@ def sparse_adamw_(
     """
     if not params:
         return
+    # zip() below would silently drop the params past a shorter list while the block table,
+    # built from all indices, still points the kernel at their (missing) table rows.
+    for name, tensors in (("grads", grads), ("indices", indices), ("exp_avgs", exp_avgs),
+                          ("exp_avg_sqs", exp_avg_sqs), ("deltas", deltas), ("steps", steps)) + \
+            ((("bases", bases),) if bases else ()):
+        if len(tensors) != len(params):
+            raise ValueError(f"{name} must have one tensor per param (got {len(tensors)} for {len(params)})")
     device = params[0].device
     w_dtype = params[0].dtype
     i_dtype = indices[0].dtype
@@ -222,6 +262,9 @@ def sparse_adamw_(
     has_base = bool(bases)
     if not has_base and w_dtype != torch.float32:
         raise ValueError("bases are required for bf16/fp16 params")
+    lr_on_device = isinstance(lr, torch.Tensor)
+    if lr_on_device and (lr.device != device or lr.numel() != 1):
+        raise ValueError(f"lr must be a float or a one-element tensor on {device}, got {lr.device} with {lr.numel()}")
     sizes = tuple(map(torch.Tensor.numel, indices))
     ptr = torch.Tensor.data_ptr
     columns = tuple(zip(
@@ -229,13 +272,13 @@ def sparse_adamw_(
         map(ptr, deltas), map(ptr, bases) if has_base else itertools.repeat(0), map(ptr, steps),
     ))
     key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
-    table, aligned = _segment_table(key, columns, device)
+    table, aligned = _segment_table(key, columns, device, lambda: _check_tensors(
+        params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, sizes, compact_grads, device))
     block = block or _BLOCK
     blocks = _block_table(sizes, device, block)
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return
-    lr_on_device = isinstance(lr, torch.Tensor)
     log2_beta1 = _log2(beta1)
     log2_beta2 = _log2(beta2)
     g_dtype = torch.float32 if compact_grads else w_dtype
