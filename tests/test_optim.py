@@ -1203,3 +1203,14 @@ def test_cpp_step_names_a_step_tensor_without_one_value():
     """The raw C++ sparse_adamw_ failed on a multi-element step with an error not naming `steps`."""
     with pytest.raises(RuntimeError, match=r"steps must hold one value per param, got 2 in steps\[0\]"):
         _raw_cpp_step([torch.zeros(4)], [torch.tensor([1])], steps=[torch.ones(2)])
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+def test_triton_bf16_weights_are_round_to_nearest_of_base_plus_delta():
+    """Under the interpreter the Triton step truncated bf16 weights instead of rounding base + delta to nearest."""
+    inputs = _kernel_inputs([(4099,), (37, 29)], torch.bfloat16, 0.5, False, seed=5)
+    kwargs = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
+    _ops.resolve("sparse_adamw_", "cpu", "triton")[1](*inputs, **kwargs)
+    for p, idx, d, base in zip(inputs[0], inputs[2], inputs[5], inputs[6]):
+        want = (base.float() + d).to(torch.bfloat16)
+        assert torch.equal(p.reshape(-1)[idx.long()], want)

@@ -1,5 +1,6 @@
 """Triton kernels of sift, installed as `sift.triton_kernels`.
 
 Each module holds one op: a docstring with the math and shapes, the `@triton.jit` kernels,
-then typed launchers. Modules import only torch and triton.
+then typed launchers. Modules import only torch, triton and `_rounding` (the fp32 -> bf16
+rounding the kernels that write bf16 weights share).
 """

@@ -17,16 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._rounding import round_to_bf16
+
 BLOCK = 1024
-
-
-@triton.jit
-def _round_to_bf16(x):
-    # Round-to-nearest-even by hand: TRITON_INTERPRET's fp32 -> bf16 cast truncates, so tests on
-    # CPU would not check the rounding the GPU does. Inputs are finite (validated by the API).
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -42,7 +35,7 @@ def _sparse_delta_apply_kernel(w_ptr, idx_ptr, val_ptr, saved_ptr, scale, k, SAV
     val = tl.load(val_ptr + offs, mask=mask, other=0.0)
     new = old.to(tl.float32) + scale * val
     if IS_BF16:
-        tl.store(w_ptr + idx, _round_to_bf16(new), mask=mask)
+        tl.store(w_ptr + idx, round_to_bf16(new), mask=mask)
     else:
         tl.store(w_ptr + idx, new.to(w_ptr.dtype.element_ty), mask=mask)
 
