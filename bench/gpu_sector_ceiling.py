@@ -110,11 +110,9 @@ def random_sorted_indices(numel: int, density: float, device: torch.device, seed
     return torch.cat(parts)
 
 
-def _granularity(nbytes: int | None, device: torch.device):
-    """`l2_fetch_granularity` where it can be read; elsewhere a no-op block that reports nothing."""
-    if device.type == "cuda" and l2_fetch_granularity_unavailable(device) is None:
-        return l2_fetch_granularity(nbytes, device)
-    return contextlib.nullcontext(None)
+def _granularity(nbytes: int | None, device: torch.device, available: bool):
+    """`l2_fetch_granularity` where the bound can be read; elsewhere a no-op block that reports nothing."""
+    return l2_fetch_granularity(nbytes, device) if available else contextlib.nullcontext(None)
 
 
 def main() -> None:
@@ -141,7 +139,7 @@ def main() -> None:
     fused.step()
     fused_ms = {}
     for setting in settings:
-        with _granularity(setting, device) as actual:
+        with _granularity(setting, device, why_not is None) as actual:
             fused_ms[setting] = (_bench(fused.step, device), actual)
     del dense_params, fused
     print("\n".join(header_lines()))
@@ -170,7 +168,7 @@ def main() -> None:
         sparse_step()
         for setting in settings:
             rows = []
-            with _granularity(setting, device) as actual:
+            with _granularity(setting, device, why_not is None) as actual:
                 for name, (read_g, read_w, write_w, n_reads, n_writes) in PATTERNS.items():
                     def run(read_g=read_g, read_w=read_w, write_w=write_w):
                         _pattern_kernel[grid](w, g, v, out, idx, k, READ_G=read_g, READ_W=read_w,

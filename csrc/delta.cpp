@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "index_check.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +38,11 @@
 
 namespace sift {
 namespace {
+
+using index_check::at_position;
+using index_check::describe_violation;
+using index_check::first_violation_in;
+using index_check::Violation;
 
 constexpr int64_t APPLY_CHUNK = 1 << 14;
 constexpr int64_t PREFETCH_DISTANCE = 32;
@@ -49,51 +56,9 @@ struct Chunk {
   int64_t tensor, begin, end;
 };
 
-template <typename I>
-int64_t at_position(const at::Tensor& t, int64_t pos) {
-  return static_cast<int64_t>(t.data_ptr<I>()[pos]);
-}
-
-int64_t index_at(const at::Tensor& t, int64_t pos) {
-  return t.scalar_type() == at::kInt ? at_position<int32_t>(t, pos) : at_position<int64_t>(t, pos);
-}
-
 // ------------------------------------------------------------------------------------------
 // Index validation
 // ------------------------------------------------------------------------------------------
-
-// First position j in [begin, end) breaking the contract, or -1: idx[0] must lie in [0, limit),
-// and idx[j] (j > 0) in (idx[j - 1], limit), idx[j - 1] possibly in the previous chunk. Whether a
-// position breaks it depends on that position alone, so the lowest over the chunks of a tensor is
-// the tensor's first violation, and with none, every index is in [0, limit) by induction.
-template <typename I>
-int64_t first_violation(const I* __restrict idx, int64_t begin, int64_t end, int64_t limit) {
-  using U = std::make_unsigned_t<I>;
-  if (begin >= end) return -1;
-  // Fast test, branch-free and vectorizable (SSE2 has no 64-bit compare, but has 64-bit sub/or):
-  // the sign bit of a | (last - a) | (a - prev - 1) is set iff a is outside [0, last] or, both
-  // in range (no overflow then), a <= prev. Wrapped garbage from an out-of-range prev can only
-  // err at `begin` after an out-of-range idx[begin - 1], which its own chunk reports; any hit is
-  // confirmed by the exact scan below.
-  const I last = static_cast<I>(std::min<int64_t>(limit - 1, std::numeric_limits<I>::max()));
-  const U ulast = static_cast<U>(last);
-  U acc = 0;
-  if (begin == 0) acc = static_cast<U>(idx[0]) | (ulast - static_cast<U>(idx[0]));
-  for (int64_t j = std::max<int64_t>(begin, 1); j < end; ++j) {
-    const U a = static_cast<U>(idx[j]);
-    acc |= a | (ulast - a) | (a - static_cast<U>(idx[j - 1]) - U{1});
-  }
-  if (static_cast<I>(acc) >= 0) return -1;
-  for (int64_t j = begin; j < end; ++j) {
-    const int64_t a = idx[j];
-    if (a >= limit || (j == 0 ? a < 0 : a <= static_cast<int64_t>(idx[j - 1]))) return j;
-  }
-  return -1;
-}
-
-struct Violation {
-  int64_t tensor = -1, position = -1;
-};
 
 // Checks every index of every tensor (int32 or int64, contiguous 1-D, already checked) against
 // its tensor's limit, in parallel; returns the first violation in (tensor, position) order.
@@ -107,26 +72,13 @@ Violation find_violation(at::TensorList indices, const std::vector<int64_t>& lim
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Chunk& ch = chunks[c];
-      const at::Tensor& t = indices[ch.tensor];
-      found[c] = t.scalar_type() == at::kInt
-                     ? first_violation<int32_t>(t.data_ptr<int32_t>(), ch.begin, ch.end, limits[ch.tensor])
-                     : first_violation<int64_t>(t.data_ptr<int64_t>(), ch.begin, ch.end, limits[ch.tensor]);
+      found[c] = first_violation_in(indices[ch.tensor], ch.begin, ch.end, limits[ch.tensor]);
     }
   });
   for (size_t c = 0; c < chunks.size(); ++c) {
     if (found[c] >= 0) return {chunks[c].tensor, found[c]};
   }
   return {};
-}
-
-// "indices[i] has V at position j, outside [0, L)" or "..., not above U at position j - 1".
-std::string describe_violation(at::TensorList indices, const Violation& v, int64_t limit,
-                               const std::string& limit_text) {
-  const at::Tensor& t = indices[v.tensor];
-  const int64_t value = index_at(t, v.position);
-  std::string out = c10::str("indices[", v.tensor, "] has ", value, " at position ", v.position);
-  if (value < 0 || value >= limit) return out + c10::str(", outside [0, ", limit_text, ")");
-  return out + c10::str(", not above ", index_at(t, v.position - 1), " at position ", v.position - 1);
 }
 
 // ------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "index_check.h"
+
 #include <cmath>
 #include <cstdint>
-#include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace sift {
@@ -64,58 +64,17 @@ struct Segment {
   int64_t end;
 };
 
-// First position j in [begin, end) with idx[j] outside [0, numel) or not above idx[j - 1]
-// (idx[j - 1] possibly in the previous segment), or -1. Whether a position is bad depends on
-// that position alone, so the lowest over a tensor's segments is its first bad index, and with
-// none every index is in range by induction from idx[0] >= 0.
-template <typename I>
-int64_t first_bad_index(const I* __restrict idx, int64_t begin, int64_t end, int64_t numel) {
-  using U = std::make_unsigned_t<I>;
-  if (begin >= end) return -1;
-  // Branch-free fast test that vectorises: the sign bit of a | (last - a) | (a - prev - 1) is set iff a is outside
-  // [0, last] or, both in range, a <= prev. Any hit is confirmed by the exact scan below.
-  const U ulast = static_cast<U>(static_cast<I>(std::min<int64_t>(numel - 1, std::numeric_limits<I>::max())));
-  const U first = static_cast<U>(idx[begin]);
-  U acc = first | (ulast - first);
-  if (begin > 0) acc |= first - static_cast<U>(idx[begin - 1]) - U{1};
-  for (int64_t j = begin + 1; j < end; ++j) {
-    const U a = static_cast<U>(idx[j]);
-    acc |= a | (ulast - a) | (a - static_cast<U>(idx[j - 1]) - U{1});
-  }
-  if (static_cast<I>(acc) >= 0) return -1;
-  for (int64_t j = begin; j < end; ++j) {
-    const int64_t a = idx[j];
-    if (a < 0 || a >= numel || (j > 0 && a <= static_cast<int64_t>(idx[j - 1]))) return j;
-  }
-  return -1;
-}
-
-int64_t index_value(const at::Tensor& idx, int64_t pos) {
-  return idx.scalar_type() == at::kInt ? idx.data_ptr<int32_t>()[pos] : idx.data_ptr<int64_t>()[pos];
-}
-
-// The op is public (torch.ops.sift.sparse_adamw_), so it does not trust the sortedness the
-// optimizer checks: an index outside the param would be a wild write, a repeated one a race
-// between chunks. Each chunk is checked just before it is stepped (its indices then sit in L1
-// for the step; a separate pass over all indices, cold in memory, cost ~15% of a step) and is skipped when
-// bad; afterwards the first bad index raises. The step may then be partly applied, but
-// nothing outside the params is ever written.
-int64_t chunk_first_bad_index(const at::Tensor& idx, const Segment& s, int64_t numel) {
-  return idx.scalar_type() == at::kInt ? first_bad_index<int32_t>(idx.data_ptr<int32_t>(), s.begin, s.end, numel)
-                                       : first_bad_index<int64_t>(idx.data_ptr<int64_t>(), s.begin, s.end, numel);
-}
-
+// Each chunk's indices are checked (index_check.h) just before the chunk is stepped: they then
+// sit in L1 for the step, where a separate pass over all indices, cold in memory, cost ~15% of
+// a step. A bad chunk is skipped and afterwards the first bad index raises: the step may then be
+// partly applied, but nothing outside the params is ever written.
 void raise_first_bad_index(at::TensorList indices, const std::vector<Segment>& work,
                            const std::vector<int64_t>& found, at::TensorList params) {
   for (size_t c = 0; c < work.size(); ++c) {
     if (found[c] < 0) continue;
-    const int64_t i = work[c].tensor, j = found[c], numel = params[i].numel();
-    const int64_t value = index_value(indices[i], j);
-    if (value < 0 || value >= numel)
-      TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: indices[", i, "] has ",
-                  value, " at position ", j, ", outside [0, ", numel, ")");
-    TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: indices[", i, "] has ",
-                value, " at position ", j, ", not above ", index_value(indices[i], j - 1), " at position ", j - 1);
+    const int64_t i = work[c].tensor, numel = params[i].numel();
+    TORCH_CHECK(false, "indices must lie in [0, param.numel()) and be strictly increasing: ",
+                index_check::describe_violation(indices, {i, found[c]}, numel, c10::str(numel)));
   }
 }
 
@@ -216,7 +175,7 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
     for (int64_t c = lo; c < hi; ++c) {
       const Segment& s = work[c];
       const int64_t i = s.tensor;
-      found[c] = chunk_first_bad_index(indices[i], s, params[i].numel());
+      found[c] = index_check::first_violation_in(indices[i], s.begin, s.end, params[i].numel());
       if (found[c] >= 0) continue;
       const at::Tensor* base = bases.empty() ? nullptr : &bases[i];
       switch (dtype) {

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from sift import _ops
+from sift.optim import _index_dtype, _is_dtensor
 
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
@@ -72,10 +73,6 @@ class DeltaError(ValueError):
         if more:
             lines.append(f"  - ... and {more} more")
         super().__init__("\n".join(lines))
-
-
-def _index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -916,14 +913,6 @@ def _base_problems(base: BaseFingerprint, state: Mapping[str, torch.Tensor],
         return [f"the delta was made for another base model: {len(differing)} of {compared} sampled base values "
                 f"differ (first: {', '.join(differing[:3])})"]
     return []
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:

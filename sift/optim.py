@@ -873,8 +873,14 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     if not used and mesh_group is None:
         return torch.zeros(())
     device = used[0].device if used else torch.device("cpu")
-    norms = [torch.linalg.vector_norm(g.float(), norm_type).to(device) for g in used]
-    stacked = torch.stack(norms) if norms else torch.zeros(1, device=device)
+    # One multi-tensor norm per (device, dtype) instead of a kernel per tensor: clipping runs
+    # every step over every weight. Accumulated and returned in fp32 whatever the grad dtype.
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for g in used:
+        by_kind[(g.device, g.dtype)].append(g)
+    norms = [torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)).to(device)
+             for gs in by_kind.values()]
+    stacked = torch.cat(norms) if norms else torch.zeros(1, device=device)
     if mesh_group is None:
         total = torch.linalg.vector_norm(stacked, norm_type)
     else:

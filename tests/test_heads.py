@@ -18,25 +18,13 @@ import transformers
 
 import sift
 from sift import _ops, heads
+from sift.bench.heads import SENTENCES
 from sift.heads import HeadScores
 from conftest import cpp_available, triton_available
 
 transformers.logging.set_verbosity_error()
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Attention heads in a transformer learn to track syntax, position and coreference.",
-    "Paris is the capital and most populous city of France.",
-    "She sold the old piano because nobody in the house played it anymore.",
-    "Fine-tuning only a few heads keeps most of the pretrained model frozen.",
-    "It rained all night.",
-    "The committee postponed its decision until the auditors had reviewed every account of the last three years.",
-    "Photosynthesis converts light energy into chemical energy stored in glucose.",
-    "Can you recommend a good book about the history of mathematics?",
-    "The stock market fell sharply after the central bank raised interest rates.",
-    "He forgot his umbrella, so he waited under the bridge until the storm passed.",
-    "Water boils at one hundred degrees Celsius at sea level.",
-]
+TEXTS = list(SENTENCES[:12])  # the benchmark's sentences: short and long, so batches pad
 
 # ----------------------------------------------------------------- helpers
 

@@ -224,9 +224,10 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
     rows: list[dict[str, object]] = []
     extra_dense: list[dict[str, object]] = []
     # The L2 fetch-bound rows only where the driver lets us read (and so set) the bound.
-    l2_rows = kind == "cuda" and l2_fetch_granularity_unavailable(device) is None
+    l2_why_not = l2_fetch_granularity_unavailable(device) if kind == "cuda" else "not CUDA"
+    l2_rows = l2_why_not is None
     if kind == "cuda" and info is not None:
-        info["l2_fetch_bound"] = l2_fetch_granularity_unavailable(device) or "available"
+        info["l2_fetch_bound"] = l2_why_not or "available"
     dense_ms: dict[str, float] = {}
     for flavour in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **{flavour: True})
