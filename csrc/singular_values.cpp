@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,8 +35,7 @@ namespace sv_generic {
 #include "singular_values_simd.h"
 }  // namespace sv_generic
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SIFT_SV_X86 1
+#ifdef SIFT_X86_SIMD
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace sv_avx2 {
@@ -59,10 +60,8 @@ constexpr int64_t PANEL_ROWS = 64;
 // 512); beyond that the per-matrix LAPACK path in sift/_ops.py is used.
 constexpr int64_t MAX_N = 512;
 
-enum class Isa { generic, avx2, avx512 };
-
 Isa detect_isa() {
-#ifdef SIFT_SV_X86
+#ifdef SIFT_X86_SIMD
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw"))
@@ -70,17 +69,6 @@ Isa detect_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::generic;
-}
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::avx512:
-      return "avx512";
-    case Isa::avx2:
-      return "avx2";
-    default:
-      return "generic";
-  }
 }
 
 // Square register tile of the Gram (T x T v8d accumulators) per instruction set: 16
@@ -141,7 +129,7 @@ struct Kernels;
       NS::gram_eigenvalues(reinterpret_cast<V*>(gram), np, n, vv, vv + np, vv + 2 * np, vv + 3 * np, ok); \
     }                                                                                                \
   };
-#ifdef SIFT_SV_X86
+#ifdef SIFT_X86_SIMD
 SIFT_SV_KERNELS(Isa::avx512, sv_avx512, __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma"))))
 SIFT_SV_KERNELS(Isa::avx2, sv_avx2, __attribute__((target("avx2,fma"))))
 #endif
@@ -201,7 +189,7 @@ void run(const T* x, const Problem& pb, Out* out, Isa isa) {
   const int64_t groups = (pb.batch + LANES - 1) / LANES;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     switch (isa) {
-#ifdef SIFT_SV_X86  // elsewhere detect_isa() only ever answers generic
+#ifdef SIFT_X86_SIMD  // elsewhere detect_isa() only ever answers generic
       case Isa::avx512:
         solve_groups<Isa::avx512, T, Out>(x, pb, out, begin, end);
         break;
@@ -213,23 +201,6 @@ void run(const T* x, const Problem& pb, Out* out, Isa isa) {
         solve_groups<Isa::generic, T, Out>(x, pb, out, begin, end);
     }
   });
-}
-
-Isa isa_from_request(const std::string& request) {
-  static const Isa best = detect_isa();
-  if (request.empty() || request == "auto") return best;
-  Isa want;
-  if (request == "generic")
-    want = Isa::generic;
-  else if (request == "avx2")
-    want = Isa::avx2;
-  else if (request == "avx512")
-    want = Isa::avx512;
-  else
-    TORCH_CHECK(false, "isa must be one of 'auto', 'generic', 'avx2', 'avx512', got '", request, "'");
-  TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "isa '", request,
-              "' is not supported by this CPU or build (best available: '", isa_name(best), "')");
-  return want;
 }
 
 at::Tensor singular_values_cpu(const at::Tensor& x, c10::string_view isa_request) {
@@ -245,7 +216,8 @@ at::Tensor singular_values_cpu(const at::Tensor& x, c10::string_view isa_request
   const auto out_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({batch, n}, x.options().dtype(out_dtype));
   if (batch == 0 || n == 0) return out;
-  const Isa isa = isa_from_request(std::string(isa_request));
+  static const Isa best = detect_isa();
+  const Isa isa = isa_from_request(std::string(isa_request), best);
   const int64_t tile = tile_size(isa);
   Problem pb{batch,
              n,

@@ -9,15 +9,37 @@
 // form is 1.4-2.3x faster than gathering into buffers, vectorising the math and scattering,
 // because the gathers dominate and the buffered form's short-range prefetch fought the
 // hardware prefetcher.
+//
+// fp32 weights with int32 indices (the common CPU case) also have SIMD forms of the same
+// pass (sparse_adamw_simd.h), chosen at run time (cpu_isa.h): AVX-512 gathers 16 grads and
+// weights per instruction and scatters the 16 new weights; AVX2 gathers 8 and stores them one
+// by one. Both prefetch the weight lines with PREFETCHW, which fetches a line ready to be
+// written. The scalar loop is bound by its divide and square root: with everything in L2 (one
+// thread, 65536 entries) it takes 6.8-7.3 ns an entry against 2.4 (AVX2) and 3.4 (AVX-512).
+// On 8 x 4096^2 fp32 the gathers dominate: AVX-512 took 1.06 / 12.5 / 48 ms at 0.1% / 1% / 5%
+// against 1.1 / 14.1-14.5 / 50.6-54.3 ms for the scalar loop. There the step waits on the
+// prefetches, i.e. on the core's line-fill buffers (perf: two thirds of the samples on the
+// prefetch instructions), so wider math has little left to win. The SIMD forms are compiled
+// with fp-contract off and do the scalar loop's operations in its order: every form gives
+// bit-identical results (tested).
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
 #include "index_check.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#ifdef SIFT_X86_SIMD
+#include <immintrin.h>
+#endif
 
 namespace sift {
 namespace {
@@ -58,6 +80,73 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
   }
 }
 
+#ifdef SIFT_X86_SIMD
+// The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. PREFETCHW
+// (Broadwell, Zen and later) comes with both; detect_adamw_isa checks for it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,prfchw")
+#pragma GCC optimize("fp-contract=off")
+namespace adamw_avx512 {
+using V = __m512;
+using Mask = __mmask16;
+constexpr int64_t W = 16;
+inline Mask lanes(int64_t n) { return static_cast<Mask>((1u << n) - 1u); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V loadu(const float* p, Mask k) { return _mm512_maskz_loadu_ps(k, p); }
+inline void storeu(float* p, V x, Mask k) { _mm512_mask_storeu_ps(p, k, x); }
+inline V vsqrt(V x) { return _mm512_sqrt_ps(x); }
+inline __m512i load_idx(const int32_t* p, Mask k) { return _mm512_maskz_loadu_epi32(k, p); }
+inline V gather(const float* base, __m512i q, Mask k) {
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, q, base, 4);
+}
+inline void scatter(float* base, const int32_t*, __m512i q, V x, Mask k, int64_t) {
+  _mm512_mask_i32scatter_ps(base, k, q, x, 4);
+}
+#include "sparse_adamw_simd.h"
+}  // namespace adamw_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,prfchw")
+#pragma GCC optimize("fp-contract=off")
+namespace adamw_avx2 {
+using V = __m256;
+using Mask = __m256i;
+constexpr int64_t W = 8;
+inline Mask lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V loadu(const float* p, Mask k) { return _mm256_maskload_ps(p, k); }
+inline void storeu(float* p, V x, Mask k) { _mm256_maskstore_ps(p, k, x); }
+inline V vsqrt(V x) { return _mm256_sqrt_ps(x); }
+inline __m256i load_idx(const int32_t* p, Mask k) { return _mm256_maskload_epi32(p, k); }
+inline V gather(const float* base, __m256i q, Mask k) {
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, q, _mm256_castsi256_ps(k), 4);
+}
+// AVX2 has no scatter: the new weights go out one store each.
+inline void scatter(float* base, const int32_t* idx, __m256i, V x, Mask, int64_t n) {
+  alignas(32) float out[W];
+  _mm256_store_ps(out, x);
+  for (int64_t t = 0; t < n; ++t) base[idx[t]] = out[t];
+}
+#include "sparse_adamw_simd.h"
+}  // namespace adamw_avx2
+#pragma GCC pop_options
+#endif  // SIFT_X86_SIMD
+
+// Best SIMD form this CPU runs.
+Isa detect_adamw_isa() {
+#ifdef SIFT_X86_SIMD
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("prfchw")) {
+    if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+    if (__builtin_cpu_supports("avx2")) return Isa::avx2;
+  }
+#endif
+  return Isa::generic;
+}
+
 struct Segment {
   int64_t tensor;
   int64_t begin;
@@ -78,42 +167,62 @@ void raise_first_bad_index(at::TensorList indices, const std::vector<Segment>& w
   }
 }
 
+// One chunk's operands: tensor i of the lists, entries [begin, end) of its indices.
+struct ChunkArgs {
+  const at::Tensor& p;
+  const at::Tensor& grad;
+  const at::Tensor& idx;
+  const at::Tensor& m;
+  const at::Tensor& v;
+  const at::Tensor& d;
+  const at::Tensor* base;
+  int64_t begin, end;
+  float step_size, inv_bc2_sqrt;
+};
+
 template <typename W, typename G, typename I, bool COMPACT, bool HAS_BASE>
-void run_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
-               const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
-               float step_size, float inv_bc2_sqrt, const Hyper& h) {
-  adamw_chunk<W, G, I, COMPACT, HAS_BASE>(p.data_ptr<W>(), grad.data_ptr<G>(), idx.data_ptr<I>(), m.data_ptr<float>(),
-                                          v.data_ptr<float>(), d.data_ptr<float>(),
-                                          HAS_BASE ? base->data_ptr<W>() : nullptr, begin, end, idx.numel(),
-                                          step_size, inv_bc2_sqrt, h);
+void run_chunk(const ChunkArgs& a, const Hyper& h, Isa isa) {
+  W* w = a.p.data_ptr<W>();
+  const G* g = a.grad.data_ptr<G>();
+  const I* idx = a.idx.data_ptr<I>();
+  float *m = a.m.data_ptr<float>(), *v = a.v.data_ptr<float>(), *d = a.d.data_ptr<float>();
+  const int64_t k = a.idx.numel();
+#ifdef SIFT_X86_SIMD
+  if constexpr (std::is_same_v<W, float> && std::is_same_v<I, int32_t> && !HAS_BASE) {
+    if (isa == Isa::avx512)
+      return adamw_avx512::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
+    if (isa == Isa::avx2)
+      return adamw_avx2::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
+  }
+#endif
+  adamw_chunk<W, G, I, COMPACT, HAS_BASE>(w, g, idx, m, v, d, HAS_BASE ? a.base->data_ptr<W>() : nullptr, a.begin,
+                                          a.end, k, a.step_size, a.inv_bc2_sqrt, h);
 }
 
 template <typename W, typename I, bool HAS_BASE>
-void dispatch_grad(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
-                   const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
-                   bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
-  if (compact) run_chunk<W, float, I, true, HAS_BASE>(p, grad, idx, m, v, d, base, begin, end, step_size, inv_bc2_sqrt, h);
-  else run_chunk<W, W, I, false, HAS_BASE>(p, grad, idx, m, v, d, base, begin, end, step_size, inv_bc2_sqrt, h);
+void dispatch_grad(const ChunkArgs& a, bool compact, const Hyper& h, Isa isa) {
+  if (compact) run_chunk<W, float, I, true, HAS_BASE>(a, h, isa);
+  else run_chunk<W, W, I, false, HAS_BASE>(a, h, isa);
 }
 
 template <typename W>
-void dispatch_chunk(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& m,
-                    const at::Tensor& v, const at::Tensor& d, const at::Tensor* base, int64_t begin, int64_t end,
-                    bool compact, float step_size, float inv_bc2_sqrt, const Hyper& h) {
-  const bool i32 = idx.scalar_type() == at::kInt;
-  if (base) {
-    if (i32) dispatch_grad<W, int32_t, true>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
-    else dispatch_grad<W, int64_t, true>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+void dispatch_chunk(const ChunkArgs& a, bool compact, const Hyper& h, Isa isa) {
+  const bool i32 = a.idx.scalar_type() == at::kInt;
+  if (a.base) {
+    if (i32) dispatch_grad<W, int32_t, true>(a, compact, h, isa);
+    else dispatch_grad<W, int64_t, true>(a, compact, h, isa);
   } else {
-    if (i32) dispatch_grad<W, int32_t, false>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
-    else dispatch_grad<W, int64_t, false>(p, grad, idx, m, v, d, base, begin, end, compact, step_size, inv_bc2_sqrt, h);
+    if (i32) dispatch_grad<W, int32_t, false>(a, compact, h, isa);
+    else dispatch_grad<W, int64_t, false>(a, compact, h, isa);
   }
 }
 
 void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList indices, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList deltas, at::TensorList bases, at::TensorList steps,
                       double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                      bool compact_grads) {
+                      bool compact_grads, c10::string_view isa_request) {
+  static const Isa best = detect_adamw_isa();
+  const Isa isa = isa_from_request(std::string(isa_request), best);
   const auto n = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
   TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
@@ -177,19 +286,17 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
       const int64_t i = s.tensor;
       found[c] = index_check::first_violation_in(indices[i], s.begin, s.end, params[i].numel());
       if (found[c] >= 0) continue;
-      const at::Tensor* base = bases.empty() ? nullptr : &bases[i];
+      const ChunkArgs args{params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i],
+                           bases.empty() ? nullptr : &bases[i], s.begin, s.end, step_size[i], inv_bc2_sqrt[i]};
       switch (dtype) {
         case at::kFloat:
-          dispatch_chunk<float>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base, s.begin,
-                                s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          dispatch_chunk<float>(args, compact_grads, h, isa);
           break;
         case at::kBFloat16:
-          dispatch_chunk<c10::BFloat16>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base,
-                                        s.begin, s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          dispatch_chunk<c10::BFloat16>(args, compact_grads, h, isa);
           break;
         case at::kHalf:
-          dispatch_chunk<c10::Half>(params[i], grads[i], indices[i], exp_avgs[i], exp_avg_sqs[i], deltas[i], base,
-                                    s.begin, s.end, compact_grads, step_size[i], inv_bc2_sqrt[i], h);
+          dispatch_chunk<c10::Half>(args, compact_grads, h, isa);
           break;
         default:
           TORCH_CHECK(false, "params must be float32, bfloat16 or float16");
@@ -199,13 +306,16 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   raise_first_bad_index(indices, work, found, params);
 }
 
+std::string sparse_adamw_isa() { return isa_name(detect_adamw_isa()); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sift, m) {
   m.def(
       "sparse_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor[] indices, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] deltas, Tensor[] bases, Tensor[] steps, float lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool maximize, bool compact_grads) -> ()");
+      "float beta2, float eps, float weight_decay, bool maximize, bool compact_grads, str isa=\"auto\") -> ()");
+  m.def("sparse_adamw_isa() -> str", &sparse_adamw_isa);
 }
 
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_", &sparse_adamw_cpu); }

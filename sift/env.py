@@ -60,6 +60,19 @@ def machine_header() -> dict[str, str]:
     }
 
 
+def cpp_simd() -> str:
+    """The SIMD form each C++ op picked from this CPU's features, e.g.
+    "sparse_adamw_ avx512, singular_values avx512"; "" when the extension is not loaded."""
+    if not extension_status()["ok"]:
+        return ""
+    forms = []
+    for op in ("sparse_adamw_", "singular_values"):
+        probe = getattr(torch.ops.sift, f"{op.rstrip('_')}_isa", None)
+        if probe is not None:
+            forms.append(f"{op} {probe()}")
+    return ", ".join(forms)
+
+
 def report() -> str:
     """Human-readable environment report (what `python -m sift.env` prints)."""
     lines = ["# sift environment", ""]
@@ -67,9 +80,8 @@ def report() -> str:
         lines.append(f"{key:>14}: {value}")
     ext = extension_status()
     lines.append(f"{'C++ extension':>14}: " + (f"loaded ({ext['how']})" if ext["ok"] else f"off: {ext['why']}"))
-    if ext["ok"] and hasattr(torch.ops.sift, "singular_values_isa"):
-        # The batched singular-value kernel picks its SIMD code from the CPU's features.
-        lines.append(f"{'C++ SIMD':>14}: {torch.ops.sift.singular_values_isa()} (singular_values)")
+    if ext["ok"]:
+        lines.append(f"{'C++ SIMD':>14}: {cpp_simd()}")
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")

@@ -504,6 +504,55 @@ def test_kernel_matches_reference(backend, dtype, compact, lr_tensor):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _cpp_isas() -> list[str]:
+    """The SIMD forms of the C++ step this CPU runs, from the scalar loop up."""
+    if not cpp_available():
+        return []
+    order = ["generic", "avx2", "avx512"]
+    return order[: order.index(torch.ops.sift.sparse_adamw_isa()) + 1]
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@pytest.mark.parametrize("isa", _cpp_isas()[1:] or [pytest.param("avx2", marks=pytest.mark.skip("no SIMD form"))])
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
+def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, compact, maximize):
+    """The AVX2 / AVX-512 forms of the fp32 step (full vectors, then one masked vector for a
+    chunk's tail) give the scalar loop's results bit for bit: same operations, same order, no
+    fused multiply-add. Lengths cover empty and partial vectors and several 512-entry chunks;
+    five steps, so the moments are no longer their first-step values."""
+    shapes = [(1,), (15,), (16,), (17,), (40, 13), (3000,), (7, 9, 11)]
+    inputs = _kernel_inputs(shapes, torch.float32, 0.35, compact, seed=11)
+    inputs[0][3] = torch.randn(2048)  # 717 indices at 35%: chunks of 512 and 205
+    inputs[2][3] = torch.sort(torch.randperm(2048)[:1100]).values.to(torch.int32)
+    k = inputs[2][3].numel()
+    inputs[1][3] = torch.randn(k) if compact else torch.randn(2048)
+    for pos in (3, 4, 5):
+        inputs[pos][3] = torch.rand(k) * (0.01 if pos == 4 else 0.1)
+    scalar = copy.deepcopy(inputs)
+    for step in range(5):
+        for run, isa_name in ((inputs, isa), (scalar, "generic")):
+            torch.ops.sift.sparse_adamw_(*run, 3e-3, 0.9, 0.99, 1e-8, 0.05, maximize, compact, isa_name)
+            for s in run[7]:
+                s += 1
+    for got_list, want_list, name in zip(inputs, scalar, ["params", "grads", "indices", "exp_avg", "exp_avg_sq",
+                                                        "delta", "base", "step"]):
+        for i, (got, want) in enumerate(zip(got_list, want_list)):
+            assert torch.equal(got, want), f"{name}[{i}] differs between {isa} and the scalar loop"
+    reference = _kernel_inputs(shapes, torch.float32, 0.35, compact, seed=11)
+    assert not torch.equal(inputs[0][0], reference[0][0]), "the steps must have moved the params"
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+def test_cpp_step_rejects_unknown_isa_before_writing():
+    inputs = _kernel_inputs([(64,)], torch.float32, 0.5, False, seed=2)
+    before = copy.deepcopy(inputs)
+    with pytest.raises(RuntimeError, match="isa must be one of 'auto', 'generic', 'avx2', 'avx512', got 'sse9'"):
+        torch.ops.sift.sparse_adamw_(*inputs, 1e-2, 0.9, 0.999, 1e-8, 0.0, False, False, "sse9")
+    assert all(torch.equal(a, b) for la, lb in zip(inputs, before) for a, b in zip(la, lb))
+    assert torch.ops.sift.sparse_adamw_isa() in ("generic", "avx2", "avx512")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sift.env import machine_header
+from sift.env import cpp_simd, machine_header
 
 
 def time_cpu(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> dict[str, float]:
@@ -72,9 +72,11 @@ def _summary(samples: Sequence[float]) -> dict[str, float]:
 def header_lines() -> list[str]:
     """Markdown lines naming the machine (CPU, cores, GPU, versions, git SHA)."""
     h = machine_header()
+    simd = cpp_simd()
     return [
         f"Machine: {h['cpu']} ({h['cores']} cores, torch threads {h['torch_threads']}); GPU: {h['gpu']}; "
         f"torch {h['torch']}; triton {h['triton']}; python {h['python']}; git {h['git']}"
+        + (f"; C++ SIMD: {simd}" if simd else "")
     ]
 
 
