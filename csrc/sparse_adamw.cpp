@@ -10,18 +10,22 @@
 // because the gathers dominate and the buffered form's short-range prefetch fought the
 // hardware prefetcher.
 //
-// fp32 weights with int32 indices (the common CPU case) also have SIMD forms of the same
-// pass (sparse_adamw_simd.h), chosen at run time (cpu_isa.h): AVX-512 gathers 16 grads and
-// weights per instruction and scatters the 16 new weights; AVX2 gathers 8 and stores them one
-// by one. Both prefetch the weight lines with PREFETCHW, which fetches a line ready to be
-// written. The scalar loop is bound by its divide and square root: with everything in L2 (one
-// thread, 65536 entries) it takes 6.8-7.3 ns an entry against 2.4 (AVX2) and 3.4 (AVX-512).
-// On 8 x 4096^2 fp32 the gathers dominate: AVX-512 took 1.06 / 12.5 / 48 ms at 0.1% / 1% / 5%
-// against 1.1 / 14.1-14.5 / 50.6-54.3 ms for the scalar loop. There the step waits on the
+// With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h), chosen at run time
+// (cpu_isa.h). fp32 weights: AVX-512 gathers 16 grads and weights per instruction and
+// scatters the 16 new weights; AVX2 gathers 8 and stores them one by one. bf16/fp16 weights
+// (rebuilt from base + delta): the 16-bit grads are gathered as 4-byte words, and the new
+// weights rounded in vector registers exactly as c10's conversions round, then stored one by
+// one (there is no 16-bit scatter). Both forms prefetch the weight lines with PREFETCHW, which
+// fetches a line ready to be written. The scalar loop is bound by its divide and square root:
+// with everything in L2 (one thread, 65536 fp32 entries) it takes 6.8-7.3 ns an entry against
+// 2.4 (AVX2) and 3.4 (AVX-512); bf16 10.2 ns against 5.0 (AVX-512). On 8 x 4096^2 weights the
+// gathers dominate: fp32 AVX-512 took 1.06 / 12.5 / 48 ms at 0.1% / 1% / 5% against 1.1 /
+// 14.1-14.5 / 50.6-54.3 ms for the scalar loop; at 5%, bf16 29 ms against 39 ms and fp16 36 ms
+// against 71 ms (its scalar conversion to fp16 is slow). There the step waits on the
 // prefetches, i.e. on the core's line-fill buffers (perf: two thirds of the samples on the
 // prefetch instructions), so wider math has little left to win. The SIMD forms are compiled
 // with fp-contract off and do the scalar loop's operations in its order: every form gives
-// bit-identical results (tested).
+// bit-identical results, NaN payloads and rounding ties included (tested).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -83,6 +88,25 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
 #ifdef SIFT_X86_SIMD
 // The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. PREFETCHW
 // (Broadwell, Zen and later) comes with both; detect_adamw_isa checks for it.
+
+// fp16 NaNs as c10::Half(float) writes them (sign | 0x7E00), where the hardware conversion
+// would keep part of the payload; `nan` has bit t set for each NaN lane of xs.
+inline void fix_f16_nans(uint16_t* out, const float* xs, unsigned nan) {
+  for (int t = 0; nan; ++t, nan >>= 1) {
+    if (nan & 1u) {
+      uint32_t bits;
+      std::memcpy(&bits, xs + t, sizeof(bits));
+      out[t] = static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7E00u);
+    }
+  }
+}
+
+// n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
+template <int64_t W>
+struct Tail16 {
+  alignas(64) uint16_t v[W] = {};
+  Tail16(const uint16_t* p, int64_t n) { std::memcpy(v, p, static_cast<size_t>(n) * sizeof(uint16_t)); }
+};
 #pragma GCC push_options
 #pragma GCC target("avx512f,prfchw")
 #pragma GCC optimize("fp-contract=off")
@@ -102,12 +126,41 @@ inline V gather(const float* base, __m512i q, Mask k) {
 inline void scatter(float* base, const int32_t*, __m512i q, V x, Mask k, int64_t) {
   _mm512_mask_i32scatter_ps(base, k, q, x, 4);
 }
+using VI = __m512i;
+inline VI load16(const uint16_t* p, int64_t n) {
+  if (n == W) return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const Tail16<W> tail(p, n);
+  return _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail.v)));
+}
+inline VI gather16(const uint16_t* base, __m512i q, Mask k) {
+  const VI words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, q, base, 2);
+  return _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
+}
+inline V widen_bf16(VI x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+inline V widen_f16(VI x) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
+// c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, NaN -> 0x7FC0.
+inline void store_bf16(uint16_t* out, V x) {
+  const VI u = _mm512_castps_si512(x);
+  const VI lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  VI r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+inline void store_f16(uint16_t* out, V x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  const unsigned nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  if (nan) {
+    alignas(64) float xs[W];
+    _mm512_store_ps(xs, x);
+    fix_f16_nans(out, xs, nan);
+  }
+}
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,prfchw")
+#pragma GCC target("avx2,f16c,prfchw")
 #pragma GCC optimize("fp-contract=off")
 namespace adamw_avx2 {
 using V = __m256;
@@ -130,6 +183,38 @@ inline void scatter(float* base, const int32_t* idx, __m256i, V x, Mask, int64_t
   _mm256_store_ps(out, x);
   for (int64_t t = 0; t < n; ++t) base[idx[t]] = out[t];
 }
+using VI = __m256i;
+inline VI load16(const uint16_t* p, int64_t n) {
+  if (n == W) return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const Tail16<W> tail(p, n);
+  return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail.v)));
+}
+inline VI gather16(const uint16_t* base, __m256i q, Mask k) {
+  const VI words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(base), q, k, 2);
+  return _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+}
+// The low 16 bits of each 32-bit lane, packed in order.
+inline __m128i pack16(VI x) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
+}
+inline V widen_bf16(VI x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline V widen_f16(VI x) { return _mm256_cvtph_ps(pack16(x)); }
+inline void store_bf16(uint16_t* out, V x) {
+  const VI u = _mm256_castps_si256(x);
+  const VI lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  VI r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), pack16(r));
+}
+inline void store_f16(uint16_t* out, V x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  const unsigned nan = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  if (nan) {
+    alignas(32) float xs[W];
+    _mm256_store_ps(xs, x);
+    fix_f16_nans(out, xs, nan);
+  }
+}
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx2
 #pragma GCC pop_options
@@ -141,7 +226,7 @@ Isa detect_adamw_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("prfchw")) {
     if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
-    if (__builtin_cpu_supports("avx2")) return Isa::avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::avx2;
   }
 #endif
   return Isa::generic;
@@ -193,6 +278,16 @@ void run_chunk(const ChunkArgs& a, const Hyper& h, Isa isa) {
       return adamw_avx512::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
     if (isa == Isa::avx2)
       return adamw_avx2::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
+  }
+  if constexpr (!std::is_same_v<W, float> && std::is_same_v<I, int32_t> && HAS_BASE) {
+    const W* base = a.base->data_ptr<W>();
+    const int64_t numel = a.p.numel();
+    if (isa == Isa::avx512)
+      return adamw_avx512::chunk_lowp<W, COMPACT>(w, g, idx, m, v, d, base, a.begin, a.end, k, numel, a.step_size,
+                                                  a.inv_bc2_sqrt, h);
+    if (isa == Isa::avx2)
+      return adamw_avx2::chunk_lowp<W, COMPACT>(w, g, idx, m, v, d, base, a.begin, a.end, k, numel, a.step_size,
+                                                a.inv_bc2_sqrt, h);
   }
 #endif
   adamw_chunk<W, G, I, COMPACT, HAS_BASE>(w, g, idx, m, v, d, HAS_BASE ? a.base->data_ptr<W>() : nullptr, a.begin,

@@ -38,3 +38,63 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
     scatter(w, idx + j, q, wj + upd, mask, n);
   }
 }
+
+// Low-precision weights (bf16 or fp16, T) keep a copy of the chosen weights in T ("base") and
+// the exact fp32 increment: the weight is rebuilt as base + delta, never read from the param,
+// and written rounded as the scalar loop's static_cast<T> rounds (round to nearest even; a
+// NaN becomes torch's NaN of that type). The namespace adds VI (W 32-bit integer lanes),
+// load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane, read as a
+// 4-byte word), widen_bf16 / widen_f16, and store_bf16 / store_f16 (W rounded values).
+template <typename T>
+inline V widen(VI x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return widen_bf16(x);
+  else return widen_f16(x);
+}
+
+template <typename T, bool COMPACT>
+void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __restrict idx, float* __restrict m,
+                float* __restrict v, float* __restrict d, const T* __restrict base, int64_t begin, int64_t end,
+                int64_t k, int64_t numel, float step_size, float inv_bc2_sqrt, const Hyper& h) {
+  using G = std::conditional_t<COMPACT, float, T>;
+  const auto* g16 = static_cast<const uint16_t*>(g_src);
+  const auto* g32 = static_cast<const float*>(g_src);
+  const auto* b16 = reinterpret_cast<const uint16_t*>(base);
+  auto* w16 = reinterpret_cast<uint16_t*>(w);
+  const V sign = set1(h.maximize ? -1.0f : 1.0f), beta1 = set1(h.beta1), beta2 = set1(h.beta2);
+  const V one_minus_b1 = set1(1.0f - h.beta1), one_minus_b2 = set1(1.0f - h.beta2);
+  const V neg_decay = set1(-(h.lr * h.weight_decay)), vstep = set1(step_size), vinv = set1(inv_bc2_sqrt);
+  const V eps = set1(h.eps);
+  for (int64_t j = begin; j < end; j += W) {
+    const int64_t n = std::min<int64_t>(W, end - j);
+    // gather16 reads 2 bytes past each grad: the block holding the tensor's last element, if
+    // that element is chosen, goes through the scalar loop instead, so nothing past the
+    // gradient's end is read.
+    if (!COMPACT && j + n == k && idx[k - 1] == numel - 1) {
+      adamw_chunk<T, G, int32_t, COMPACT, true>(w, static_cast<const G*>(g_src), idx, m, v, d, base, j, end, k,
+                                                step_size, inv_bc2_sqrt, h);
+      return;
+    }
+    for (int64_t a = j + PREFETCH_DISTANCE, stop = std::min(k, a + n); a < stop; ++a) {
+      const int64_t ahead = idx[a];
+      if (!COMPACT) __builtin_prefetch(g16 + ahead, 0, 3);
+      __builtin_prefetch(w16 + ahead, 1, 3);
+    }
+    const auto mask = lanes(n);
+    const auto q = load_idx(idx + j, mask);
+    const V gj = sign * (COMPACT ? loadu(g32 + j, mask) : widen<T>(gather16(g16, q, mask)));
+    const V bj = widen<T>(load16(b16 + j, n));
+    const V d_old = loadu(d + j, mask);
+    const V wj = bj + d_old;
+    const V mj = beta1 * loadu(m + j, mask) + one_minus_b1 * gj;
+    const V vj = beta2 * loadu(v + j, mask) + one_minus_b2 * gj * gj;
+    storeu(m + j, mj, mask);
+    storeu(v + j, vj, mask);
+    const V upd = neg_decay * wj - vstep * mj / (vsqrt(vj) * vinv + eps);
+    const V dj = d_old + upd;
+    storeu(d + j, dj, mask);
+    alignas(64) uint16_t out[W];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) store_bf16(out, bj + dj);
+    else store_f16(out, bj + dj);
+    for (int64_t t = 0; t < n; ++t) w16[idx[j + t]] = out[t];
+  }
+}

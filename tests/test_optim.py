@@ -512,35 +512,75 @@ def _cpp_isas() -> list[str]:
     return order[: order.index(torch.ops.sift.sparse_adamw_isa()) + 1]
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
-@pytest.mark.parametrize("isa", _cpp_isas()[1:] or [pytest.param("avx2", marks=pytest.mark.skip("no SIMD form"))])
-@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
-@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
-def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, compact, maximize):
-    """The AVX2 / AVX-512 forms of the fp32 step (full vectors, then one masked vector for a
-    chunk's tail) give the scalar loop's results bit for bit: same operations, same order, no
-    fused multiply-add. Lengths cover empty and partial vectors and several 512-entry chunks;
-    five steps, so the moments are no longer their first-step values."""
-    shapes = [(1,), (15,), (16,), (17,), (40, 13), (3000,), (7, 9, 11)]
-    inputs = _kernel_inputs(shapes, torch.float32, 0.35, compact, seed=11)
-    inputs[0][3] = torch.randn(2048)  # 717 indices at 35%: chunks of 512 and 205
-    inputs[2][3] = torch.sort(torch.randperm(2048)[:1100]).values.to(torch.int32)
-    k = inputs[2][3].numel()
-    inputs[1][3] = torch.randn(k) if compact else torch.randn(2048)
-    for pos in (3, 4, 5):
-        inputs[pos][3] = torch.rand(k) * (0.01 if pos == 4 else 0.1)
+_SIMD_ISAS = _cpp_isas()[1:] or [pytest.param("avx2", marks=pytest.mark.skip("this CPU has no SIMD form"))]
+
+
+def _step_every_isa_and_compare(inputs, isa, steps, lr, maximize, compact):
+    """Run `steps` C++ steps with `isa` and with the scalar loop on copies of `inputs`; every
+    output tensor must match bit for bit."""
     scalar = copy.deepcopy(inputs)
-    for step in range(5):
-        for run, isa_name in ((inputs, isa), (scalar, "generic")):
-            torch.ops.sift.sparse_adamw_(*run, 3e-3, 0.9, 0.99, 1e-8, 0.05, maximize, compact, isa_name)
+    for _ in range(steps):
+        for run, form in ((inputs, isa), (scalar, "generic")):
+            torch.ops.sift.sparse_adamw_(*run, lr, 0.9, 0.99, 1e-8, 0.05, maximize, compact, form)
             for s in run[7]:
                 s += 1
-    for got_list, want_list, name in zip(inputs, scalar, ["params", "grads", "indices", "exp_avg", "exp_avg_sq",
-                                                        "delta", "base", "step"]):
+    names = ["params", "grads", "indices", "exp_avg", "exp_avg_sq", "delta", "base", "step"]
+    for got_list, want_list, name in zip(inputs, scalar, names):
         for i, (got, want) in enumerate(zip(got_list, want_list)):
-            assert torch.equal(got, want), f"{name}[{i}] differs between {isa} and the scalar loop"
-    reference = _kernel_inputs(shapes, torch.float32, 0.35, compact, seed=11)
-    assert not torch.equal(inputs[0][0], reference[0][0]), "the steps must have moved the params"
+            # Compare bits, so that NaN payloads and signed zeros count too.
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
+                f"{name}[{i}] differs between {isa} and the scalar loop"
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@pytest.mark.parametrize("isa", _SIMD_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
+def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, dtype, compact, maximize):
+    """The AVX2 / AVX-512 forms of the step (full vectors, then one masked vector for a
+    chunk's tail; bf16/fp16 rebuilt from base + delta and rounded in vector registers) give
+    the scalar loop's results bit for bit: same operations, same order, no fused multiply-add.
+    Lengths cover partial vectors and several 512-entry chunks, tensors whose last element is
+    chosen (the 16-bit gather reads that one alone) and tensors whose last element is not;
+    five steps, so the moments are no longer their first-step values."""
+    shapes = [(1,), (15,), (16,), (17,), (40, 13), (3000,), (7, 9, 11), (2048,)]
+    inputs = _kernel_inputs(shapes, dtype, 0.55, compact, seed=11)
+    last_chosen = [int(i[-1]) == p.numel() - 1 for p, i in zip(inputs[0], inputs[2])]
+    assert any(last_chosen) and not all(last_chosen)
+    before = [p.clone() for p in inputs[0]]
+    _step_every_isa_and_compare(inputs, isa, 5, 3e-3, maximize, compact)
+    assert all(not torch.equal(p, b) for p, b in zip(inputs[0], before)), "the steps must move every param"
+
+
+@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@pytest.mark.parametrize("isa", _SIMD_ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cpp_simd_rounding_of_low_precision_weights_matches_scalar_loop(isa, dtype):
+    """With lr = 0 the step writes round(base + delta) exactly as stored, so the deltas below
+    put the weight on rounding ties, past the largest finite value, into the subnormals, on
+    signed zeros, infinities and NaNs (with payloads): the vector rounding must write what
+    torch's scalar conversion writes."""
+    info = torch.finfo(dtype)
+    base = torch.tensor([1.0, 1.0, -1.0, 3.0, info.max, -info.max, info.tiny, 0.0, -0.0, 0.0, 1.0, 2.0,
+                         0.0, 1.0, 100.0, 7.0, 0.5, -2.0, 1.0, 0.0], dtype=dtype)
+    ulp_at_1 = float(info.eps)
+    nan_payload = torch.tensor([0x7FA00001], dtype=torch.int32).view(torch.float32).item()
+    delta = torch.tensor([ulp_at_1 / 2, ulp_at_1 * 1.5, -ulp_at_1 / 2, 3 * ulp_at_1, float(info.max),
+                          -float(info.max) / 2 ** 3, -float(info.tiny) / 3, float(info.tiny) / 7, -0.0, -0.0,
+                          float("inf"), float("-inf"), float("nan"), nan_payload, -float("nan"), 1e-30,
+                          ulp_at_1 / 4 * 3, -ulp_at_1, 1 / 3, float(info.smallest_normal) * 0.75])
+    k = base.numel()
+    numel = 64
+    idx = torch.arange(1, 2 * k, 2, dtype=torch.int32)
+    params = [torch.zeros(numel, dtype=dtype)]
+    grads = [torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(dtype)]
+    inputs = [params, grads, [idx], [torch.zeros(k)], [torch.zeros(k)], [delta], [base], [torch.ones(())]]
+    _step_every_isa_and_compare(inputs, isa, 1, 0.0, False, False)
+    want = (base.float() + delta).to(dtype)
+    got = params[0][idx.long()]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()]), "lr=0 must write round(base + delta)"
 
 
 @pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
