@@ -1,39 +1,63 @@
-// SIMD body of the fused SparseAdamW step for fp32 weights and int32 indices
-// (csrc/sparse_adamw.cpp), included once per instruction set inside a namespace compiled
-// under that set's `#pragma GCC target` with fp-contract off. The namespace provides the
-// vector type V of W floats, lanes(n) (a mask of the first n lanes), and masked set1, loadu,
-// storeu, vsqrt, load_idx, gather and scatter; arithmetic is GCC's vector operators. Lanes
-// outside the mask are loaded as zero and never stored. Each line does one operation of the
-// scalar loop (adamw_chunk), in its order and with no fused multiply-add, so results are
-// bit-identical to it.
+// SIMD body of the fused SparseAdamW step (csrc/sparse_adamw.cpp) for int32 indices: fp32
+// weights (chunk) and bf16/fp16 weights (chunk_lowp). Included once per instruction set
+// inside a namespace compiled under that set's `#pragma GCC target` with fp-contract off. The
+// namespace provides the vector type V of W floats, lanes(n) (a mask of the first n lanes),
+// and masked set1, loadu, storeu, vsqrt, load_idx, gather and scatter; arithmetic is GCC's
+// vector operators. Lanes outside the mask are loaded as zero and never stored. Each line
+// does one operation of the scalar loop (adamw_chunk), in its order and with no fused
+// multiply-add, so results are bit-identical to it.
+
+// The step's scalars, in every lane.
+struct Coeffs {
+  V sign, beta1, beta2, one_minus_b1, one_minus_b2, neg_decay, vstep, vinv, eps;
+  Coeffs(const Hyper& h, float step_size, float inv_bc2_sqrt)
+      : sign(set1(h.maximize ? -1.0f : 1.0f)),
+        beta1(set1(h.beta1)),
+        beta2(set1(h.beta2)),
+        one_minus_b1(set1(1.0f - h.beta1)),
+        one_minus_b2(set1(1.0f - h.beta2)),
+        neg_decay(set1(-(h.lr * h.weight_decay))),
+        vstep(set1(step_size)),
+        vinv(set1(inv_bc2_sqrt)),
+        eps(set1(h.eps)) {}
+};
+
+// Prefetch the grad (unless compact) and weight lines of entries [j + PREFETCH_DISTANCE, + n).
+template <bool COMPACT, typename E>
+inline void prefetch_ahead(const E* g, const E* w, const int32_t* idx, int64_t j, int64_t n, int64_t k) {
+  for (int64_t a = j + PREFETCH_DISTANCE, stop = std::min(k, a + n); a < stop; ++a) {
+    const int64_t ahead = idx[a];
+    if (!COMPACT) __builtin_prefetch(g + ahead, 0, 3);
+    __builtin_prefetch(w + ahead, 1, 3);  // PREFETCHW: fetched ready to be written
+  }
+}
+
+// Moments of entries [j, j + lanes) updated in place from the signed grad gj; returns the
+// weight's increment for the weight wj.
+inline V adamw_update(const Coeffs& c, V gj, V wj, float* m, float* v, Mask mask) {
+  const V mj = c.beta1 * loadu(m, mask) + c.one_minus_b1 * gj;
+  const V vj = c.beta2 * loadu(v, mask) + c.one_minus_b2 * gj * gj;
+  storeu(m, mj, mask);
+  storeu(v, vj, mask);
+  return c.neg_decay * wj - c.vstep * mj / (vsqrt(vj) * c.vinv + c.eps);
+}
 
 template <bool COMPACT>
 void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __restrict idx, float* __restrict m,
            float* __restrict v, float* __restrict d, int64_t begin, int64_t end, int64_t k, float step_size,
            float inv_bc2_sqrt, const Hyper& h) {
-  const V sign = set1(h.maximize ? -1.0f : 1.0f), beta1 = set1(h.beta1), beta2 = set1(h.beta2);
-  const V one_minus_b1 = set1(1.0f - h.beta1), one_minus_b2 = set1(1.0f - h.beta2);
-  const V neg_decay = set1(-(h.lr * h.weight_decay)), vstep = set1(step_size), vinv = set1(inv_bc2_sqrt);
-  const V eps = set1(h.eps);
+  const Coeffs c(h, step_size, inv_bc2_sqrt);
   // Full vectors, then one masked vector for the last (end - begin) % W entries: staying in
   // vector code avoids a call into the scalar loop, whose transition drained the pipeline at
   // the end of every chunk (measured: a quarter of the time with the data in L2).
   for (int64_t j = begin; j < end; j += W) {
     const int64_t n = std::min<int64_t>(W, end - j);
-    for (int64_t a = j + PREFETCH_DISTANCE, stop = std::min(k, a + n); a < stop; ++a) {
-      const int64_t ahead = idx[a];
-      if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
-      __builtin_prefetch(w + ahead, 1, 3);  // PREFETCHW: fetched ready to be written
-    }
+    prefetch_ahead<COMPACT>(g_src, w, idx, j, n, k);
     const auto mask = lanes(n);
     const auto q = load_idx(idx + j, mask);
-    const V gj = sign * (COMPACT ? loadu(g_src + j, mask) : gather(g_src, q, mask));
+    const V gj = c.sign * (COMPACT ? loadu(g_src + j, mask) : gather(g_src, q, mask));
     const V wj = gather(w, q, mask);
-    const V mj = beta1 * loadu(m + j, mask) + one_minus_b1 * gj;
-    const V vj = beta2 * loadu(v + j, mask) + one_minus_b2 * gj * gj;
-    storeu(m + j, mj, mask);
-    storeu(v + j, vj, mask);
-    const V upd = neg_decay * wj - vstep * mj / (vsqrt(vj) * vinv + eps);
+    const V upd = adamw_update(c, gj, wj, m + j, v + j, mask);
     storeu(d + j, loadu(d + j, mask) + upd, mask);
     scatter(w, idx + j, q, wj + upd, mask, n);
   }
@@ -60,10 +84,7 @@ void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __
   const auto* g32 = static_cast<const float*>(g_src);
   const auto* b16 = reinterpret_cast<const uint16_t*>(base);
   auto* w16 = reinterpret_cast<uint16_t*>(w);
-  const V sign = set1(h.maximize ? -1.0f : 1.0f), beta1 = set1(h.beta1), beta2 = set1(h.beta2);
-  const V one_minus_b1 = set1(1.0f - h.beta1), one_minus_b2 = set1(1.0f - h.beta2);
-  const V neg_decay = set1(-(h.lr * h.weight_decay)), vstep = set1(step_size), vinv = set1(inv_bc2_sqrt);
-  const V eps = set1(h.eps);
+  const Coeffs c(h, step_size, inv_bc2_sqrt);
   for (int64_t j = begin; j < end; j += W) {
     const int64_t n = std::min<int64_t>(W, end - j);
     // gather16 reads 2 bytes past each grad: the block holding the tensor's last element, if
@@ -74,23 +95,13 @@ void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __
                                                 step_size, inv_bc2_sqrt, h);
       return;
     }
-    for (int64_t a = j + PREFETCH_DISTANCE, stop = std::min(k, a + n); a < stop; ++a) {
-      const int64_t ahead = idx[a];
-      if (!COMPACT) __builtin_prefetch(g16 + ahead, 0, 3);
-      __builtin_prefetch(w16 + ahead, 1, 3);
-    }
+    prefetch_ahead<COMPACT>(g16, w16, idx, j, n, k);
     const auto mask = lanes(n);
     const auto q = load_idx(idx + j, mask);
-    const V gj = sign * (COMPACT ? loadu(g32 + j, mask) : widen<T>(gather16(g16, q, mask)));
+    const V gj = c.sign * (COMPACT ? loadu(g32 + j, mask) : widen<T>(gather16(g16, q, mask)));
     const V bj = widen<T>(load16(b16 + j, n));
     const V d_old = loadu(d + j, mask);
-    const V wj = bj + d_old;
-    const V mj = beta1 * loadu(m + j, mask) + one_minus_b1 * gj;
-    const V vj = beta2 * loadu(v + j, mask) + one_minus_b2 * gj * gj;
-    storeu(m + j, mj, mask);
-    storeu(v + j, vj, mask);
-    const V upd = neg_decay * wj - vstep * mj / (vsqrt(vj) * vinv + eps);
-    const V dj = d_old + upd;
+    const V dj = d_old + adamw_update(c, gj, bj + d_old, m + j, v + j, mask);
     storeu(d + j, dj, mask);
     alignas(64) uint16_t out[W];
     if constexpr (std::is_same_v<T, c10::BFloat16>) store_bf16(out, bj + dj);
