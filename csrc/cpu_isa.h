@@ -12,6 +12,7 @@ namespace sift {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SIFT_X86_SIMD 1
+#include <cpuid.h>
 #endif
 
 enum class Isa { generic, avx2, avx512 };
@@ -26,6 +27,19 @@ inline const char* isa_name(Isa isa) {
       return "generic";
   }
 }
+
+#ifdef SIFT_X86_SIMD
+// CPUID bits that __builtin_cpu_supports only knows from GCC 11 or 12 on. Both come with
+// AVX2-era CPUs, whose AVX state support __builtin_cpu_supports("avx2") has checked.
+inline bool cpu_has_f16c() {  // CPUID.1:ECX[29]
+  unsigned a, b, c, d;
+  return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+}
+inline bool cpu_has_prefetchw() {  // CPUID.80000001H:ECX[8] (PRFCHW)
+  unsigned a, b, c, d;
+  return __get_cpuid(0x80000001u, &a, &b, &c, &d) && (c & (1u << 8));
+}
+#endif
 
 inline Isa isa_from_request(const std::string& request, Isa best) {
   if (request.empty() || request == "auto") return best;

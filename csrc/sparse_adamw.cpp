@@ -224,9 +224,9 @@ inline void store_f16(uint16_t* out, V x) {
 Isa detect_adamw_isa() {
 #ifdef SIFT_X86_SIMD
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("prfchw")) {
+  if (cpu_has_prefetchw()) {
     if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::avx2;
+    if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
   }
 #endif
   return Isa::generic;
