@@ -273,11 +273,14 @@ void run_chunk(const ChunkArgs& a, const Hyper& h, Isa isa) {
   float *m = a.m.data_ptr<float>(), *v = a.v.data_ptr<float>(), *d = a.d.data_ptr<float>();
   const int64_t k = a.idx.numel();
 #ifdef SIFT_X86_SIMD
-  if constexpr (std::is_same_v<W, float> && std::is_same_v<I, int32_t> && !HAS_BASE) {
+  if constexpr (std::is_same_v<W, float> && std::is_same_v<I, int32_t>) {
+    const float* base = HAS_BASE ? a.base->data_ptr<float>() : nullptr;
     if (isa == Isa::avx512)
-      return adamw_avx512::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
+      return adamw_avx512::chunk<COMPACT, HAS_BASE>(w, g, idx, m, v, d, base, a.begin, a.end, k, a.step_size,
+                                                    a.inv_bc2_sqrt, h);
     if (isa == Isa::avx2)
-      return adamw_avx2::chunk<COMPACT>(w, g, idx, m, v, d, a.begin, a.end, k, a.step_size, a.inv_bc2_sqrt, h);
+      return adamw_avx2::chunk<COMPACT, HAS_BASE>(w, g, idx, m, v, d, base, a.begin, a.end, k, a.step_size,
+                                                  a.inv_bc2_sqrt, h);
   }
   if constexpr (!std::is_same_v<W, float> && std::is_same_v<I, int32_t> && HAS_BASE) {
     const W* base = a.base->data_ptr<W>();

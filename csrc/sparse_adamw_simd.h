@@ -42,10 +42,12 @@ inline V adamw_update(const Coeffs& c, V gj, V wj, float* m, float* v, Mask mask
   return c.neg_decay * wj - c.vstep * mj / (vsqrt(vj) * c.vinv + c.eps);
 }
 
-template <bool COMPACT>
+// With a base (fp32 weights kept with keep_base=True), the weight is rebuilt as base + delta
+// instead of gathered, and base + the new delta is scattered.
+template <bool COMPACT, bool HAS_BASE>
 void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __restrict idx, float* __restrict m,
-           float* __restrict v, float* __restrict d, int64_t begin, int64_t end, int64_t k, float step_size,
-           float inv_bc2_sqrt, const Hyper& h) {
+           float* __restrict v, float* __restrict d, const float* __restrict base, int64_t begin, int64_t end,
+           int64_t k, float step_size, float inv_bc2_sqrt, const Hyper& h) {
   const Coeffs c(h, step_size, inv_bc2_sqrt);
   // Full vectors, then one masked vector for the last (end - begin) % W entries: staying in
   // vector code avoids a call into the scalar loop, whose transition drained the pipeline at
@@ -56,10 +58,18 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
     const auto mask = lanes(n);
     const auto q = load_idx(idx + j, mask);
     const V gj = c.sign * (COMPACT ? loadu(g_src + j, mask) : gather(g_src, q, mask));
-    const V wj = gather(w, q, mask);
-    const V upd = adamw_update(c, gj, wj, m + j, v + j, mask);
-    storeu(d + j, loadu(d + j, mask) + upd, mask);
-    scatter(w, idx + j, q, wj + upd, mask, n);
+    const V d_old = loadu(d + j, mask);
+    if constexpr (HAS_BASE) {
+      const V bj = loadu(base + j, mask);
+      const V dj = d_old + adamw_update(c, gj, bj + d_old, m + j, v + j, mask);
+      storeu(d + j, dj, mask);
+      scatter(w, idx + j, q, bj + dj, mask, n);
+    } else {
+      const V wj = gather(w, q, mask);
+      const V upd = adamw_update(c, gj, wj, m + j, v + j, mask);
+      storeu(d + j, d_old + upd, mask);
+      scatter(w, idx + j, q, wj + upd, mask, n);
+    }
   }
 }
 

@@ -187,13 +187,14 @@ def ops() -> dict[str, Op]:
 #   m      = beta1 * m + (1 - beta1) * g           (exp_avgs[i], [k_i] fp32)
 #   v      = beta2 * v + (1 - beta2) * g * g       (exp_avg_sqs[i], [k_i] fp32)
 #   t      = steps[i]                               (0-d fp32, already incremented)
-#   w      = params[i].view(-1)[indices[i]]  (fp32 params)
-#          = bases[i] + deltas[i]            (bf16/fp16 params: the exact fp32 weight)
+#   w      = params[i].view(-1)[indices[i]]  (no bases: fp32 params only)
+#          = bases[i] + deltas[i]            (with bases: the exact fp32 weight)
 #   upd    = -lr * weight_decay * w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 #   deltas[i] += upd                                ([k_i] fp32: total increment since selection)
-#   params[i].view(-1)[indices[i]] = w + upd  (fp32) | round(bases[i] + deltas[i]) (bf16/fp16)
-# Entries not in indices[i] are never written. `bases` is empty for fp32 params, else
-# bases[i] is [k_i] in the param dtype: the values at selection time.
+#   params[i].view(-1)[indices[i]] = w + upd  (no bases) | round(bases[i] + deltas[i]) (bases)
+# Entries not in indices[i] are never written. `bases` is empty or has one [k_i] tensor per
+# param in the param dtype (the values at selection time): required for bf16/fp16 params,
+# optional for fp32 ones (SparseAdamW(keep_base=True)).
 # ---------------------------------------------------------------------------------------
 
 

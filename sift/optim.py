@@ -9,19 +9,20 @@ weight with k chosen entries the optimizer keeps
     exp_avg     [k] fp32
     exp_avg_sq  [k] fp32
     delta       [k] fp32, the exact total increment since selection
-    base        [k] in the weight dtype, bf16/fp16 weights only: values at selection time
+    base        [k] in the weight dtype: values at selection time; bf16/fp16 weights always,
+                fp32 weights with `keep_base=True`
     step        0-d fp32 tensor on the weight's device
 
-i.e. 16 bytes per trainable entry for fp32 weights and 18 for bf16/fp16 ones. bf16/fp16
-weights are written as round(base + delta), so no update is lost to rounding however small
-it is against the weight's ulp.
+i.e. 16 bytes per trainable entry for fp32 weights (20 with `keep_base=True`) and 18 for
+bf16/fp16 ones. Weights with a base are written as round(base + delta) and never read by the
+step, so no bf16/fp16 update is lost to rounding however small it is against the weight's ulp.
 
 `set_indices` can change the set mid-training. Entries it drops with a nonzero `delta` keep
 their increment in a retired record, disjoint from `indices` and absent while empty:
 
     retired_indices  [r] sorted flat positions, same dtype as `indices`
     retired_delta    [r] fp32, the increment each one had when dropped
-    retired_base     [r] bf16/fp16 weights only: their `base`
+    retired_base     [r] weights with a base only: their `base`
 
 An entry re-added later takes its `delta` (and `base`) back from the record and leaves it, so
 `delta` stays the total increment since the first selection (what `SparseDelta.from_optimizer`
@@ -104,6 +105,11 @@ def _check_indices(indices: torch.Tensor, numel: int, what: str, allow_empty: bo
         raise ValueError(f"{what} must be sorted ascending without duplicates")
 
 
+def _needs_base(p: torch.Tensor, keep_base: bool) -> bool:
+    """Whether p's sparse state keeps `base` (bf16/fp16 always, fp32 with keep_base)."""
+    return p.dtype != torch.float32 or keep_base
+
+
 def _lookup(sorted_positions: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Which `queries` are in `sorted_positions`, and where: ([q] bool, [q] int64 positions).
 
@@ -147,6 +153,13 @@ class SparseAdamW(torch.optim.Optimizer):
             gradients. Plain mode needs none of this: wrap the model in DDP as usual.
         backend: force a kernel backend ("torch", "cpp", "triton"); default: automatic
             (see `python -m sift.env`).
+        keep_base: fp32 weights also keep their chosen entries' values at selection (`base`,
+            4 more bytes per entry, 20 in all). The step then writes each weight as
+            base + delta and never reads it: one random read fewer per entry, which may pay
+            on a GPU (not measured yet) and does not on a CPU, where writing a line reads it
+            anyway. Values written into the chosen entries by anything but the optimizer are
+            overwritten at the next step (as for bf16/fp16 weights, which always keep a base).
+            `load_state_dict` adopts the saved setting, like `select_steps`.
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -174,8 +187,11 @@ class SparseAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         process_group: Any = None,
         backend: str | None = None,
+        keep_base: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay, density)
+        if not isinstance(keep_base, bool):
+            raise TypeError(f"keep_base must be a bool, got {keep_base!r}")
         if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
             raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
         if selection not in ("magnitude", "random"):
@@ -192,6 +208,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self.selection = selection
         self.seed = seed
         self.compact_grads = compact_grads
+        self.keep_base = keep_base
         self.backend = backend
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
@@ -290,7 +307,7 @@ class SparseAdamW(torch.optim.Optimizer):
         state["exp_avg"] = torch.zeros(k, **zeros)
         state["exp_avg_sq"] = torch.zeros(k, **zeros)
         state["delta"] = torch.zeros(k, **zeros)
-        if p.dtype != torch.float32:
+        if _needs_base(p, self.keep_base):
             state["base"] = _local(p.detach()).view(-1)[state["indices"].long()].clone()
         state["step"] = torch.zeros((), **zeros)
         if self.compact_grads:
@@ -592,7 +609,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [s["delta"] for s in states],
-                [s["base"] for s in states] if dtype != torch.float32 else [],
+                [s["base"] for s in states] if _needs_base(params[0], self.keep_base) else [],
                 steps,
                 lr=lr,
                 beta1=beta1,
@@ -628,8 +645,8 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- state dict
 
-    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "backend", "max_grad_norm", "process_group",
-                "_compact", "_grad_ready")
+    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "backend", "max_grad_norm",
+                "process_group", "_compact", "_grad_ready")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it)."""
@@ -639,6 +656,7 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
         self._selection_seen = set()
         self._prepared = False
         self._pending = None
@@ -654,7 +672,7 @@ class SparseAdamW(torch.optim.Optimizer):
         """torch's layout, plus this optimizer's selection settings under "sift"."""
         sd = super().state_dict()
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "format": 1}
+                      "keep_base": self.keep_base, "format": 1}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -690,12 +708,17 @@ class SparseAdamW(torch.optim.Optimizer):
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
             id_map.update((pid, (p, float(merged["density"]))) for pid, p in zip(saved["params"], group["params"]))
+        meta = state_dict.get("sift", {})
+        keep_base = meta.get("keep_base", False)  # states saved before the option kept no fp32 base
+        if not isinstance(keep_base, bool):
+            raise ValueError(f"state_dict['sift']['keep_base'] must be a bool, got {keep_base!r}")
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
             p, density = id_map[pid]
-            new_state[p] = self._load_param_state(p, saved_state, density, f"state of param {pid}")
+            new_state[p] = self._load_param_state(p, saved_state, density, _needs_base(p, keep_base),
+                                                  f"state of param {pid}")
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -705,7 +728,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     group[key] = value
             group["betas"] = tuple(group["betas"])
             group["density"] = float(group["density"])
-        meta = state_dict.get("sift", {})
+        self.keep_base = keep_base
         self.select_steps = meta.get("select_steps", self.select_steps)
         self.selection = meta.get("selection", self.selection)
         self.seed = meta.get("seed", self.seed)
@@ -720,7 +743,7 @@ class SparseAdamW(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], density: float,
+    def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
                           what: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
         stray = [k for k in _RETIRED_KEYS if k in saved and "indices" not in saved]
@@ -743,14 +766,14 @@ class SparseAdamW(torch.optim.Optimizer):
                 out[key] = value
             return out
         missing = [k for k in _SPARSE_KEYS if k not in saved]
-        if p.dtype != torch.float32 and "base" not in saved:
+        if has_base and "base" not in saved:
             missing.append("base")
         if missing:
             raise ValueError(f"{what}: missing {', '.join(missing)}")
         indices = saved["indices"]
         _check_indices(indices, _local(p).numel(), f"{what}: indices")
         k = indices.numel()
-        for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if p.dtype != torch.float32 else ()):
+        for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if has_base else ()):
             value = saved[key]
             if not isinstance(value, torch.Tensor) or value.shape != (k,):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -758,18 +781,18 @@ class SparseAdamW(torch.optim.Optimizer):
         out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(_local(p).numel())).clone()
         for key in ("exp_avg", "exp_avg_sq", "delta"):
             out[key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
-        if p.dtype != torch.float32:
+        if has_base:
             out["base"] = saved["base"].detach().to(device=p.device, dtype=p.dtype).clone()
         out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
         if "selection_calls" in saved:
             out["selection_calls"] = int(saved["selection_calls"])
-        out.update(self._load_retired(p, saved, out["indices"], what))
+        out.update(self._load_retired(p, saved, out["indices"], has_base, what))
         return out
 
-    def _load_retired(self, p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor,
+    def _load_retired(self, p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, has_base: bool,
                       what: str) -> dict[str, torch.Tensor]:
         """The validated retired record of a saved sparse state ({} when it has none)."""
-        keys = _RETIRED_KEYS if p.dtype != torch.float32 else _RETIRED_KEYS[:2]
+        keys = _RETIRED_KEYS if has_base else _RETIRED_KEYS[:2]
         if not any(k in saved for k in keys):
             return {}
         missing = [k for k in keys if k not in saved]
@@ -792,7 +815,7 @@ class SparseAdamW(torch.optim.Optimizer):
             return {}
         out = {"retired_indices": retired.clone(),
                "retired_delta": saved["retired_delta"].detach().to(device=p.device, dtype=torch.float32).clone()}
-        if p.dtype != torch.float32:
+        if has_base:
             out["retired_base"] = saved["retired_base"].detach().to(device=p.device, dtype=p.dtype).clone()
         return out
 

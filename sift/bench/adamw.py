@@ -13,11 +13,12 @@ top-|grad| selection) runs before timing, and a random gradient is assigned once
 
 Byte model (what the access pattern must move per step, for GB/s). Per trainable entry the
 sparse step streams the index (4 B int32), reads and writes exp_avg, exp_avg_sq and delta
-(24 B), and for bf16/fp16 weights reads the base (2 B). The gathers and the scatter touch
-whole memory transactions, counted from the actual sorted indices as distinct 32-byte
-sectors on GPU and 64-byte lines on CPU: one read of the gradient's, one read of the
-weight's (fp32 only: bf16/fp16 weights are rebuilt from base + delta, never read) and one
-write of the weight's. Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
+(24 B), and for bf16/fp16 weights (and fp32 ones with keep_base=True) reads the base (2 or
+4 B). The gathers and the scatter touch whole memory transactions, counted from the actual
+sorted indices as distinct 32-byte sectors on GPU and 64-byte lines on CPU: one read of the
+gradient's, one read of the weight's (only without a base: weights with one are rebuilt from
+base + delta, never read) and one write of the weight's. fp32 runs on the fast backend twice,
+the second time with keep_base=True (rows "..., keep_base"). Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
 exp_avg, exp_avg_sq: 7 elements per entry, states in the param dtype.
 
 Working set: 8 matrices of 4096x4096 fp32 on CPU (512 MB of params, past the last-level
@@ -113,8 +114,11 @@ def transactions_touched(indices: Sequence[torch.Tensor], elem_size: int, transa
     return sum(int(torch.unique_consecutive(idx.long() // per).numel()) for idx in indices)
 
 
-def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, transaction_bytes: int) -> int:
+def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, transaction_bytes: int,
+                      keep_base: bool = False) -> int:
     """Bytes one SparseAdamW step must move (see the module docstring's byte model).
+
+    `keep_base`: fp32 weights with a base (read per entry) instead of a random weight read.
 
     Example:
         >>> sparse_step_bytes([torch.tensor([0, 100], dtype=torch.int32)], torch.float32, 64)
@@ -122,8 +126,9 @@ def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, tra
     """
     entries = sum(int(i.numel()) for i in indices)
     elem = torch.empty((), dtype=w_dtype).element_size()
-    per_entry = indices[0].element_size() + 6 * 4 + (elem if w_dtype != torch.float32 else 0)
-    weight_passes = 3 if w_dtype == torch.float32 else 2  # grad read, weight read (fp32 only), weight write
+    has_base = w_dtype != torch.float32 or keep_base
+    per_entry = indices[0].element_size() + 6 * 4 + (elem if has_base else 0)
+    weight_passes = 2 if has_base else 3  # grad read, weight read (without a base), weight write
     return entries * per_entry + weight_passes * transaction_bytes * transactions_touched(indices, elem,
                                                                                          transaction_bytes)
 
@@ -258,8 +263,13 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
     rows += extra_dense
     for density in densities:
         selected: list[torch.Tensor] | None = None
-        for backend in _sparse_backends(device):
-            opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend)
+        # fp32 also with keep_base=True (base + delta, no weight read), on the fast backend only.
+        runs = [(b, False) for b in _sparse_backends(device)]
+        if dtype == torch.float32:
+            runs.insert(1, (runs[0][0], True))
+        for backend, keep_base in runs:
+            opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend,
+                              keep_base=keep_base)
             if selected is None:
                 opt.step()  # selection (top-|grad| of the fixed gradient) + first update
                 selected = [opt.state[p]["indices"] for p in params]
@@ -268,12 +278,13 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                     opt.set_indices(p, idx)  # the same entries for every backend
                 opt.step()
             _sync(device)
-            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind])
+            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], keep_base)
+            label = f"{backend}, keep_base" if keep_base else backend
             # (name, step, L2 fetch bound or None for the driver's default)
-            variants: list[tuple[str, Callable[[], object], int | None]] = [(backend, opt.step, None)]
+            variants: list[tuple[str, Callable[[], object], int | None]] = [(label, opt.step, None)]
             if graphs and backend == "triton":
                 try:
-                    variants.append(("triton+graph", _graphed(opt.step, device), None))
+                    variants.append((label.replace("triton", "triton+graph"), _graphed(opt.step, device), None))
                 except Exception as exc:  # the benchmark reports a failed capture instead of dying
                     rows.append({"optimizer": "SparseAdamW", "backend": f"triton+graph: {type(exc).__name__}",
                                  "dtype": dtype_name, "density": f"{100 * density:g}%"})
@@ -345,9 +356,9 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
         f"Targets vs AdamW(fused) on {kind} (issue 2, printed not asserted): {targets}"
         + (f"; >= {100 * TARGET_PEAK_FRACTION:.0f}% of {H200_PEAK_GBPS / 1000:g} TB/s" if kind == "cuda" else "")
         + ".",
-        f"Byte model: per entry idx 4 B + m, v, delta read and written 24 B (+ base for bf16/fp16); gathers and "
-        f"scatter counted in distinct {TRANSACTION_BYTES[kind]}-byte transactions from the actual sorted indices "
-        f"(grad read, weight read for fp32 only, weight write). Dense AdamW: 7 elements per entry. "
+        f"Byte model: per entry idx 4 B + m, v, delta read and written 24 B (+ base for bf16/fp16, and for fp32 "
+        f"with keep_base); gathers and scatter counted in distinct {TRANSACTION_BYTES[kind]}-byte transactions from "
+        f"the actual sorted indices (grad read, weight read without a base, weight write). Dense AdamW: 7 elements per entry. "
         f"% peak is against {peak_what}.",
         "Timed: `optimizer.step()` only, after selection and state allocation; gradients fixed. "
         + ("GPU: triton.testing.do_bench (L2 flushed), median and p20/p80." if kind == "cuda" else
