@@ -23,7 +23,9 @@ def _table(markdown: str, columns: tuple[str, ...]) -> list[dict[str, str]]:
 
 
 def _saved(tmp_path, name: str) -> dict:
-    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    """A quick run's saved results (`<name>-<device>-quick.*`, never the measured files)."""
+    tag = ("gpu" if torch.cuda.is_available() else "cpu") + "-quick"
+    assert not (tmp_path / f"{name}-{tag[:3]}.json").exists()
     assert (tmp_path / f"{name}-{tag}.md").is_file()
     with open(tmp_path / f"{name}-{tag}.json") as f:
         saved = json.load(f)
@@ -111,7 +113,7 @@ def test_bench_cli_runs_a_quick_suite(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
     main(["heads", "--quick"])
     assert "### heads: batched singular values" in capsys.readouterr().out
-    assert (tmp_path / "heads-cpu.json").exists()
+    assert (tmp_path / "heads-cpu-quick.json").exists() and not (tmp_path / "heads-cpu.json").exists()
 
 
 @requires_triton

@@ -886,7 +886,7 @@ def test_bench_quick_runs_and_saves_its_tables(tmp_path, monkeypatch):
     impls = [line.split("|")[2].strip() for line in markdown.splitlines() if line.startswith("| merge |")
              or line.startswith("| apply |")]
     assert "sift C++ merge_sorted_deltas (sum)" in impls and "torch index_add_ (baseline)" in impls
-    saved = json.loads((tmp_path / "delta-cpu.json").read_text())
+    saved = json.loads((tmp_path / "delta-cpu-quick.json").read_text())
     assert len(saved["rows"]) == 8 and saved["quick"] is True
     assert all(8.0 <= row["bytes / entry"] < 8.01 for row in saved["files"])  # the header is ~350 B
 

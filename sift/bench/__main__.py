@@ -26,7 +26,8 @@ SUITES = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sift.bench", description=__doc__)
     parser.add_argument("suites", nargs="*", default=["all"], help=f"any of {sorted(SUITES)} or 'all' (default)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run (figures not comparable)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, for a smoke run (figures not comparable; saved as <suite>-<device>-quick.*)")
     args = parser.parse_args(argv)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     names = list(SUITES) if "all" in args.suites else args.suites

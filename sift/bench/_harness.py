@@ -111,11 +111,16 @@ def results_dir() -> str:
     return os.path.normpath(repo_bench) if os.path.isdir(os.path.dirname(repo_bench)) else os.getcwd()
 
 
-def save_results(name: str, rows: Sequence[dict[str, object]], markdown: str, extra: dict | None = None) -> str:
-    """Write `<name>-<device>.json` and `.md` under `results_dir()`; returns the JSON path."""
+def save_results(name: str, rows: Sequence[dict[str, object]], markdown: str, extra: dict | None = None,
+                 quick: bool = False) -> str:
+    """Write `<name>-<device>.json` and `.md` under `results_dir()`; returns the JSON path.
+
+    A `quick` (smoke) run writes `<name>-<device>-quick.*` instead, so it never replaces the
+    measured results kept in the repository.
+    """
     out = results_dir()
     os.makedirs(out, exist_ok=True)
-    tag = "gpu" if torch.cuda.is_available() else "cpu"
+    tag = ("gpu" if torch.cuda.is_available() else "cpu") + ("-quick" if quick else "")
     path = os.path.join(out, f"{name}-{tag}.json")
     with open(path, "w") as f:
         json.dump({"machine": machine_header(), "rows": list(rows), **(extra or {})}, f, indent=1)

@@ -381,7 +381,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
                    **info},
         "targets": {"speedup_vs_fused": {str(k): v for k, v in TARGET_SPEEDUP[kind].items()},
                     **({"peak_fraction": TARGET_PEAK_FRACTION} if kind == "cuda" else {})},
-    })
+    }, quick=quick)
     return markdown
 
 

@@ -267,5 +267,5 @@ def run(quick: bool = False) -> str:
         *notes,
     ])
     save_results("delta", rows, markdown, extra={"files": file_rows, "quick": quick,
-                                                 "load_average": [load_before, load_after]})
+                                                 "load_average": [load_before, load_after]}, quick=quick)
     return markdown

@@ -175,7 +175,7 @@ def run(quick: bool = False) -> str:
     minilm = bench_minilm_scoring(30 if quick else 300, device)
     if minilm is not None:
         md += "\n\n" + markdown_table("heads: score_heads wall time", list(minilm), [minilm])
-    save_results("heads", rows, md, extra={"minilm_scoring": minilm, "quick": quick})
+    save_results("heads", rows, md, extra={"minilm_scoring": minilm, "quick": quick}, quick=quick)
     return md
 
 

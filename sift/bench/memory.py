@@ -371,5 +371,5 @@ def run(quick: bool = False) -> str:
         ]
     markdown = markdown_table(title, columns, rows) + "\n" + "\n".join(notes)
     save_results("memory", rows, markdown, extra={"config": {**sizes, "density": DENSITY, "dtype": "bfloat16",
-                                                             "quick": quick, "unit": unit_name}})
+                                                             "quick": quick, "unit": unit_name}}, quick=quick)
     return markdown
