@@ -1142,13 +1142,14 @@ def test_triton_on_cuda_fp32_base_layout_matches_reference():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_follows_lr_tensor():
+@pytest.mark.parametrize("keep_base", [False, True], ids=["plain", "keep_base"])
+def test_cuda_graph_capture_follows_lr_tensor(keep_base):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(1000, 100, device="cuda"))
     ref = torch.nn.Parameter(w.detach().clone())
     lr = torch.tensor(1e-2, device="cuda")
-    opt = SparseAdamW([w], lr=lr, density=0.05)
-    opt_ref = SparseAdamW([ref], lr=1e-2, density=0.05, backend="torch")
+    opt = SparseAdamW([w], lr=lr, density=0.05, keep_base=keep_base)
+    opt_ref = SparseAdamW([ref], lr=1e-2, density=0.05, backend="torch", keep_base=keep_base)
     g = torch.randn(1000, 100, device="cuda")
     w.grad, ref.grad = g.clone(), g.clone()
     opt.step()  # selection happens eagerly
