@@ -29,8 +29,9 @@ inline const char* isa_name(Isa isa) {
 }
 
 #ifdef SIFT_X86_SIMD
-// CPUID bits that __builtin_cpu_supports only knows from GCC 11 or 12 on. Both come with
-// AVX2-era CPUs, whose AVX state support __builtin_cpu_supports("avx2") has checked.
+// CPUID bits that __builtin_cpu_supports only knows from GCC 11 or 12 on. F16C comes with
+// every AVX2 CPU (Haswell on); PREFETCHW with Broadwell, Zen and every AVX-512 CPU. The OS
+// support of the AVX state is checked by __builtin_cpu_supports("avx2") / ("avx512f").
 inline bool cpu_has_f16c() {  // CPUID.1:ECX[29]
   unsigned a, b, c, d;
   return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));

@@ -15,17 +15,27 @@
 // scatters the 16 new weights; AVX2 gathers 8 and stores them one by one. bf16/fp16 weights
 // (rebuilt from base + delta): the 16-bit grads are gathered as 4-byte words, and the new
 // weights rounded in vector registers exactly as c10's conversions round, then stored one by
-// one (there is no 16-bit scatter). Both forms prefetch the weight lines with PREFETCHW, which
-// fetches a line ready to be written. The scalar loop is bound by its divide and square root:
+// one (there is no 16-bit scatter). The AVX-512 form prefetches the weight lines with
+// PREFETCHW, which fetches a line ready to be written. The scalar loop is bound by its divide and square root:
 // with everything in L2 (one thread, 65536 fp32 entries) it takes 6.8-7.3 ns an entry against
 // 2.4 (AVX2) and 3.4 (AVX-512); bf16 10.2 ns against 5.0 (AVX-512). On 8 x 4096^2 weights the
 // gathers dominate: fp32 AVX-512 took 1.06 / 12.5 / 48 ms at 0.1% / 1% / 5% against 1.1 /
 // 14.1-14.5 / 50.6-54.3 ms for the scalar loop; at 5%, bf16 29 ms against 39 ms and fp16 36 ms
 // against 71 ms (its scalar conversion to fp16 is slow). There the step waits on the
 // prefetches, i.e. on the core's line-fill buffers (perf: two thirds of the samples on the
-// prefetch instructions), so wider math has little left to win. The SIMD forms are compiled
-// with fp-contract off and do the scalar loop's operations in its order: every form gives
-// bit-identical results, NaN payloads and rounding ties included (tested).
+// prefetch instructions), so wider math has little left to win. The SIMD forms and the scalar
+// loop are compiled with fp-contract off (also under -march flags that enable FMA) and do the
+// same operations in the same order: every form gives bit-identical results, rounding ties
+// included (tested); only a NaN made from two NaN operands may differ in payload.
+
+// Whether c10::Half(float) converts with F16C (when the build's own flags enable it): then it
+// keeps NaN payloads as the SIMD forms' hardware conversion does. Read before any `#pragma
+// GCC target`, which would define __F16C__ for the code that follows it.
+#ifdef __F16C__
+#define SIFT_C10_HALF_USES_F16C 1
+#else
+#define SIFT_C10_HALF_USES_F16C 0
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,6 +67,11 @@ struct Hyper {
   bool maximize;
 };
 
+// fp-contract off: with -march flags that enable FMA, GCC would otherwise fuse a multiply
+// and an add here and no longer agree with the SIMD forms (or with the operation order the
+// reference documents).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 template <typename W, typename G, typename I, bool COMPACT, bool HAS_BASE>
 void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict idx, float* __restrict m,
                  float* __restrict v, float* __restrict d, const W* __restrict base, int64_t begin, int64_t end,
@@ -84,14 +99,18 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
     w[q] = static_cast<W>(HAS_BASE ? static_cast<float>(base[j]) + dj : wj + upd);
   }
 }
+#pragma GCC pop_options
 
 #ifdef SIFT_X86_SIMD
-// The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. PREFETCHW
-// (Broadwell, Zen and later) comes with both; detect_adamw_isa checks for it.
+// The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. The AVX-512 form
+// prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_adamw_isa
+// checks); the AVX2 form, which also serves Haswell (no PREFETCHW), with PREFETCHT0.
 
-// fp16 NaNs as c10::Half(float) writes them (sign | 0x7E00), where the hardware conversion
-// would keep part of the payload; `nan` has bit t set for each NaN lane of xs.
+// fp16 NaNs as c10::Half(float)'s software conversion writes them (sign | 0x7E00), where the
+// hardware conversion keeps part of the payload; `nan` has bit t set for each NaN lane of xs.
+// Nothing to do when c10 itself converts with F16C.
 inline void fix_f16_nans(uint16_t* out, const float* xs, unsigned nan) {
+  if (SIFT_C10_HALF_USES_F16C) return;
   for (int t = 0; nan; ++t, nan >>= 1) {
     if (nan & 1u) {
       uint32_t bits;
@@ -160,7 +179,7 @@ inline void store_f16(uint16_t* out, V x) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,f16c,prfchw")
+#pragma GCC target("avx2,f16c")
 #pragma GCC optimize("fp-contract=off")
 namespace adamw_avx2 {
 using V = __m256;
@@ -224,10 +243,8 @@ inline void store_f16(uint16_t* out, V x) {
 Isa detect_adamw_isa() {
 #ifdef SIFT_X86_SIMD
   __builtin_cpu_init();
-  if (cpu_has_prefetchw()) {
-    if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
-    if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
-  }
+  if (__builtin_cpu_supports("avx512f") && cpu_has_prefetchw()) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
 #endif
   return Isa::generic;
 }

@@ -5,7 +5,9 @@
 // and masked set1, loadu, storeu, vsqrt, load_idx, gather and scatter; arithmetic is GCC's
 // vector operators. Lanes outside the mask are loaded as zero and never stored. Each line
 // does one operation of the scalar loop (adamw_chunk), in its order and with no fused
-// multiply-add, so results are bit-identical to it.
+// multiply-add, so results are bit-identical to it, except for the payload (and, for fp16
+// weights, the sign) of a NaN made from two NaN operands: GCC may swap the operands of a
+// commutative operation, and x86 keeps the first one's payload.
 
 // The step's scalars, in every lane.
 struct Coeffs {
@@ -28,7 +30,7 @@ inline void prefetch_ahead(const E* g, const E* w, const int32_t* idx, int64_t j
   for (int64_t a = j + PREFETCH_DISTANCE, stop = std::min(k, a + n); a < stop; ++a) {
     const int64_t ahead = idx[a];
     if (!COMPACT) __builtin_prefetch(g + ahead, 0, 3);
-    __builtin_prefetch(w + ahead, 1, 3);  // PREFETCHW: fetched ready to be written
+    __builtin_prefetch(w + ahead, 1, 3);  // PREFETCHW where the target has it: fetched ready to be written
   }
 }
 
@@ -97,10 +99,11 @@ void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __
   const Coeffs c(h, step_size, inv_bc2_sqrt);
   for (int64_t j = begin; j < end; j += W) {
     const int64_t n = std::min<int64_t>(W, end - j);
-    // gather16 reads 2 bytes past each grad: the block holding the tensor's last element, if
-    // that element is chosen, goes through the scalar loop instead, so nothing past the
-    // gradient's end is read.
-    if (!COMPACT && j + n == k && idx[k - 1] == numel - 1) {
+    // gather16 reads 2 bytes past each grad: a block holding the tensor's last element goes
+    // through the scalar loop instead, so nothing past the gradient's end is read. In a
+    // checked chunk only its last entry can be numel - 1 (a later one would not be above it);
+    // the chunk need not be the tensor's last when a later one fails the index check.
+    if (!COMPACT && j + n == end && idx[end - 1] == numel - 1) {
       adamw_chunk<T, G, int32_t, COMPACT, true>(w, static_cast<const G*>(g_src), idx, m, v, d, base, j, end, k,
                                                 step_size, inv_bc2_sqrt, h);
       return;

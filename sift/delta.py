@@ -336,7 +336,8 @@ class SparseDelta:
 
         Returns:
             The delta, fingerprinted with the base values it can know: untouched entries of
-            `model`'s parameters (not its buffers), the `base` state of bf16/fp16 weights, and
+            `model`'s parameters (not its buffers), the `base` state of weights that keep one
+            (bf16/fp16, and fp32 with `keep_base=True`), and
             `base` if given.
 
         Example:
@@ -865,7 +866,7 @@ def _optimizer_increments(st: Mapping[str, torch.Tensor], index_dtype: torch.dty
 
     Returns:
         [n] sorted positions (`index_dtype`), [n] fp32 increments, and [n] base values
-        (None for fp32 weights, whose state keeps none).
+        (None when the state keeps none: fp32 weights without `keep_base`).
     """
     idx = st["indices"].detach().to("cpu", index_dtype)
     values = st["delta"].detach().to("cpu", torch.float32)

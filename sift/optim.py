@@ -358,7 +358,7 @@ class SparseAdamW(torch.optim.Optimizer):
         Entries kept from an earlier selection keep their moments, increment and base;
         new entries start from zero moments. No increment is lost: an entry dropped with a
         nonzero `delta` moves to the param's retired record (`retired_indices`,
-        `retired_delta`, and `retired_base` for bf16/fp16), and if a later call re-adds it,
+        `retired_delta`, and `retired_base` for weights with a base), and if a later call re-adds it,
         it takes its `delta` and `base` back from there (its moments still start at zero).
         The step count is kept. In `compact_grads` mode, a gradient already gathered this
         step is kept for the kept entries; the new ones get zero (their dense gradient is gone).
@@ -768,6 +768,11 @@ class SparseAdamW(torch.optim.Optimizer):
         missing = [k for k in _SPARSE_KEYS if k not in saved]
         if has_base and "base" not in saved:
             missing.append("base")
+        stray_base = [k for k in ("base", "retired_base") if k in saved and not has_base]
+        if stray_base:
+            # Installing it would be harmless, dropping it silent: the state and its settings disagree.
+            raise ValueError(f"{what}: has {' and '.join(stray_base)} for an fp32 weight, but the state_dict's "
+                             "keep_base is False (or absent)")
         if missing:
             raise ValueError(f"{what}: missing {', '.join(missing)}")
         indices = saved["indices"]
