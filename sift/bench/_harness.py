@@ -25,7 +25,8 @@ def time_cpu(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> dic
         repeat: timed calls.
 
     Returns:
-        `{"median_ms", "p20_ms", "p80_ms"}` over the timed calls.
+        `{"median_ms", "p20_ms", "p80_ms"}` over the timed calls, and `"samples_ms"`, the
+        calls themselves (to pool timings taken at several points of a run: `summary`).
 
     Example:
         >>> time_cpu(lambda: sum(range(1000)), warmup=1, repeat=5)["median_ms"] > 0
@@ -38,7 +39,7 @@ def time_cpu(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> dic
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return _summary(samples)
+    return {**summary(samples), "samples_ms": samples}
 
 
 def time_gpu(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:
@@ -60,7 +61,8 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, **kwargs) -> d
     return time_cpu(fn, **{k: v for k, v in kwargs.items() if k in ("warmup", "repeat")})
 
 
-def _summary(samples: Sequence[float]) -> dict[str, float]:
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """`{"median_ms", "p20_ms", "p80_ms"}` of timings in milliseconds."""
     ordered = sorted(samples)
 
     def q(frac: float) -> float:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from sift import _ops
-from sift.bench._harness import _summary, markdown_table, save_results, time_cpu
+from sift.bench._harness import markdown_table, save_results, summary, time_cpu
 from sift.delta import DeltaEntry, SparseDelta
 
 # Issue 3's targets on the 2-core CPU: speed-up over the plain-torch baselines. Printed, not asserted.
@@ -93,7 +93,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeat: 
             fn()
             samples[name].append((time.perf_counter() - t0) * 1e3)
             gc.collect()
-    return {name: _summary(s) for name, s in samples.items()}
+    return {name: summary(s) for name, s in samples.items()}
 
 
 def _gbps(nbytes: float, ms: float) -> float:
