@@ -106,20 +106,6 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
 // prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_adamw_isa
 // checks); the AVX2 form, which also serves Haswell (no PREFETCHW), with PREFETCHT0.
 
-// fp16 NaNs as c10::Half(float)'s software conversion writes them (sign | 0x7E00), where the
-// hardware conversion keeps part of the payload; `nan` has bit t set for each NaN lane of xs.
-// Nothing to do when c10 itself converts with F16C.
-inline void fix_f16_nans(uint16_t* out, const float* xs, unsigned nan) {
-  if (SIFT_C10_HALF_USES_F16C) return;
-  for (int t = 0; nan; ++t, nan >>= 1) {
-    if (nan & 1u) {
-      uint32_t bits;
-      std::memcpy(&bits, xs + t, sizeof(bits));
-      out[t] = static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7E00u);
-    }
-  }
-}
-
 // n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
 template <int64_t W>
 struct Tail16 {
@@ -155,25 +141,12 @@ inline VI gather16(const uint16_t* base, __m512i q, Mask k) {
   const VI words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, q, base, 2);
   return _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
 }
-inline V widen_bf16(VI x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+inline void pack16(uint16_t* out, VI x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(x)); }
 inline V widen_f16(VI x) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
-// c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, NaN -> 0x7FC0.
-inline void store_bf16(uint16_t* out, V x) {
-  const VI u = _mm512_castps_si512(x);
-  const VI lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  VI r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
-}
-inline void store_f16(uint16_t* out, V x) {
+inline void narrow_f16(uint16_t* out, V x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  const unsigned nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  if (nan) {
-    alignas(64) float xs[W];
-    _mm512_store_ps(xs, x);
-    fix_f16_nans(out, xs, nan);
-  }
 }
+inline unsigned nan_lanes(V x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx512
 #pragma GCC pop_options
@@ -213,27 +186,15 @@ inline VI gather16(const uint16_t* base, __m256i q, Mask k) {
   return _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
 }
 // The low 16 bits of each 32-bit lane, packed in order.
-inline __m128i pack16(VI x) {
+inline __m128i low16(VI x) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
 }
-inline V widen_bf16(VI x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
-inline V widen_f16(VI x) { return _mm256_cvtph_ps(pack16(x)); }
-inline void store_bf16(uint16_t* out, V x) {
-  const VI u = _mm256_castps_si256(x);
-  const VI lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  VI r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), pack16(r));
-}
-inline void store_f16(uint16_t* out, V x) {
+inline void pack16(uint16_t* out, VI x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), low16(x)); }
+inline V widen_f16(VI x) { return _mm256_cvtph_ps(low16(x)); }
+inline void narrow_f16(uint16_t* out, V x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  const unsigned nan = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  if (nan) {
-    alignas(32) float xs[W];
-    _mm256_store_ps(xs, x);
-    fix_f16_nans(out, xs, nan);
-  }
 }
+inline unsigned nan_lanes(V x) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))); }
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx2
 #pragma GCC pop_options

@@ -80,11 +80,36 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
 // and written rounded as the scalar loop's static_cast<T> rounds (round to nearest even; a
 // NaN becomes torch's NaN of that type). The namespace adds VI (W 32-bit integer lanes),
 // load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane, read as a
-// 4-byte word), widen_bf16 / widen_f16, and store_bf16 / store_f16 (W rounded values).
+// 4-byte word), pack16 (the low halves of W lanes, stored), and the hardware fp16 conversions
+// widen_f16 and narrow_f16 (round to nearest even), and nan_lanes (bit t set for a NaN lane t).
+typedef uint32_t U32 __attribute__((vector_size(sizeof(V))));
+
 template <typename T>
 inline V widen(VI x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return widen_bf16(x);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return (V)((U32)x << 16);
   else return widen_f16(x);
+}
+
+// W values of x rounded to T into out, as static_cast<T> rounds.
+template <typename T>
+inline void narrow(uint16_t* out, V x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, and NaN -> 0x7FC0.
+    const U32 u = (U32)x, nan = (U32)(x != x);
+    const U32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    pack16(out, (VI)((rounded & ~nan) | (nan & 0x7FC0u)));
+  } else {
+    narrow_f16(out, x);
+    // c10's software conversion writes every NaN as sign | 0x7E00, where the hardware keeps
+    // part of the payload; nothing to mend when c10 itself converts with F16C.
+    const unsigned nan = SIFT_C10_HALF_USES_F16C ? 0u : nan_lanes(x);
+    if (nan) {
+      const U32 u = (U32)x;
+      for (int64_t t = 0; t < W; ++t) {
+        if (nan >> t & 1u) out[t] = static_cast<uint16_t>((u[t] >> 16 & 0x8000u) | 0x7E00u);
+      }
+    }
+  }
 }
 
 template <typename T, bool COMPACT>
@@ -117,8 +142,7 @@ void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __
     const V dj = d_old + adamw_update(c, gj, bj + d_old, m + j, v + j, mask);
     storeu(d + j, dj, mask);
     alignas(64) uint16_t out[W];
-    if constexpr (std::is_same_v<T, c10::BFloat16>) store_bf16(out, bj + dj);
-    else store_f16(out, bj + dj);
+    narrow<T>(out, bj + dj);
     for (int64_t t = 0; t < n; ++t) w16[idx[j + t]] = out[t];
   }
 }
