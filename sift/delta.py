@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.optim import _index_dtype, _is_dtensor
+from sift.optim import _entries_for, _index_dtype, _is_dtensor, _merge_disjoint
 
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
@@ -469,8 +469,7 @@ class SparseDelta:
             seen.add(key)
             diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
             if density is not None:
-                # round() first: 0.07 * 100 is 7.000000000000001 in binary floating point.
-                k = min(math.ceil(round(density * diff.numel(), 6)), int(diff.count_nonzero()))
+                k = min(_entries_for(density, diff.numel()), int(diff.count_nonzero()))
                 idx = torch.topk(diff.abs(), k, sorted=False).indices if k else diff.new_empty(0, dtype=torch.long)
                 idx = idx.sort().values
             else:
@@ -868,16 +867,16 @@ def _optimizer_increments(st: Mapping[str, torch.Tensor], index_dtype: torch.dty
         [n] sorted positions (`index_dtype`), [n] fp32 increments, and [n] base values
         (None when the state keeps none: fp32 weights without `keep_base`).
     """
-    idx = st["indices"].detach().to("cpu", index_dtype)
-    values = st["delta"].detach().to("cpu", torch.float32)
-    base = st["base"].detach().cpu() if "base" in st else None
+    idx = st["indices"].detach().to("cpu", index_dtype, copy=True)
+    values = st["delta"].detach().to("cpu", torch.float32, copy=True)
+    base = st["base"].detach().to("cpu", copy=True) if "base" in st else None
     if "retired_indices" in st:
-        # The optimizer keeps the two sets disjoint and each sorted: one sort merges them.
-        idx, order = torch.sort(torch.cat([idx, st["retired_indices"].detach().to("cpu", index_dtype)]))
-        values = torch.cat([values, st["retired_delta"].detach().to("cpu", torch.float32)])[order]
+        pairs = [(values, st["retired_delta"].detach().to("cpu", torch.float32))]
         if base is not None:
-            base = torch.cat([base, st["retired_base"].detach().cpu()])[order]
-    return idx.clone(), values.clone(), base
+            pairs.append((base, st["retired_base"].detach().cpu()))
+        idx, merged = _merge_disjoint(idx, st["retired_indices"].detach().to("cpu", index_dtype), *pairs)
+        values, base = merged[0], (merged[1] if base is not None else None)
+    return idx, values, base
 
 
 def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:

@@ -105,6 +105,25 @@ def _check_indices(indices: torch.Tensor, numel: int, what: str, allow_empty: bo
         raise ValueError(f"{what} must be sorted ascending without duplicates")
 
 
+def _entries_for(density: float, numel: int) -> int:
+    """ceil(density * numel): how many entries a density keeps (callers apply their own floor or cap)."""
+    # round() first: 0.2 * 35 is 7.000000000000001 in binary floating point.
+    return math.ceil(round(density * numel, 6))
+
+
+def _merge_disjoint(first: torch.Tensor, second: torch.Tensor,
+                    *values: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Merge two disjoint sorted index sets [a], [b] and their per-index values (pairs of [a], [b]):
+    the [a + b] sorted indices and each value pair in that order. One sort does it."""
+    merged, order = torch.sort(torch.cat([first, second]))
+    return merged, [torch.cat([x, y])[order] for x, y in values]
+
+
+def _steps(p: torch.Tensor) -> bool:
+    """Whether the step uses p's gradient this time: frozen params are skipped even with a grad."""
+    return p.requires_grad and p.grad is not None
+
+
 def _needs_base(p: torch.Tensor, keep_base: bool) -> bool:
     """Whether p's sparse state keeps `base` (bf16/fp16 always, fp32 with keep_base)."""
     return p.dtype != torch.float32 or keep_base
@@ -285,8 +304,7 @@ class SparseAdamW(torch.optim.Optimizer):
     # --------------------------------------------------------------- selection
 
     def _num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
-        # round() first: 0.2 * 35 is 7.000000000000001 in binary floating point.
-        return max(1, math.ceil(round(group["density"] * _local(p).numel(), 6)))
+        return max(1, _entries_for(group["density"], _local(p).numel()))
 
     def _choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         k = self._num_selected(group, p)
@@ -342,7 +360,7 @@ class SparseAdamW(torch.optim.Optimizer):
         for group, p in candidates:
             if "indices" in self.state.get(p, {}) or _local(p).numel() == 0:
                 continue
-            if not p.requires_grad or p.grad is None:
+            if not _steps(p):
                 pending.append((group, p))
                 continue
             calls = self.state[p].get("selection_calls", 0) + 1
@@ -410,15 +428,16 @@ class SparseAdamW(torch.optim.Optimizer):
         still_active, _ = _lookup(indices, old["indices"])
         leaving = ~still_active & (old["delta"] != 0)
         still_retired = ~_lookup(indices, retired_idx)[0]
-        record_idx = torch.cat([old["indices"][leaving], retired_idx[still_retired]])
+        pairs = [(old["delta"][leaving], retired_delta[still_retired])]
+        if has_base:
+            pairs.append((old["base"][leaving], retired_base[still_retired]))
+        record_idx, values = _merge_disjoint(old["indices"][leaving], retired_idx[still_retired], *pairs)
         if record_idx.numel() == 0:
             return
-        # Disjoint sorted sets: one sort merges them.
-        record_idx, order = torch.sort(record_idx)
         state["retired_indices"] = record_idx
-        state["retired_delta"] = torch.cat([old["delta"][leaving], retired_delta[still_retired]])[order]
+        state["retired_delta"] = values[0]
         if has_base:
-            state["retired_base"] = torch.cat([old["base"][leaving], retired_base[still_retired]])[order]
+            state["retired_base"] = values[1]
 
     # ---------------------------------------------------------- gradient hooks
 
@@ -499,7 +518,7 @@ class SparseAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if group["density"] >= 1.0:
-                    if p.grad is not None:
+                    if _steps(p):
                         self._average_across_ranks(p.grad)
                 elif p in self._grad_ready:
                     self._average_across_ranks(self._compact[p])
@@ -532,9 +551,9 @@ class SparseAdamW(torch.optim.Optimizer):
         devices = set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None or not p.requires_grad:
+                if not _steps(p):
                     continue
+                g = p.grad
                 if group["density"] < 1.0:
                     devices.add(p.device)
                 if g.is_sparse:
@@ -581,12 +600,11 @@ class SparseAdamW(torch.optim.Optimizer):
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "indices" not in state or not p.requires_grad:
+            if not state or "indices" not in state:
                 continue
-            if self.compact_grads:
-                if p not in self._grad_ready:
-                    continue
-            elif p.grad is None:
+            # compact_grads: the hook gathered a gradient this step (and freed .grad).
+            ready = p.requires_grad and p in self._grad_ready if self.compact_grads else _steps(p)
+            if not ready:
                 continue
             buckets[(p.device, p.dtype, state["indices"].dtype)].append(p)
         beta1, beta2 = group["betas"]
@@ -609,7 +627,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
                 [s["delta"] for s in states],
-                [s["base"] for s in states] if _needs_base(params[0], self.keep_base) else [],
+                [s["base"] for s in states] if "base" in states[0] else [],
                 steps,
                 lr=lr,
                 beta1=beta1,
@@ -625,7 +643,7 @@ class SparseAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         for p in group["params"]:
-            if p.grad is None or not p.requires_grad:
+            if not _steps(p):
                 continue
             grad = -p.grad if group["maximize"] else p.grad
             state = self.state[p]
@@ -890,7 +908,7 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
             if not p.requires_grad:  # the step skips it
                 continue
             if group["density"] >= 1.0:
-                if p.grad is not None:
+                if _steps(p):
                     used.append(_local(p.grad))
                     scaled.append(_local(p.grad))
                 continue
@@ -923,6 +941,10 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh_group)
             total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Scaled in place as the norm was taken: one multi-tensor multiply per (device, dtype).
+    to_scale: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for g in scaled:
-        g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        to_scale[(g.device, g.dtype)].append(g)
+    for (dev, dtype), gs in to_scale.items():
+        torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))
     return total

@@ -1494,3 +1494,17 @@ def test_cpp_simd_16bit_gather_never_reads_past_the_gradient():
     out = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT, *_cpp_isas()[1:]], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "guard page ok" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_process_group_sync_skips_frozen_dense_params():
+    """_sync_grads averaged the stale .grad of a frozen dense param every step (a wasted
+    collective for a param the step then skips)."""
+    frozen, live = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = SparseAdamW([{"params": [frozen, live], "density": 1.0}], compact_grads=True)
+    averaged = []
+    opt.process_group = object()  # stands for a real group: only the averaging is watched
+    opt._average_across_ranks = lambda t: averaged.append(t) or t
+    frozen.grad, live.grad = torch.ones(4), torch.ones(4)
+    frozen.requires_grad_(False)
+    opt.step()
+    assert len(averaged) == 1 and averaged[0] is live.grad
