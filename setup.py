@@ -26,6 +26,13 @@ else:
             "compiled with ninja on first use and cached"
         )
     else:
+        # The compile flags live in sift/_ext.py (the JIT build's), read from that file alone:
+        # importing the package here would import all of sift.
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_sift_ext_flags", os.path.join("sift", "_ext.py"))
+        _ext = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_ext)
         cu_sources = glob.glob("csrc/*.cu")
         if cu_sources:
             print("sift: CUDA sources are not built (GPU kernels are Triton): " + ", ".join(cu_sources))
@@ -34,9 +41,8 @@ else:
                 "sift._C",
                 sorted(glob.glob("csrc/*.cpp")),
                 depends=sorted(glob.glob("csrc/*.h")),
-                # Same flags as sift/_ext.py (the JIT build).
-                extra_compile_args=["-O3", "-fopenmp", "-std=c++17", "-fno-math-errno", "-Wno-psabi"],
-                extra_link_args=["-fopenmp"],
+                extra_compile_args=_ext.CXX_FLAGS,
+                extra_link_args=_ext.LD_FLAGS,
             )
         )
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)

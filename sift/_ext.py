@@ -34,9 +34,11 @@ def _source_files(src: str) -> list[str]:
     return sorted(glob.glob(os.path.join(src, "*.cpp")) + glob.glob(os.path.join(src, "*.h")))
 
 
-# Flags shared with setup.py. -fno-math-errno lets sqrt vectorise; -Wno-psabi silences GCC's
-# note on 64-byte vector arguments in the generic copy of the SIMD code.
+# The flags of both builds (setup.py reads them from here). -fno-math-errno lets sqrt
+# vectorise; -Wno-psabi silences GCC's note on 64-byte vector arguments in the generic copy
+# of the SIMD code.
 CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+LD_FLAGS = ["-fopenmp"]
 
 
 def _prebuilt_stale_reason() -> str | None:
@@ -66,9 +68,9 @@ def _jit_build() -> None:
             digest.update(f.read())
     load(
         name="sift_C",
-        sources=sorted(glob.glob(os.path.join(src, "*.cpp"))),
+        sources=[f for f in _source_files(src) if f.endswith(".cpp")],
         extra_cflags=CXX_FLAGS + [f"-DSIFT_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=LD_FLAGS,
         is_python_module=False,
         verbose=os.environ.get("SIFT_VERBOSE_BUILD", "0") == "1",
     )

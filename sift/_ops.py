@@ -16,11 +16,14 @@ automatically chosen one that fails to load falls back with one log line.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from sift.triton_kernels._checks import check_lengths
 
 log = logging.getLogger("sift")
 
@@ -217,6 +220,8 @@ def sparse_adamw_ref(
     compact_grads: bool,
 ) -> None:
     """Plain-torch reference of one fused SparseAdamW step (see the contract above)."""
+    check_lengths(len(params), grads=grads, indices=indices, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                  deltas=deltas, steps=steps, **({"bases": bases} if bases else {}))
     for i, p in enumerate(params):
         flat = p.view(-1)
         idx = indices[i].long()
@@ -322,15 +327,6 @@ def merge_sorted_deltas_ref(
     return out_idx, out_val
 
 
-def _check_delta_lists(params: list[torch.Tensor], indices: list[torch.Tensor], vals: list[torch.Tensor],
-                       what: str) -> None:
-    # zip() would silently skip the params past the shorter list.
-    if len(indices) != len(params):
-        raise ValueError(f"indices must have one tensor per param (got {len(indices)} for {len(params)})")
-    if len(vals) != len(params):
-        raise ValueError(f"{what} must have one tensor per param (got {len(vals)} for {len(params)})")
-
-
 def sparse_delta_apply_ref(
     params: list[torch.Tensor],
     indices: list[torch.Tensor],
@@ -339,7 +335,7 @@ def sparse_delta_apply_ref(
     save_originals: bool,
 ) -> list[torch.Tensor]:
     """Plain-torch reference of the scatter-add apply with the fused gather of originals."""
-    _check_delta_lists(params, indices, values, "values")
+    check_lengths(len(params), indices=indices, values=values)
     saved = []
     for p, idx, val in zip(params, indices, values):
         flat = p.view(-1)
@@ -354,7 +350,7 @@ def sparse_delta_apply_ref(
 def sparse_delta_restore_ref(params: list[torch.Tensor], indices: list[torch.Tensor],
                              originals: list[torch.Tensor]) -> None:
     """Plain-torch reference of the restore: writes the saved originals back."""
-    _check_delta_lists(params, indices, originals, "originals")
+    check_lengths(len(params), indices=indices, originals=originals)
     for p, idx, old in zip(params, indices, originals):
         p.view(-1)[idx.long()] = old
 
@@ -449,7 +445,7 @@ def singular_values_gram_eigvalsh(x: torch.Tensor) -> torch.Tensor:
     """Fast plain-torch path: fp64 Gram of the shorter side, then batched `eigvalsh`."""
     global _eigvalsh_pool
     *batch, s, d = x.shape
-    x3 = x.reshape(-1, s, d)
+    x3 = x.reshape(math.prod(batch), s, d)  # not -1: a batch may be empty
     n_threads = torch.get_num_threads()
     if x.device.type != "cpu" or n_threads < 2 or x3.shape[0] < 4 * n_threads:
         sigma = _gram_eigvalsh(x3)
@@ -477,7 +473,7 @@ def _singular_values_cpp(x: torch.Tensor) -> torch.Tensor:
     *batch, s, d = x.shape
     if min(s, d) > CPP_SINGULAR_VALUES_MAX_K:
         return singular_values_gram_eigvalsh(x)
-    sigma = torch.ops.sift.singular_values(x.reshape(-1, s, d))
+    sigma = torch.ops.sift.singular_values(x.reshape(math.prod(batch), s, d))
     return sigma.reshape(*batch, min(s, d))
 
 

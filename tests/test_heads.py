@@ -225,6 +225,17 @@ def test_singular_values_triton_empty_matrices(shape):
     assert got.shape == torch.linalg.svdvals(torch.zeros(shape)).shape
 
 
+@pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"),
+                                     pytest.param("cpp", id="cpp", marks=requires_cpp)])
+@pytest.mark.parametrize("shape", [(3, 0, 5), (2, 4, 0), (0, 4, 5)], ids=["3x0x5", "2x4x0", "0x4x5"])
+def test_singular_values_torch_and_cpp_empty_matrices(backend, shape):
+    """The torch and C++ backends reshaped with -1, which raises for an empty matrix (S or D = 0)."""
+    from sift import _ops
+
+    got = _ops.resolve("singular_values", "cpu", backend)[1](torch.zeros(shape))
+    assert got.shape == torch.linalg.svdvals(torch.zeros(shape)).shape
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton unavailable")
 @pytest.mark.parametrize("scale", [1e-100, 1e100], ids=["1e-100", "1e+100"])
 @pytest.mark.parametrize("by_dot", [True, False], ids=["dot", "fma"])

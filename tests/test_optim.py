@@ -1508,3 +1508,12 @@ def test_process_group_sync_skips_frozen_dense_params():
     frozen.requires_grad_(False)
     opt.step()
     assert len(averaged) == 1 and averaged[0] is live.grad
+
+
+def test_reference_step_checks_list_lengths():
+    """sparse_adamw_ref ignored params past a shorter list (zip) instead of raising."""
+    inputs = _kernel_inputs([(8,), (9,)], torch.float32, 0.5, False, seed=1)
+    inputs[1] = inputs[1][:1]
+    with pytest.raises(ValueError, match=r"grads must have one tensor per param \(got 1 for 2\)"):
+        _ops.sparse_adamw_ref(*inputs, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, maximize=False,
+                              compact_grads=False)

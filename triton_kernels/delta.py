@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_lengths
 from ._rounding import round_to_bf16
 
 BLOCK = 1024
@@ -61,13 +62,6 @@ def _check(p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, what: str, dt
         raise ValueError("params, indices and values must be on one device")
 
 
-def _check_lengths(n_params: int, **lists: list[torch.Tensor]) -> None:
-    # zip() would silently skip the params past the shorter list.
-    for name, tensors in lists.items():
-        if len(tensors) != n_params:
-            raise ValueError(f"{name} must have one tensor per param (got {len(tensors)} for {n_params})")
-
-
 def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor], values: list[torch.Tensor],
                         scale: float, save_originals: bool) -> list[torch.Tensor]:
     """Adds `scale * values[i]` at `indices[i]` of each param in place; see the module docstring.
@@ -88,7 +82,7 @@ def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor],
         ...                     [torch.ones(2, device="cuda")], 0.5, False)
         []
     """
-    _check_lengths(len(params), indices=indices, values=values)
+    check_lengths(len(params), indices=indices, values=values)
     saved = []
     for p, idx, val in zip(params, indices, values):
         _check(p, idx, val, "values", torch.float32)
@@ -118,7 +112,7 @@ def sparse_delta_restore_(params: list[torch.Tensor], indices: list[torch.Tensor
         >>> old = sparse_delta_apply_([w], [idx], [torch.ones(2, device="cuda")], 1.0, True)
         >>> sparse_delta_restore_([w], [idx], old)
     """
-    _check_lengths(len(params), indices=indices, originals=originals)
+    check_lengths(len(params), indices=indices, originals=originals)
     for p, idx, old in zip(params, indices, originals):
         _check(p, idx, old, "originals", p.dtype)
         k = idx.numel()

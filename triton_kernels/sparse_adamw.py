@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import check_lengths
 from ._rounding import round_to_bf16
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -246,13 +247,10 @@ def sparse_adamw_(
     """
     if not params:
         return
-    # zip() below would silently drop the params past a shorter list while the block table,
-    # built from all indices, still points the kernel at their (missing) table rows.
-    for name, tensors in (("grads", grads), ("indices", indices), ("exp_avgs", exp_avgs),
-                          ("exp_avg_sqs", exp_avg_sqs), ("deltas", deltas), ("steps", steps)) + \
-            ((("bases", bases),) if bases else ()):
-        if len(tensors) != len(params):
-            raise ValueError(f"{name} must have one tensor per param (got {len(tensors)} for {len(params)})")
+    # The block table, built from all indices, would point the kernel at the table rows of
+    # params past a shorter list.
+    check_lengths(len(params), grads=grads, indices=indices, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                  deltas=deltas, steps=steps, **({"bases": bases} if bases else {}))
     device = params[0].device
     w_dtype = params[0].dtype
     i_dtype = indices[0].dtype
