@@ -23,7 +23,7 @@ from triton.testing import do_bench
 from sift import SparseAdamW
 from sift._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
 from sift.bench._harness import header_lines
-from sift.bench.adamw import dense_step_bytes, make_params, sparse_step_bytes, transactions_touched
+from sift.bench.adamw import dense_step_bytes, make_params, sparse_step_bytes
 from sift.triton_kernels.sparse_adamw import sparse_adamw_
 
 
@@ -62,13 +62,11 @@ def main() -> None:
             model_bytes = sparse_step_bytes(lists[2], dtype, 32)
             layouts = [("", lists, model_bytes)]
             if dtype == torch.float32:
-                # The layout experiment: an fp32 copy of the chosen weights in the state (base, 4 B
-                # per entry: 20 B in all, the budget) removes the random weight read.
+                # The layout of SparseAdamW(keep_base=True): an fp32 copy of the chosen weights in
+                # the state (base) removes the random weight read. Built here on the same selection.
                 bases = [p.detach().view(-1)[i.long()].clone() for p, i in zip(params, lists[2])]
-                entries = sum(int(i.numel()) for i in lists[2])
-                # idx 4 + m, v, delta read and written 24 + base 4; gradient read + weight write
-                no_read = entries * 32 + 2 * 32 * transactions_touched(lists[2], 4, 32)
-                layouts.append((" +base", lists[:6] + (bases,) + lists[7:], no_read))
+                layouts.append((" +base", lists[:6] + (bases,) + lists[7:],
+                                sparse_step_bytes(lists[2], dtype, 32, keep_base=True)))
             for (tag, args, nbytes), (block, warps, fetch) in itertools.product(layouts, configs):
                 def step(args=args, block=block, warps=warps):
                     sparse_adamw_(*args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,

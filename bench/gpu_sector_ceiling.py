@@ -51,6 +51,7 @@ from sift._l2 import (  # noqa: E402
     l2_fetch_granularity_unavailable,
 )
 from sift.bench._harness import header_lines  # noqa: E402
+from sift.bench.adamw import sparse_step_bytes, transactions_touched  # noqa: E402
 from sift.triton_kernels.sparse_adamw import sparse_adamw_  # noqa: E402
 
 BLOCK = 1024
@@ -153,7 +154,7 @@ def main() -> None:
     for density in (0.001, 0.01, 0.05):
         idx = random_sorted_indices(numel, density, device)
         k = idx.numel()
-        sectors = int(torch.unique_consecutive(idx // 8).numel())
+        sectors = transactions_touched([idx], 4, 32)
         v = torch.randn(k, device=device)
         out = torch.empty(k, device=device)
         grid = (triton.cdiv(k, BLOCK),)
@@ -177,8 +178,7 @@ def main() -> None:
                     # contiguous bytes: the index, plus v or out
                     contiguous = k * 4 + k * 4
                     rows.append((name, _bench(run, device), sectors * 32 * (n_reads + n_writes) + contiguous))
-                # random: g read, w read + write; contiguous: idx 4 + m, v, delta read+write 24
-                rows.append(("SparseAdamW", _bench(sparse_step, device), sectors * 32 * 3 + k * 28))
+                rows.append(("SparseAdamW", _bench(sparse_step, device), sparse_step_bytes([idx], torch.float32, 32)))
             for name, ms, nbytes in rows:
                 gbs = nbytes / ms / 1e6
                 print(f"| {density:.1%} | {_label(setting, actual)} | {name} | {ms:.4f} | {gbs:.0f} | "

@@ -495,6 +495,7 @@ def test_minilm_head_outputs_reproduce_attention_output(minilm):
     enc = tokenizer(TEXTS[:4], padding=True, return_tensors="pt")
     layout = heads.attention_layout(model)
     assert (layout.n_layers, layout.n_heads, layout.head_dim) == (6, 12, 32)
+    assert not layout.causal
     seen = {}
 
     def keep(name):
@@ -538,6 +539,7 @@ def test_tiny_decoders_capture_reproduces_output_projection(kind):
     layout = heads.attention_layout(model)
     assert layout.n_heads == 4 and layout.head_dim == 8
     assert layout.n_kv_heads == (4 if kind == "gpt2" else 2)
+    assert layout.causal
     modules = dict(model.named_modules())
     outputs = {}
     handles = [modules[name].register_forward_hook(lambda m, a, o, i=i: outputs.__setitem__(i, o))

@@ -252,7 +252,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                          dense_step_bytes(params), peak_gbps))
         dense_ms[flavour] = timing["median_ms"]
         if pool_fused and flavour == "fused":
-            fused_opt, fused_slots = opt, [timing["samples_ms"]]
+            fused_opt, fused_row, fused_state, fused_slots = opt, rows[-1], state, [timing["samples_ms"]]
         if l2_rows and flavour == "fused":
             # Does a 32-byte L2 fetch bound (which may help the sparse gathers) cost a streaming step?
             with l2_fetch_granularity(L2_FETCH_BYTES, device):
@@ -308,9 +308,8 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             _free(device)
     if fused_opt is not None:
         pooled = summary([t for slot in fused_slots for t in slot])
-        rows[1].update(_row("AdamW(fused)", "torch", dtype_name, "100%", pooled, {
-            "state_bytes": float(rows[1]["state MB"]) * 1e6, "bytes_per_entry": rows[1]["state B/entry"]},
-            dense_step_bytes(params), peak_gbps))
+        fused_row.update(_row("AdamW(fused)", "torch", dtype_name, "100%", pooled, fused_state,
+                              dense_step_bytes(params), peak_gbps))
         dense_ms["fused"] = pooled["median_ms"]
         if info is not None:
             info["fused_slot_medians_ms"] = [summary(slot)["median_ms"] for slot in fused_slots]

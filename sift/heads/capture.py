@@ -29,12 +29,18 @@ class _Family:
     key: str
     value: str
     fused_qkv: bool  # GPT-2's Conv1D c_attn holds Q, K, V side by side as columns
+    causal: bool  # decoder (left-to-right attention) or encoder
+    out_depth: int  # name parts from the output projection up to the attention block
 
 
 _FAMILIES: dict[str, _Family] = {
-    "bert": _Family(r"(?:^|\.)layer\.(\d+)\.attention\.output\.dense$", "self.query", "self.key", "self.value", False),
-    "gpt2": _Family(r"(?:^|\.)h\.(\d+)\.attn\.c_proj$", "c_attn", "c_attn", "c_attn", True),
-    "llama": _Family(r"(?:^|\.)layers\.(\d+)\.self_attn\.o_proj$", "q_proj", "k_proj", "v_proj", False),
+    # <attn>.output.dense
+    "bert": _Family(r"(?:^|\.)layer\.(\d+)\.attention\.output\.dense$", "self.query", "self.key", "self.value",
+                    False, False, 2),
+    # <attn>.c_proj
+    "gpt2": _Family(r"(?:^|\.)h\.(\d+)\.attn\.c_proj$", "c_attn", "c_attn", "c_attn", True, True, 1),
+    # <attn>.o_proj
+    "llama": _Family(r"(?:^|\.)layers\.(\d+)\.self_attn\.o_proj$", "q_proj", "k_proj", "v_proj", False, True, 1),
 }
 
 _MODEL_TYPES: dict[str, str] = {
@@ -64,6 +70,7 @@ class HeadLayout:
         query, key, value: module names of the Q, K, V projections, [n_layers] each (the same
             fused module three times for GPT-2).
         fused_qkv: True when Q, K, V share one GPT-2 `Conv1D` (heads are column blocks).
+        causal: True for decoders (GPT-2, Llama family), False for encoders (BERT family).
     """
 
     model_type: str
@@ -77,6 +84,7 @@ class HeadLayout:
     key: tuple[str, ...]
     value: tuple[str, ...]
     fused_qkv: bool
+    causal: bool
 
 
 def attention_layout(model: nn.Module) -> HeadLayout:
@@ -120,9 +128,7 @@ def attention_layout(model: nn.Module) -> HeadLayout:
         raise ValueError(f"{model_type} model has no module matching {family.out_proj!r}")
     layers = sorted(found)
     out_proj = tuple(found[i] for i in layers)
-    # BERT: <attn>.output.dense ; GPT-2: <attn>.c_proj ; Llama: <attn>.o_proj
-    depth = 2 if _MODEL_TYPES[model_type] == "bert" else 1
-    attention = tuple(name.rsplit(".", depth)[0] for name in out_proj)
+    attention = tuple(name.rsplit(".", family.out_depth)[0] for name in out_proj)
     first = modules[out_proj[0]]
     in_features = first.weight.shape[0] if family.fused_qkv else first.in_features
     if in_features % n_heads:
@@ -139,6 +145,7 @@ def attention_layout(model: nn.Module) -> HeadLayout:
         key=tuple(f"{a}.{family.key}" for a in attention),
         value=tuple(f"{a}.{family.value}" for a in attention),
         fused_qkv=family.fused_qkv,
+        causal=family.causal,
     )
 
 

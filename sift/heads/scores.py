@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.heads.capture import _MODEL_TYPES, HeadLayout, attention_layout, capture_head_outputs
+from sift.heads.capture import HeadLayout, attention_layout, capture_head_outputs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _META_KEYS = ("n_samples", "xi", "damping", "eps", "personalized", "model_type")
@@ -465,7 +465,7 @@ def score_heads(
 
     from tqdm.auto import tqdm
 
-    causal = _MODEL_TYPES[layout.model_type] != "bert"
+    causal = layout.causal
     # Only the attention blocks matter: run the backbone (no LM or task head: for a 128k-token
     # vocabulary the logits alone are 0.5 MB per token) and keep no KV cache.
     backbone = model.base_model if isinstance(getattr(model, "base_model", None), torch.nn.Module) else model
