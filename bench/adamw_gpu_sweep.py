@@ -3,7 +3,7 @@
     python bench/adamw_gpu_sweep.py [--quick]
 
 Times the kernel alone (no Python step overhead) for each (BLOCK, num_warps, L2 fetch
-granularity bound: the driver's default or 32 bytes, see `sift/_l2.py`) on 8 weights of
+granularity bound: the driver's default or 32 bytes, see `sift/bench/_l2.py`) on 8 weights of
 8192x16384 (1.07B elements), fp32 and bf16, at 0.1%, 1% and 5%, next to torch's fused AdamW
 on the same weights, and prints one markdown table. For fp32 it also times the layout with
 an fp32 base in the state ("+base": the weight is rebuilt as base + delta and only written,
@@ -21,7 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from sift import SparseAdamW
-from sift._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
+from sift.bench._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
 from sift.bench._harness import header_lines
 from sift.bench.adamw import dense_step_bytes, make_params, sparse_step_bytes
 from sift.triton_kernels.sparse_adamw import sparse_adamw_

@@ -19,12 +19,12 @@ benchmark's 8 x 8192x16384) at 0.1%, 1% and 5%:
 
 next to torch's fused AdamW over the dense 1.07B elements. Each is timed under several bounds
 on the L2 fetch granularity (`--l2-fetch`, default: the driver's, 32, 64, 128 bytes; see
-`sift/_l2.py`): if a miss fetches 64 bytes where a gather needs 32, a sparse step moves up to
+`sift/bench/_l2.py`): if a miss fetches 64 bytes where a gather needs 32, a sparse step moves up to
 twice the bytes the sector model counts, and a 32-byte bound would show it. "x vs fused" of a pattern is the
 best speed-up over fused AdamW that a step with that traffic could reach; if SparseAdamW is
 close to "g + rmw w", the kernel is at the memory system's limit for this state layout, and
 only a layout that removes random traffic can go faster. "sector GB/s" counts every distinct
-32-byte sector touched once per access (the issue's byte model).
+32-byte sector touched once per access (the suite's byte model).
 
 Without CUDA the script runs tiny sizes through the Triton interpreter (a plumbing check;
 its times mean nothing).
@@ -45,7 +45,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sift._l2 import (  # noqa: E402
+from sift.bench._l2 import (  # noqa: E402
     get_l2_fetch_granularity,
     l2_fetch_granularity,
     l2_fetch_granularity_unavailable,

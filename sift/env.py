@@ -86,7 +86,7 @@ def report() -> str:
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")
     if torch.cuda.is_available():
-        from sift._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
+        from sift.bench._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
 
         # The bound on what an L2 miss fetches (bench/gpu_sector_ceiling.py times the gathers under it).
         why_not = l2_fetch_granularity_unavailable()

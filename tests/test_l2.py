@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sift import _l2
+from sift.bench import _l2
 
 
 @pytest.mark.parametrize("nbytes", [-1, 129, 32.0, True, "32"], ids=["negative", "over-128", "float", "bool", "str"])

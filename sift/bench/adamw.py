@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sift import _ops
-from sift._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
+from sift.bench._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
 from sift.bench._harness import markdown_table, save_results, summary, time_cpu, time_gpu
 from sift.optim import SparseAdamW
 
@@ -47,7 +47,7 @@ TARGET_PEAK_FRACTION = 0.70
 # The granule a gather or scatter moves: an L2/DRAM sector on NVIDIA GPUs, a cache line on x86.
 TRANSACTION_BYTES = {"cpu": 64, "cuda": 32}
 # On CUDA the triton rows are also timed with the L2 fetch granularity bounded to one sector
-# (sift/_l2.py): a miss that fetches 64 B where a gather needs 32 B moves bytes nobody reads.
+# (sift/bench/_l2.py): a miss that fetches 64 B where a gather needs 32 B moves bytes nobody reads.
 L2_FETCH_BYTES = 32
 
 COLUMNS = (

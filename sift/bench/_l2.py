@@ -4,9 +4,9 @@ On a miss, the L2 cache of NVIDIA GPUs may fetch more than the 32-byte sector a 
 for (sector promotion to 64 or 128 bytes). For streaming kernels that is free prefetch; for
 the random gathers and scatters of a sparse step at low density it moves bytes nobody reads.
 The driver takes an upper bound on the fetch size per context, as a hint it may clamp or
-ignore. Only the benchmarks use this today (`bench/gpu_sector_ceiling.py`,
-`bench/adamw_gpu_sweep.py`): it changes a process-wide setting, so the optimizer never
-touches it on its own.
+ignore. Only the benchmarks set it (`python -m sift.bench adamw`, `bench/gpu_sector_ceiling.py`,
+`bench/adamw_gpu_sweep.py`; `python -m sift.env` reads it): it changes a process-wide setting,
+so the optimizer never touches it on its own.
 
 The driver API is reached through ctypes (`libcuda.so.1`, present wherever CUDA runs), on the
 primary context that torch uses for the device.
