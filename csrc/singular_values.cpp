@@ -9,10 +9,9 @@
 //
 // Speed comes from batching across matrices rather than within one: 8 matrices share every
 // SIMD instruction, one per 64-bit lane (csrc/singular_values_simd.h). LAPACK's per-matrix
-// tridiagonal solvers are latency bound (one dependent divide and square root per element,
-// dsterf took about as long as dsytrd at n = 128 in OpenBLAS); 8 independent lanes hide that,
-// and the Gram, the reduction and the QL sweeps all run at vector width. Groups of 8 matrices
-// are spread over threads with at::parallel_for. The SIMD body is compiled three times
+// tridiagonal solvers are latency bound (one dependent divide and square root per element);
+// 8 independent lanes hide that, and the Gram, the reduction and the QL sweeps all run at
+// vector width. Groups of 8 matrices are spread over threads with at::parallel_for. The SIMD body is compiled three times
 // (generic, AVX2+FMA, AVX-512) and chosen at run time from the CPU's features.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -54,7 +53,7 @@ namespace {
 
 constexpr int LANES = sv_generic::LANES;
 // Rows of the long side packed per Gram pass: 64 rows x 128 columns x 64 B = 512 KB of panel,
-// which stays in L2 next to the Gram itself. 64 rows measured faster than 128 on a 2-core Xeon.
+// which stays in L2 next to the Gram itself.
 constexpr int64_t PANEL_ROWS = 64;
 // Largest n = min(S, D) this kernel takes: the Gram of 8 matrices is n^2 x 64 B (16 MB at
 // 512); beyond that the per-matrix LAPACK path in sift/_ops.py is used.

@@ -5,10 +5,9 @@
 // Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
 // very different sizes. Each entry is gathered, updated and scattered in one pass; the
 // sorted indices let the loop prefetch the grad and weight lines PREFETCH_DISTANCE entries
-// ahead, across chunk boundaries. Measured on a 2-core Xeon (8 x 4096^2 fp32): this one-pass
-// form is 1.4-2.3x faster than gathering into buffers, vectorising the math and scattering,
-// because the gathers dominate and the buffered form's short-range prefetch fought the
-// hardware prefetcher.
+// ahead, across chunk boundaries. One pass beats gathering into buffers, vectorising the math
+// and scattering: the gathers dominate, and the buffered form's short-range prefetch fought
+// the hardware prefetcher (figures in bench/results/README.md).
 //
 // With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h), chosen at run time
 // (cpu_isa.h). fp32 weights: AVX-512 gathers 16 grads and weights per instruction and
@@ -16,14 +15,10 @@
 // (rebuilt from base + delta): the 16-bit grads are gathered as 4-byte words, and the new
 // weights rounded in vector registers exactly as c10's conversions round, then stored one by
 // one (there is no 16-bit scatter). The AVX-512 form prefetches the weight lines with
-// PREFETCHW, which fetches a line ready to be written. The scalar loop is bound by its divide and square root:
-// with everything in L2 (one thread, 65536 fp32 entries) it takes 6.8-7.3 ns an entry against
-// 2.4 (AVX2) and 3.4 (AVX-512); bf16 10.2 ns against 5.0 (AVX-512). On 8 x 4096^2 weights the
-// gathers dominate: fp32 AVX-512 took 1.06 / 12.5 / 48 ms at 0.1% / 1% / 5% against 1.1 /
-// 14.1-14.5 / 50.6-54.3 ms for the scalar loop; at 5%, bf16 29 ms against 39 ms and fp16 36 ms
-// against 71 ms (its scalar conversion to fp16 is slow). There the step waits on the
-// prefetches, i.e. on the core's line-fill buffers (perf: two thirds of the samples on the
-// prefetch instructions), so wider math has little left to win. The SIMD forms and the scalar
+// PREFETCHW, which fetches a line ready to be written. With the data in cache the scalar loop
+// is bound by its divide and square root, which the SIMD forms widen; on large tensors the step
+// waits on its prefetches (the core's line-fill buffers), so there wider math wins less. The
+// figures are in bench/results/README.md ("Performance notes"). The SIMD forms and the scalar
 // loop are compiled with fp-contract off (also under -march flags that enable FMA) and do the
 // same operations in the same order: every form gives bit-identical results, rounding ties
 // included (tested); only a NaN made from two NaN operands may differ in payload.
@@ -217,8 +212,8 @@ struct Segment {
 };
 
 // Each chunk's indices are checked (index_check.h) just before the chunk is stepped: they then
-// sit in L1 for the step, where a separate pass over all indices, cold in memory, cost ~15% of
-// a step. A bad chunk is skipped and afterwards the first bad index raises: the step may then be
+// sit in L1 for the step, where a separate pass over all indices would read them cold from
+// memory once more. A bad chunk is skipped and afterwards the first bad index raises: the step may then be
 // partly applied, but nothing outside the params is ever written.
 void raise_first_bad_index(at::TensorList indices, const std::vector<Segment>& work,
                            const std::vector<int64_t>& found, at::TensorList params) {

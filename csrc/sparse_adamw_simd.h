@@ -53,7 +53,7 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
   const Coeffs c(h, step_size, inv_bc2_sqrt);
   // Full vectors, then one masked vector for the last (end - begin) % W entries: staying in
   // vector code avoids a call into the scalar loop, whose transition drained the pipeline at
-  // the end of every chunk (measured: a quarter of the time with the data in L2).
+  // the end of every chunk.
   for (int64_t j = begin; j < end; j += W) {
     const int64_t n = std::min<int64_t>(W, end - j);
     prefetch_ahead<COMPACT>(g_src, w, idx, j, n, k);

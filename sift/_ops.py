@@ -267,7 +267,7 @@ def _sparse_adamw_triton(*args, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------
-# Sparse delta ops (issue: sparse deltas) are declared below this line.
+# Sparse delta ops are declared below this line.
 # ---------------------------------------------------------------------------------------
 #
 # merge_sorted_deltas: k-way merge of index-sorted sparse lists, grouped per output tensor.
@@ -404,7 +404,7 @@ def _sparse_delta_restore_triton(params, indices, originals):
 
 
 # ---------------------------------------------------------------------------------------
-# Head-importance ops (issue: HiFi heads) are declared below this line.
+# Head-importance ops are declared below this line.
 # ---------------------------------------------------------------------------------------
 
 # singular_values: batched singular values of x [..., S, D] -> [..., min(S, D)], descending;

@@ -175,7 +175,7 @@ class SparseAdamW(torch.optim.Optimizer):
         keep_base: fp32 weights also keep their chosen entries' values at selection (`base`,
             4 more bytes per entry, 20 in all). The step then writes each weight as
             base + delta and never reads it: one random read fewer per entry, which may pay
-            on a GPU (not measured yet) and does not on a CPU, where writing a line reads it
+            on a GPU and does not on a CPU, where writing a line reads it
             anyway. Values written into the chosen entries by anything but the optimizer are
             overwritten at the next step (as for bf16/fp16 weights, which always keep a base).
             `load_state_dict` adopts the saved setting, like `select_steps`.

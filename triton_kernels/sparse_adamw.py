@@ -136,8 +136,9 @@ def _sparse_adamw_kernel(
         tl.store(w_ptr + idx, w_new.to(W_DTYPE), mask=mask)
 
 
-_BLOCK = 512  # with 8 warps: within 2% of the best of 16 configurations in 5 of the 6 cells of
-# bench/results/adamw-gpu-sweep.md (5% behind at bf16, 1%); the configuration barely matters there.
+# Chosen by bench/adamw_gpu_sweep.py, where the launch configuration barely matters (figures:
+# bench/results/adamw-gpu-sweep.md).
+_BLOCK = 512
 _NUM_WARPS = 8
 _EVICT_FIRST = False
 _block_cache: dict[tuple, torch.Tensor] = {}
