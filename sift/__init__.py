@@ -8,6 +8,7 @@
 from sift import heads
 from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
+from sift.targets import trainable_summary
 
 __version__ = "0.1.0"
 

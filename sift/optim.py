@@ -245,6 +245,30 @@ class SparseAdamW(torch.optim.Optimizer):
         if compact_grads:
             self._sync_hooks()
 
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        density: float = 0.01,
+        lr: float | torch.Tensor = 1e-3,
+        *,
+        target_modules: str | list[str] | None = None,
+        dense_modules: str | list[str] | None = None,
+        selection: str = "magnitude",
+        **optimizer_kwargs: Any,
+    ) -> SparseAdamW:
+        """Train `model`'s attention projections sparsely and its task head densely; freeze the rest.
+
+        See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
+
+        Example:
+            >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
+        """
+        from sift.targets import for_model  # sift.targets imports this module
+
+        return for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
+                         selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -1,0 +1,393 @@
+"""Which weights of a model to fine-tune: `SparseAdamW.for_model` and `trainable_summary`.
+
+`for_model` is the one-call entry point. It trains the attention projections' weights
+sparsely (SIFT's default targets: Q, K, V and the output projection of every layer),
+the task head densely, and freezes everything else:
+
+    model family        sparse targets (their `.weight`)                 dense head
+    BERT / RoBERTa      query, key, value, attention.output.dense        classifier, qa_outputs
+    GPT-2               c_attn (fused QKV, a Conv1D), attn.c_proj        score
+    Llama family        q_proj, k_proj, v_proj, o_proj (GQA too)         score, untied lm_head
+
+Module names are matched as peft matches `target_modules`: a plain dotted name matches a
+module whose full name equals it or ends with "." + name; a pattern with other regex
+characters (or a single string, peft's rule) must `re.fullmatch` the full name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from sift.optim import SparseAdamW, _entries_for, _local
+
+# SIFT trains the attention projections; per family, the names of those modules.
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    "bert": ("query", "key", "value", "attention.output.dense"),
+    "gpt2": ("c_attn", "attn.c_proj"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+# model_type -> family; models not listed are recognised by their module names.
+_FAMILY_OF_TYPE = {
+    "bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "camembert": "bert", "electra": "bert",
+    "gpt2": "gpt2",
+    "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama", "qwen3": "llama",
+    "gemma": "llama", "gemma2": "llama", "olmo": "llama", "olmo2": "llama", "smollm3": "llama",
+}
+# The heads transformers adds on top of a pretrained body (randomly initialised for a new task).
+DEFAULT_HEADS: tuple[str, ...] = ("classifier", "score", "qa_outputs", "lm_head")
+_PLAIN_NAME = re.compile(r"[\w.]+")
+
+
+def _matches(pattern: str, name: str, as_regex: bool) -> bool:
+    if as_regex or not _PLAIN_NAME.fullmatch(pattern):
+        return re.fullmatch(pattern, name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _normalise(modules: str | Iterable[str], what: str) -> tuple[list[str], bool]:
+    """The patterns of `modules` and whether they are one regex (peft's rule for a single str)."""
+    if isinstance(modules, str):
+        return [modules], True
+    patterns = list(modules)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"{what} must be a string or a list of strings, got an element {bad[0]!r}")
+    return patterns, False
+
+
+def _nearest(pattern: str, names: list[str]) -> list[str]:
+    # A typo is usually in the short name ("qurey"), so the trailing parts of every name compete too.
+    candidates = {".".join(parts[i:]) for parts in (name.split(".") for name in names)
+                  for i in range(len(parts)) if not parts[i].isdigit()}
+    return difflib.get_close_matches(pattern, sorted(candidates), n=5, cutoff=0.5)
+
+
+def _resolve(model: nn.Module, modules: str | Iterable[str], what: str) -> list[str]:
+    """Names of the modules `modules` selects; every pattern must select at least one."""
+    patterns, as_regex = _normalise(modules, what)
+    names = [name for name, _ in model.named_modules() if name]
+    chosen: dict[str, None] = {}
+    for pattern in patterns:
+        hits = [name for name in names if _matches(pattern, name, as_regex)]
+        if not hits:
+            near = _nearest(pattern, names)
+            hint = f"; nearest module names: {near}" if near else ""
+            raise ValueError(f"{what} entry {pattern!r} matches no module of {type(model).__name__}{hint}")
+        chosen.update(dict.fromkeys(hits))
+    return list(chosen)
+
+
+def model_family(model: nn.Module) -> str | None:
+    """"bert", "gpt2", "llama", or None: from `model.config.model_type`, else from module names.
+
+    Example:
+        >>> model_family(transformers.GPT2Model(transformers.GPT2Config(n_layer=1)))  # doctest: +SKIP
+        'gpt2'
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _FAMILY_OF_TYPE:
+        return _FAMILY_OF_TYPE[model_type]
+    suffixes = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    names = [name for name, _ in model.named_modules()]
+    if {"q_proj", "k_proj", "v_proj", "o_proj"} <= suffixes:
+        return "llama"
+    if "c_attn" in suffixes and any(name.endswith("attn.c_proj") for name in names):
+        return "gpt2"
+    if {"query", "key", "value"} <= suffixes and any(name.endswith("attention.output.dense") for name in names):
+        return "bert"
+    return None
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2) is a linear layer with an [in, out] weight.
+    conv1d = type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) or conv1d) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _untied_heads(model: nn.Module) -> list[str]:
+    """The default dense modules present in `model` (lm_head only when not tied to the embeddings)."""
+    present = dict(model.named_modules())
+    heads = []
+    for name in DEFAULT_HEADS:
+        if name not in present:
+            continue
+        if name == "lm_head" and _lm_head_is_tied(model):
+            continue
+        heads.append(name)
+    return heads
+
+
+def _lm_head_is_tied(model: nn.Module) -> bool:
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    if get_out is None or get_in is None:
+        return False
+    out, inp = get_out(), get_in()
+    if out is None or inp is None:
+        return False
+    return out.weight.data_ptr() == inp.weight.data_ptr()
+
+
+@dataclass
+class TargetPlan:
+    """What `for_model` will do to a model, decided before anything is changed.
+
+    Attributes:
+        sparse: {param name: weight} trained sparsely (the target modules' `.weight`).
+        dense: {param name: param} trained with dense AdamW (every param of the dense modules).
+        frozen: names of all other params (`requires_grad_(False)`).
+        target_modules: the module names whose weight is sparse.
+        dense_modules: the module names trained densely.
+    """
+
+    sparse: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: list[str] = field(default_factory=list)
+    target_modules: list[str] = field(default_factory=list)
+    dense_modules: list[str] = field(default_factory=list)
+
+    def apply_requires_grad(self, model: nn.Module) -> None:
+        """Unfreeze the sparse and dense params and freeze all others."""
+        trained = {id(p) for p in (*self.sparse.values(), *self.dense.values())}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
+
+
+def plan_targets(
+    model: nn.Module,
+    *,
+    target_modules: str | Sequence[str] | None = None,
+    dense_modules: str | Sequence[str] | None = None,
+) -> TargetPlan:
+    """Decide which params `for_model` trains sparsely, densely, or not at all; changes nothing.
+
+    Args:
+        model: any `nn.Module`; the defaults need a BERT/RoBERTa, GPT-2 or Llama-family model.
+        target_modules: modules whose `.weight` is trained sparsely (names or regexes, see the
+            module docstring). Default: the attention Q, K, V and output projections.
+        dense_modules: modules trained densely (all their params). Default: the task head
+            (`classifier`, `score`, `qa_outputs`, or an untied `lm_head`) when there is one.
+
+    Returns:
+        The `TargetPlan`.
+
+    Raises:
+        ValueError: a pattern matching no module (with the nearest names), an unknown model
+            family without `target_modules`, a target that is not a linear layer with a 2-D
+            weight, or a param both sparse and dense.
+
+    Example:
+        >>> plan = plan_targets(model)  # doctest: +SKIP
+        >>> sorted(plan.dense)  # doctest: +SKIP
+        ['classifier.bias', 'classifier.weight']
+    """
+    if target_modules is None:
+        family = model_family(model)
+        if family is None:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise ValueError(
+                f"cannot tell the attention projections of {type(model).__name__} (model_type {model_type!r}); "
+                "pass target_modules=[...] with the names of the linear layers to train sparsely"
+            )
+        target_modules = DEFAULT_TARGETS[family]
+    targets = _resolve(model, target_modules, "target_modules")
+    dense_names = _untied_heads(model) if dense_modules is None else _resolve(model, dense_modules, "dense_modules")
+    modules = dict(model.named_modules())
+    not_linear = [name for name in targets if not _is_linear(modules[name])]
+    if not_linear:
+        kinds = ", ".join(f"{name} ({type(modules[name]).__name__})" for name in not_linear[:5])
+        raise ValueError(f"target_modules must select linear layers with a 2-D weight (nn.Linear or transformers "
+                         f"Conv1D); these are not: {kinds}")
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    sparse = {name_of[id(modules[name].weight)]: modules[name].weight for name in targets}
+    dense: dict[str, torch.Tensor] = {}
+    for module_name in dense_names:
+        for p in modules[module_name].parameters():
+            dense.setdefault(name_of[id(p)], p)
+    both = sorted(set(sparse) & set(dense))
+    if both:
+        raise ValueError(f"params both sparse (target_modules) and dense (dense_modules): {both[:5]}; "
+                         "a module can be only one of them")
+    frozen = [name for name in name_of.values() if name not in sparse and name not in dense]
+    return TargetPlan(sparse, dense, frozen, targets, dense_names)
+
+
+def for_model(
+    model: nn.Module,
+    density: float = 0.01,
+    lr: float = 1e-3,
+    *,
+    target_modules: str | Sequence[str] | None = None,
+    dense_modules: str | Sequence[str] | None = None,
+    selection: str = "magnitude",
+    optimizer_cls: type[SparseAdamW] = SparseAdamW,
+    **optimizer_kwargs: Any,
+) -> SparseAdamW:
+    """Freeze `model` but for its target weights (sparse) and task head (dense); their optimizer.
+
+    The target modules' biases are frozen too: SIFT trains weight entries only. Everything
+    is decided and the optimizer built before any `requires_grad` changes, so on error the
+    model is left as it was. Param groups carry torch's `param_names` and a `"name"`
+    ("sparse" or "dense"), which `trainable_summary` reads.
+
+    Args:
+        model: the model to fine-tune.
+        density: fraction of each target weight's entries to train, in (0, 1].
+        lr: learning rate of both groups.
+        target_modules: see `plan_targets`.
+        dense_modules: see `plan_targets`.
+        selection: `SparseAdamW(selection=...)`, passed through unchanged.
+        optimizer_cls: the optimizer class (a subclass of `SparseAdamW`).
+        **optimizer_kwargs: the other `SparseAdamW` arguments (`weight_decay`,
+            `compact_grads`, `max_grad_norm`, `select_steps`, `keep_base`, ...).
+
+    Returns:
+        The optimizer, with a "sparse" group (if any target) and a "dense" group (if any head).
+
+    Raises:
+        ValueError: density outside (0, 1], or any error of `plan_targets` or `SparseAdamW`.
+
+    Example:
+        >>> model = transformers.BertForSequenceClassification(config)  # doctest: +SKIP
+        >>> opt = sift.SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
+        >>> print(sift.trainable_summary(model, opt))  # doctest: +SKIP
+    """
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
+    groups = []
+    if plan.sparse:
+        groups.append({"params": list(plan.sparse.values()), "param_names": list(plan.sparse),
+                       "density": float(density), "name": "sparse"})
+    if plan.dense:
+        groups.append({"params": list(plan.dense.values()), "param_names": list(plan.dense),
+                       "density": 1.0, "name": "dense"})
+    optimizer = optimizer_cls(groups, lr=lr, density=float(density), selection=selection, **optimizer_kwargs)
+    plan.apply_requires_grad(model)
+    return optimizer
+
+
+# ------------------------------------------------------------------ summary
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p, name in zip(group["params"], group.get("param_names", ())):
+            names.setdefault(id(p), name)
+    return names
+
+
+def _kind(name: str) -> str:
+    """`encoder.layer.3.attention.self.query.weight` -> `encoder.layer.*.attention.self.query.weight`."""
+    return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+
+
+def _state_tensor_bytes(state: dict[str, Any]) -> int:
+    # "score" is the dense |grad| buffer of a pending multi-step selection, not kept state.
+    return sum(v.numel() * v.element_size() for k, v in state.items() if isinstance(v, torch.Tensor) and k != "score")
+
+
+def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by: str = "kind") -> str:
+    """A markdown table of what `optimizer` trains in `model`, and how much state it keeps.
+
+    Columns: name, shape, mode (sparse / dense / frozen), trainable entries, optimizer-state
+    bytes. A sparse weight not selected yet (before the first `step()`) shows the planned
+    `ceil(density * numel)` entries, marked "pending"; its state bytes count once it exists.
+    A last line gives the totals and the trainable share of all params. Works with any torch
+    optimizer (params of groups without a `density` count as dense).
+
+    Args:
+        model: the model.
+        optimizer: its optimizer, e.g. from `SparseAdamW.for_model`.
+        by: "kind" merges params whose names differ only in layer numbers (`layer.*.`) and
+            that share shape and mode; "param" lists every param.
+
+    Returns:
+        The table (markdown, one row per kind or param, then the total).
+
+    Example:
+        >>> opt = sift.SparseAdamW.for_model(model, density=0.01)  # doctest: +SKIP
+        >>> print(sift.trainable_summary(model, opt))  # doctest: +SKIP
+        | name | shape | mode | trainable entries | optimizer state (bytes) |
+        ...
+    """
+    if by not in ("kind", "param"):
+        raise ValueError(f"by must be 'kind' or 'param', got {by!r}")
+    names = _param_names(model, optimizer)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    rows: dict[tuple[str, tuple[int, ...], str], list[int]] = {}  # (name, shape, mode) -> [count, entries, bytes, pending]
+    seen: set[int] = set()
+    total_params = total_entries = total_bytes = 0
+    # Params the optimizer holds outside the model (rare) still count.
+    params = [p for _, p in model.named_parameters()] + [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        numel = _local(p).numel()
+        total_params += numel
+        group = group_of.get(id(p))
+        state = optimizer.state.get(p, {})
+        pending = 0
+        if group is None or not p.requires_grad:
+            mode, entries = "frozen", 0
+        elif group.get("density", 1.0) >= 1.0:
+            mode, entries = "dense", numel
+        else:
+            mode = "sparse"
+            if "indices" in state:
+                entries = state["indices"].numel()
+            else:
+                entries = max(1, _entries_for(group["density"], numel)) if numel else 0
+                pending = 1
+        state_bytes = _state_tensor_bytes(state)
+        total_entries += entries
+        total_bytes += state_bytes
+        name = names.get(id(p), "?")
+        key = (_kind(name) if by == "kind" else name, tuple(p.shape), mode)
+        row = rows.setdefault(key, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += entries
+        row[2] += state_bytes
+        row[3] += pending
+    if isinstance(optimizer, SparseAdamW):
+        total_bytes = int(optimizer.state_bytes()["state_bytes"])
+    lines = ["| name | shape | mode | trainable entries | optimizer state (bytes) |", "|---|---|---|---|---|"]
+    for (name, shape, mode), (count, entries, state_bytes, pending) in rows.items():
+        label = f"{name} (x{count})" if count > 1 else name
+        entry_text = f"{entries:,}" + (" (pending)" if pending else "")
+        lines.append(f"| {label} | {list(shape)} | {mode} | {entry_text} | {state_bytes:,} |")
+    share = 100.0 * total_entries / total_params if total_params else 0.0
+    lines.append(f"| **total** ({len(seen)} params, {total_params:,} elements) | | | "
+                 f"**{total_entries:,}** ({share:.3g}% of all) | **{total_bytes:,}** |")
+    return "\n".join(lines)
+
+
+def planned_entries(optimizer: SparseAdamW) -> int:
+    """Trainable entries of `optimizer` once every sparse weight is selected.
+
+    Example:
+        >>> planned_entries(sift.SparseAdamW.for_model(model, density=0.01))  # doctest: +SKIP
+        35424
+    """
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            numel = _local(p).numel()
+            state = optimizer.state.get(p, {})
+            if group["density"] >= 1.0:
+                total += numel
+            elif "indices" in state:
+                total += state["indices"].numel()
+            elif numel:
+                total += max(1, _entries_for(group["density"], numel))
+    return total
