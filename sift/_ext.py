@@ -19,7 +19,47 @@ import torch
 log = logging.getLogger("sift")
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ok": False, "how": "", "why": ""}
+_state: dict[str, object] = {"tried": False, "ok": False, "how": "", "why": "", "compiler_errors": []}
+
+# Lines of compiler output worth showing: GCC/Clang diagnostics ("x.cpp:3:1: error: ..."),
+# #error directives, and a missing compiler or header.
+_ERROR_MARKERS = ("error:", "#error", "fatal error", "No such file", "not found", "undefined reference")
+
+
+def compiler_error_lines(text: str, limit: int = 6) -> list[str]:
+    r"""The first error lines of a failed build's output, skipping the command lines.
+
+    torch's build error repeats each compiler command (hundreds of characters of flags) before
+    the compiler's own output; a log line cut after the first line shows only the command.
+
+    Args:
+        text: the build's output (the exception text of `torch.utils.cpp_extension.load`).
+        limit: at most this many lines.
+
+    Returns:
+        The first `limit` diagnostic lines, else the last non-empty lines of `text`.
+
+    Example:
+        >>> compiler_error_lines("[1/2] c++ -O3 -c x.cpp\nFAILED: x.o\nx.cpp:1:2: error: #error boom\n")
+        ['x.cpp:1:2: error: #error boom']
+    """
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+
+    def is_command(line: str) -> bool:
+        stripped = line.lstrip()
+        return stripped.startswith(("[", "FAILED:", "ninja:", "c++ ", "g++ ", "gcc ", "clang", "/usr/")) and " -" in stripped
+
+    found = [line for line in lines if not is_command(line) and any(m in line for m in _ERROR_MARKERS)]
+    if not found:
+        found = [line for line in lines if not is_command(line)][-limit:]
+    return found[:limit]
+
+
+def compiler_present() -> bool:
+    """Whether a C++ compiler is on PATH ($CXX, else c++)."""
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def _source_dir() -> str | None:
@@ -34,10 +74,11 @@ def _source_files(src: str) -> list[str]:
     return sorted(glob.glob(os.path.join(src, "*.cpp")) + glob.glob(os.path.join(src, "*.h")))
 
 
-# The flags of both builds (setup.py reads them from here). -fno-math-errno lets sqrt
-# vectorise; -Wno-psabi silences GCC's note on 64-byte vector arguments in the generic copy
-# of the SIMD code.
-CXX_FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-fno-math-errno", "-Wno-psabi"]
+# The flags of both builds (setup.py reads them from here). No -std=: torch's build helpers
+# add the standard its headers need (C++17 up to torch 2.x, C++20 from ATen 2.14), and a
+# later -std= of ours would override it. -fno-math-errno lets sqrt vectorise; -Wno-psabi
+# silences GCC's note on 64-byte vector arguments in the generic copy of the SIMD code.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 LD_FLAGS = ["-fopenmp"]
 
 
@@ -143,8 +184,11 @@ def load_extension() -> bool:
             _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
             _register_fake_kernels()
         except Exception as exc:  # compiler missing, headers missing, ...
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {first_line}"
+            errors = compiler_error_lines(str(exc)) or [type(exc).__name__]
+            _state["compiler_errors"] = errors
+            _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {errors[0]}"
+            log.warning("sift: the C++ extension failed to build; kernels fall back to plain torch. "
+                        "Compiler errors:\n  %s", "\n  ".join(errors))
         return bool(_state["ok"])
 
 

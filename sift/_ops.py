@@ -437,7 +437,11 @@ def _gram_eigvalsh(x3: torch.Tensor) -> torch.Tensor:
     # [B, S, D] -> [B, min(S, D)] descending, fp64.
     xd = x3.to(torch.float64)
     gram = xd.mT @ xd if x3.shape[-2] >= x3.shape[-1] else xd @ xd.mT
-    return torch.linalg.eigvalsh(gram).clamp_min_(0).sqrt_().flip(-1)
+    # LAPACK raises on NaN/inf; give those matrices NaN values instead (as the other backends
+    # do), without a host sync, and leave the refusal to the caller's one check.
+    bad = ~torch.isfinite(gram).all(-1).all(-1)
+    sigma = torch.linalg.eigvalsh(torch.where(bad[:, None, None], 0.0, gram)).clamp_min_(0).sqrt_().flip(-1)
+    return sigma.masked_fill_(bad[:, None], float("nan"))
 
 
 @register("singular_values", "torch")

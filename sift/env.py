@@ -80,6 +80,8 @@ def report() -> str:
         lines.append(f"{key:>14}: {value}")
     ext = extension_status()
     lines.append(f"{'C++ extension':>14}: " + (f"loaded ({ext['how']})" if ext["ok"] else f"off: {ext['why']}"))
+    for err in ext.get("compiler_errors") or []:
+        lines.append(f"{'':>14}  {err}")
     if ext["ok"]:
         lines.append(f"{'C++ SIMD':>14}: {cpp_simd()}")
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
@@ -109,6 +111,52 @@ def report() -> str:
                 why = _ops.backend_unavailable_reason(backend, dev)
                 others.append(f"{backend}: {'available' if why is None else 'off (' + why + ')'}")
             lines.append(f"| {name} | {dev.type} | {active} | {'; '.join(others) or '-'} |")
+    return "\n".join(lines)
+
+
+def active_backends(device: torch.device | str = "cpu") -> dict[str, str]:
+    """The backend each op runs on `device` now, e.g. {"sparse_adamw_": "cpp", ...}."""
+    out = {}
+    for name in sorted(_ops.ops()):
+        try:
+            out[name] = _ops.resolve(name, torch.device(device))[0]
+        except Exception as exc:
+            out[name] = f"error: {exc}"
+    return out
+
+
+def fallback_asked() -> bool:
+    """Whether the user asked for the plain-torch kernels (SIFT_SKIP_EXT=1 or SIFT_BACKEND=torch)."""
+    return os.environ.get("SIFT_SKIP_EXT", "0") == "1" or os.environ.get("SIFT_BACKEND", "").strip().lower() == "torch"
+
+
+def missing_kernels() -> str | None:
+    """Why the compiled kernels are missing although nobody asked for the fallback, else None.
+
+    A machine with a C++ compiler must get the C++ extension: its absence there is a broken
+    build, not a platform limit.
+    """
+    from sift._ext import compiler_present
+
+    ext = extension_status()
+    if ext["ok"] or fallback_asked() or not compiler_present():
+        return None
+    errors = ext.get("compiler_errors") or [str(ext["why"])]
+    return "the C++ extension failed to build, so every CPU op runs the plain-torch fallback:\n  " + "\n  ".join(errors)
+
+
+def backend_banner(device: torch.device | str | None = None) -> str:
+    """One block naming the active backend of every op (what a benchmark table measured)."""
+    devices = [torch.device(device)] if device is not None else (
+        [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else []))
+    lines = []
+    for dev in devices:
+        pairs = ", ".join(f"{name} {backend}" for name, backend in active_backends(dev).items())
+        lines.append(f"backends ({dev.type}): {pairs}")
+    ext = extension_status()
+    if not ext["ok"]:
+        lines.append(f"C++ extension off: {ext['why']}")
+        lines.extend(f"  {err}" for err in ext.get("compiler_errors") or [])
     return "\n".join(lines)
 
 

@@ -1,4 +1,6 @@
 import os
+import platform
+import shutil
 
 import pytest
 import torch
@@ -16,6 +18,11 @@ TOLERANCES = {
 }
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_cpp: needs the C++ extension (fails, not skips, when it should build)")
+    config.addinivalue_line("markers", "requires_triton: needs Triton (fails, not skips, on Linux where it is a dependency)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -23,6 +30,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def triton_expected() -> bool:
+    """Triton is a dependency on Linux: there a missing Triton is a broken install, not a reason to skip."""
+    return platform.system() == "Linux"
 
 
 def triton_available() -> bool:
@@ -34,10 +46,33 @@ def triton_available() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cpp_expected() -> bool:
+    """The C++ extension must load unless it was switched off or there is no compiler to build it."""
+    if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
+        return False
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def cpp_available() -> bool:
     from sift._ext import load_extension
 
     return load_extension()
 
 
-requires_triton = pytest.mark.skipif(not triton_available(), reason="triton interpreter unavailable")
+def pytest_runtest_setup(item):
+    # A test of a kernel that failed to build must fail: a skip would let a broken build pass CI.
+    if item.get_closest_marker("requires_cpp") is not None and not cpp_available():
+        from sift._ext import extension_status
+
+        why = extension_status()["why"]
+        if cpp_expected():
+            pytest.fail(f"the C++ extension did not load although a compiler is present: {why}", pytrace=False)
+        pytest.skip(f"C++ extension unavailable: {why}")
+    if item.get_closest_marker("requires_triton") is not None and not triton_available():
+        if triton_expected() and os.environ.get("TRITON_INTERPRET") == "1":
+            pytest.fail("triton is a dependency on Linux but is not importable", pytrace=False)
+        pytest.skip("triton interpreter unavailable")
+
+
+requires_cpp = pytest.mark.requires_cpp
+requires_triton = pytest.mark.requires_triton

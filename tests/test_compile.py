@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cpp_available
+from conftest import cpp_available, requires_cpp
 
-pytestmark = pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+pytestmark = requires_cpp
 
 
 def _compile(fn):

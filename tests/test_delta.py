@@ -13,9 +13,8 @@ import torch
 
 from sift import SparseAdamW, SparseDelta, _ops, merge_deltas
 from sift.delta import BaseFingerprint, DeltaEntry, DeltaError
-from conftest import cpp_available, requires_triton
+from conftest import cpp_available, requires_cpp, requires_triton
 
-requires_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="fp16")]

@@ -20,7 +20,7 @@ import sift
 from sift import _ops, heads
 from sift.bench.heads import SENTENCES
 from sift.heads import HeadScores
-from conftest import cpp_available, triton_available
+from conftest import cpp_available, requires_cpp, requires_triton, triton_available
 
 transformers.logging.set_verbosity_error()
 
@@ -96,7 +96,6 @@ SV_SHAPES = [
 ]
 SV_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
              pytest.param(torch.float16, id="fp16"), pytest.param(torch.float64, id="fp64")]
-requires_cpp = pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
 CPU_SV_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("cpp", id="cpp", marks=requires_cpp)]
 
 
@@ -194,7 +193,7 @@ TRITON_CASES = [
 ]
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.parametrize("shape,dtype", TRITON_CASES)
 def test_singular_values_triton_matches_fp64_svdvals(shape, dtype):
     x = _spectrum_matrices(shape, seed=7).to(TRITON_DEVICE, dtype)
@@ -203,7 +202,7 @@ def test_singular_values_triton_matches_fp64_svdvals(shape, dtype):
     _assert_singular_values_close(got, x)
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 def test_singular_values_triton_strided_and_rank_deficient():
     """Non-contiguous input, an all-zero matrix, and zero padding rows (rank < min(S, D))."""
     base = torch.randn(2, 6, 12, dtype=torch.float32).mT  # [2, 12, 6], strided
@@ -215,7 +214,7 @@ def test_singular_values_triton_strided_and_rank_deficient():
     assert (got[2] == 0).all()
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.parametrize("shape", [(3, 0, 5), (2, 4, 0), (0, 0)], ids=["3x0x5", "2x4x0", "0x0"])
 def test_singular_values_triton_empty_matrices(shape):
     """The Triton launcher's reshape(-1, S, D) raised for an empty matrix (S or D = 0)."""
@@ -236,7 +235,7 @@ def test_singular_values_torch_and_cpp_empty_matrices(backend, shape):
     assert got.shape == torch.linalg.svdvals(torch.zeros(shape)).shape
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.parametrize("scale", [1e-100, 1e100], ids=["1e-100", "1e+100"])
 @pytest.mark.parametrize("by_dot", [True, False], ids=["dot", "fma"])
 def test_singular_values_triton_fp64_far_from_one(scale, by_dot):
@@ -249,7 +248,7 @@ def test_singular_values_triton_fp64_far_from_one(scale, by_dot):
     torch.testing.assert_close(got / scale, ref / scale, rtol=1e-9, atol=1e-9 * (ref / scale).max().item())
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the interpreter's numpy reduction on NaN input
 def test_singular_values_triton_nan_input_is_nan():
     """A NaN input came out as singular values 0 (tl.maximum(NaN, 0) = 0): a silent 'no signal'."""
@@ -291,7 +290,7 @@ def _run_past_int32(device):
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 def test_singular_values_triton_offsets_past_int32():
     """int32 offs_r * stride_x_reduce wrapped for a strided matrix spanning > 2**31 elements (segfault)."""
     _run_past_int32("cpu")  # a subprocess: the unfixed kernel reads a wild address and kills the process
@@ -832,7 +831,7 @@ def test_hifi_finetune_updates_only_chosen_heads(minilm):
     assert not any(f"encoder.layer.{i}." in n for n in indices for i in range(3))
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 def test_singular_values_triton_fma_gram_fallback_matches():
     """The rank-1 FMA Gram (used when fp64 tl.dot does not compile) gives the same values."""
     from sift.triton_kernels.singular_values import singular_values as triton_singular_values

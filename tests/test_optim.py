@@ -13,12 +13,12 @@ import torch
 
 import sift
 from sift import SparseAdamW, _ops
-from conftest import TOLERANCES, cpp_available, triton_available
+from conftest import TOLERANCES, cpp_available, requires_cpp, requires_triton, triton_available
 
 BACKENDS = [
     pytest.param("torch", id="torch"),
-    pytest.param("cpp", id="cpp", marks=pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not triton_available(), reason="triton unavailable")),
+    pytest.param("cpp", id="cpp", marks=requires_cpp),
+    pytest.param("triton", id="triton", marks=requires_triton),
 ]
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
           pytest.param(torch.float16, id="fp16")]
@@ -535,7 +535,7 @@ def _step_every_isa_and_compare(inputs, isa, steps, lr, maximize, compact):
                 f"{name}[{i}] differs between {isa} and the scalar loop"
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 @pytest.mark.parametrize("isa", _SIMD_ISAS)
 @pytest.mark.parametrize("dtype, keep_base", [(torch.float32, False), (torch.float32, True),
                                               (torch.bfloat16, True), (torch.float16, True)],
@@ -558,7 +558,7 @@ def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, dtype, keep_base, comp
     assert all(not torch.equal(p, b) for p, b in zip(inputs[0], before)), "the steps must move every param"
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 @pytest.mark.parametrize("isa", _SIMD_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpp_simd_rounding_of_low_precision_weights_matches_scalar_loop(isa, dtype):
@@ -588,7 +588,7 @@ def test_cpp_simd_rounding_of_low_precision_weights_matches_scalar_loop(isa, dty
     assert torch.equal(got[~got.isnan()], want[~want.isnan()]), "lr=0 must write round(base + delta)"
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 def test_cpp_step_rejects_unknown_isa_before_writing():
     inputs = _kernel_inputs([(64,)], torch.float32, 0.5, False, seed=2)
     before = copy.deepcopy(inputs)
@@ -638,7 +638,7 @@ def test_low_precision_kernel_error_within_twice_torch_rounding():
     assert kernel_err <= 2 * torch_err
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.parametrize("beta2", [0.999, 0.9999, 0.99999], ids=["b2=0.999", "b2=0.9999", "b2=0.99999"])
 def test_triton_bias_correction_exact_for_beta_near_one(beta2):
     """The Triton step formed 1 - beta^t in fp32: at t=1, beta2=0.99999 its update was off by ~0.1%."""
@@ -675,7 +675,7 @@ def _adamw_bad_input(kind, inputs):
     return inputs
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 @pytest.mark.parametrize("kind, dtype, match", [
     pytest.param("strided-indices", torch.float32, r"indices\[1\] must be a contiguous", id="strided-indices"),
     pytest.param("short-exp-avg", torch.float32, r"exp_avgs\[1\] must be .* one entry per index", id="short-exp-avg"),
@@ -1279,7 +1279,7 @@ def _raw_cpp_step(params, indices, steps=None):
                                  steps or [torch.ones(()) for _ in params], 1e-2, 0.9, 0.999, 1e-8, 0.01, False, False)
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 @pytest.mark.parametrize("bad, match", [pytest.param([3, 10], "10 at position 1, outside", id="past-end"),
                                         pytest.param([-1, 3], "-1 at position 0, outside", id="negative"),
                                         pytest.param([3, 3], "3 at position 1, not above 3", id="repeated"),
@@ -1293,14 +1293,14 @@ def test_cpp_step_rejects_bad_indices_before_writing(bad, match):
     assert torch.equal(buf[5:], torch.zeros(20))  # the chunk holding the bad index is not stepped
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 def test_cpp_step_names_a_step_tensor_without_one_value():
     """The raw C++ sparse_adamw_ failed on a multi-element step with an error not naming `steps`."""
     with pytest.raises(RuntimeError, match=r"steps must hold one value per param, got 2 in steps\[0\]"):
         _raw_cpp_step([torch.zeros(4)], [torch.tensor([1])], steps=[torch.ones(2)])
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton unavailable")
+@requires_triton
 def test_triton_bf16_weights_are_round_to_nearest_of_base_plus_delta():
     """Under the interpreter the Triton step truncated bf16 weights instead of rounding base + delta to nearest."""
     inputs = _kernel_inputs([(4099,), (37, 29)], torch.bfloat16, 0.5, False, seed=5)
@@ -1483,7 +1483,7 @@ print("guard page ok")
 """
 
 
-@pytest.mark.skipif(not cpp_available(), reason="C++ extension unavailable")
+@requires_cpp
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mmap/mprotect guard page: Linux only")
 @pytest.mark.skipif(not _cpp_isas()[1:], reason="this CPU has no SIMD form")
 def test_cpp_simd_16bit_gather_never_reads_past_the_gradient():

@@ -34,8 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         if name not in SUITES:
             parser.error(f"unknown suite {name!r}; choose from {sorted(SUITES)} or 'all'")
+    from sift.env import backend_banner, missing_kernels
+
     failed = []
     for name in names:
+        # Every table is headed by what it measured: a fallback run must not pass for the kernels.
+        print(backend_banner())
+        print()
         module = importlib.import_module(SUITES[name])
         try:
             print(module.run(quick=args.quick))
@@ -43,8 +48,14 @@ def main(argv: list[str] | None = None) -> None:
             failed.append(name)
             print(f"### {name}\n\nfailed: {type(exc).__name__}: {exc}\n")
         print()
-    if failed:
-        raise SystemExit(f"benchmark suites failed: {', '.join(failed)}")
+    problem = missing_kernels()
+    if problem is not None:
+        print(f"sift.bench: {problem}")
+    if failed or problem is not None:
+        reasons = ([f"benchmark suites failed: {', '.join(failed)}"] if failed else []) + (
+            ["the compiled kernels are missing (set SIFT_SKIP_EXT=1 or SIFT_BACKEND=torch to measure the "
+             "plain-torch fallback on purpose)"] if problem is not None else [])
+        raise SystemExit("; ".join(reasons))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _META_KEYS = ("n_samples", "xi", "damping", "eps", "personalized", "model_type")
 
 
-def singular_values(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+def singular_values(x: torch.Tensor, *, backend: str | None = None, check_finite: bool = True) -> torch.Tensor:
     """Batched singular values, descending.
 
     Every fast path squares the matrix in fp64 and solves the Gram's eigenvalues. CUDA runs a
@@ -33,12 +33,16 @@ def singular_values(x: torch.Tensor, *, backend: str | None = None) -> torch.Ten
         x: [..., S, D] floating tensor (fp16, bf16, fp32, fp64).
         backend: force "torch" (Gram + eigvalsh), "cpp" or "triton"; None picks the fastest
             available (`SIFT_BACKEND` also forces one).
+        check_finite: refuse NaN/inf input (one host sync). With False, a matrix holding
+            NaN/inf gets NaN singular values on every backend, for callers that check once
+            after many calls.
 
     Returns:
         [..., min(S, D)] singular values, descending; fp64 for fp64 input, else fp32.
 
     Raises:
-        ValueError: fewer than 2 dims. TypeError: not a floating tensor.
+        ValueError: fewer than 2 dims, or NaN/inf in `x` (with `check_finite`). TypeError:
+            not a floating tensor.
 
     Example:
         >>> x = torch.randn(8, 12, 128, 64)  # [batch, heads, S, D']
@@ -55,6 +59,8 @@ def singular_values(x: torch.Tensor, *, backend: str | None = None) -> torch.Ten
     if x.numel() == 0:
         out_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         return torch.zeros(*batch, k, dtype=out_dtype, device=x.device)
+    if check_finite and not bool(torch.isfinite(x).all()):
+        raise ValueError("x holds NaN or inf values: singular values of a non-finite matrix are undefined")
     return _ops.call("singular_values", x, backend=backend)
 
 
@@ -459,7 +465,7 @@ def score_heads(
         mask = current_mask[0].to(heads.device, non_blocking=True)
         # Zero padding rows: zero rows add only zero singular values, which Eq. 2 ignores.
         per_head = torch.where(mask[:, :, None, None], heads, 0.0).permute(0, 2, 1, 3)
-        sigma = singular_values(per_head, backend=backend)
+        sigma = singular_values(per_head, backend=backend, check_finite=False)  # checked once at the end
         info_sum[layer] += information_richness(sigma, xi).sum(0).to(device, torch.float64)
         corr_sum[layer] += head_correlation(heads, mask).sum(0).to(device)
 
