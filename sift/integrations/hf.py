@@ -14,6 +14,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
 
 from sift.optim import SparseAdamW, clip_grad_norm_
+from sift.targets import plan_targets
 
 
 class SparseTrainer(Trainer):
@@ -38,25 +39,47 @@ class SparseTrainer(Trainer):
             to train instead of a top-|grad| choice, e.g. HiFi's
             `sift.heads.trainable_indices(model, sift.heads.select_heads(...))`. The other
             params follow `density` and `dense_1d` as usual; to train only these entries,
-            freeze the rest (`requires_grad_(False)`) first.
+            freeze the rest (`requires_grad_(False)`) first. With `target_modules`, they must
+            name target weights.
+        target_modules: train the model as `SparseAdamW.for_model` does: these modules'
+            weights sparsely at `density`, `dense_modules` densely, everything else frozen
+            (set when the optimizer is built). Give either to take this path; `None` for
+            both keeps the per-dimension rule above. Weight decay then applies to every
+            trained param (`TrainingArguments.weight_decay`, default 0).
+        dense_modules: see `target_modules` (default there: the task head).
+        selection: `SparseAdamW(selection=...)`, e.g. "magnitude" or "random".
         **kwargs: passed to `transformers.Trainer`.
 
     Raises:
-        ValueError: density outside (0, 1], compact_grads with several processes or fp16, or
-            `indices` naming a param the model does not have (or a frozen one).
+        ValueError: density outside (0, 1], compact_grads with several processes or fp16,
+            `indices` naming a param the model does not have (or a frozen one, or with
+            `target_modules` one that is not a target weight), or `target_modules` /
+            `dense_modules` that do not fit the model (see `sift.targets.plan_targets`).
 
     Example:
         >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
         ...                         density=0.01)
         >>> trainer.train()
+        >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
+        ...                         density=0.01, target_modules=["query", "key", "value"])
     """
 
     def __init__(self, *args: Any, density: float = 0.01, compact_grads: bool = False, select_steps: int = 1,
-                 dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+                 dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None,
+                 target_modules: str | list[str] | None = None, dense_modules: str | list[str] | None = None,
+                 selection: str = "magnitude", **kwargs: Any) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         model = kwargs.get("model", args[0] if args else None)
-        if indices is not None and model is not None:
+        by_targets = target_modules is not None or dense_modules is not None
+        if by_targets and model is not None:
+            # Planned now so that a bad pattern fails before Trainer.__init__ touches the model;
+            # the freezing itself waits for create_optimizer (before any DDP wrapping).
+            plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
+            not_sparse = sorted(set(indices or {}) - set(plan.sparse))
+            if not_sparse:
+                raise ValueError(f"indices names params that are not target weights: {not_sparse}")
+        elif indices is not None and model is not None:
             # Checked before Trainer.__init__, like the other misuse, so the model is untouched.
             named = dict(model.named_parameters())
             unknown = sorted(n for n in indices if n not in named)
@@ -82,12 +105,16 @@ class SparseTrainer(Trainer):
         self.sift_select_steps = select_steps
         self.sift_dense_1d = dense_1d
         self.sift_indices = dict(indices) if indices is not None else {}
+        self.sift_targets = (target_modules, dense_modules) if by_targets else None
+        self.sift_selection = selection
         super().__init__(*args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
+        if self.sift_targets is not None:
+            return self._create_optimizer_for_targets(opt_model)
         decay = set(self.get_decay_parameter_names(opt_model))
         groups: dict[tuple[float, float], list[torch.Tensor]] = {}
         given: dict[torch.Tensor, torch.Tensor] = {}
@@ -107,10 +134,31 @@ class SparseTrainer(Trainer):
             betas=(self.args.adam_beta1, self.args.adam_beta2),
             eps=self.args.adam_epsilon,
             select_steps=self.sift_select_steps,
+            selection=self.sift_selection,
             compact_grads=self.sift_compact_grads,
         )
         for p, idx in given.items():
             self.optimizer.set_indices(p, idx)
+        return self.optimizer
+
+    def _create_optimizer_for_targets(self, opt_model: torch.nn.Module) -> torch.optim.Optimizer:
+        target_modules, dense_modules = self.sift_targets
+        self.optimizer = SparseAdamW.for_model(
+            opt_model,
+            density=self.sift_density,
+            lr=self.args.learning_rate,
+            target_modules=target_modules,
+            dense_modules=dense_modules,
+            selection=self.sift_selection,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            weight_decay=self.args.weight_decay,
+            select_steps=self.sift_select_steps,
+            compact_grads=self.sift_compact_grads,
+        )
+        params = dict(opt_model.named_parameters())
+        for name, idx in self.sift_indices.items():
+            self.optimizer.set_indices(params[name], idx)
         return self.optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
