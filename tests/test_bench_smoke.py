@@ -41,7 +41,7 @@ def test_adamw_quick(tmp_path, monkeypatch):
     rows = _table(markdown, adamw.COLUMNS)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = ("float32", "bfloat16") if device.type == "cuda" else ("float32",)
-    backends = adamw._sparse_backends(device)
+    backends = adamw.sparse_backends(device)
     assert backends, "no sparse backend to time"
     expected = {(f"AdamW({f})", "torch", dt, "100%") for f in ("foreach", "fused") for dt in dtypes}
     expected |= {("SparseAdamW", b, dt, f"{100 * d:g}%") for b in backends for dt in dtypes for d in adamw.DENSITIES}
@@ -59,7 +59,7 @@ def test_adamw_quick(tmp_path, monkeypatch):
     for r in rows:
         assert float(r["median ms"]) > 0
         if r["optimizer"] == "SparseAdamW":
-            # 16 B per entry for fp32, 18 for bf16, 20 (issue 2's budget) for fp32 with
+            # 16 B per entry for fp32, 18 for bf16, 20 (the budget) for fp32 with
             # keep_base; plus each tensor's 4-byte step counter (0.04 B an entry at the quick
             # sizes' 99 entries per tensor on CPU).
             per_entry = 4 + 8 + 4 + (4 if "keep_base" in r["backend"] else 2 if r["dtype"] != "float32" else 0)
@@ -129,3 +129,56 @@ def test_gpu_sector_ceiling_script_runs_through_the_interpreter():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "%" in line.split("|")[1]]
     assert len(rows) == 3 * 6  # 3 densities x (5 patterns + the real kernel)
+
+
+def test_bench_dir_collects_every_microbenchmark():
+    """`pytest bench/` (pytest-benchmark) collects the step, delta and singular-value cases."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, "-m", "pytest", "bench/", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    for name in ("test_bench_adamw.py::test_fused_adamw", "test_bench_adamw.py::test_sparse_adamw[fp32-1%-cpp]",
+                 "test_bench_delta.py::test_merge[cpp-sum]", "test_bench_delta.py::test_apply[cpp]",
+                 "test_bench_heads.py::test_singular_values"):
+        assert any(name in i for i in ids), name
+
+
+def test_plain_pytest_collects_tests_only():
+    """Plain `pytest` must not run the benchmarks: testpaths names tests/ alone."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        config = tomllib.load(f)
+    assert config["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+
+
+def test_cuda_event_timer_reports_seconds_between_events(monkeypatch):
+    """pytest-benchmark subtracts two timer readings: the CUDA-event timer must give seconds."""
+    from sift.bench import _harness
+
+    class FakeEvent:
+        clock_ms = 0.0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.at_ms, self.synced = None, False
+
+        def record(self):
+            self.at_ms = FakeEvent.clock_ms
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, end):
+            assert end.synced, "read before the later event completed"
+            return end.at_ms - self.at_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    start = _harness.cuda_event_timer()
+    FakeEvent.clock_ms = 2.5
+    end = _harness.cuda_event_timer()
+    assert end - start == pytest.approx(2.5e-3)

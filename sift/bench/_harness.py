@@ -54,6 +54,43 @@ def time_gpu(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 10
     return {"median_ms": float(med), "p20_ms": float(p20), "p80_ms": float(p80)}
 
 
+class CudaStamp:
+    """A CUDA event recorded on the current stream when the stamp is made.
+
+    `later - earlier` waits for `later`'s event and returns the device time between the two
+    stamps in seconds, which is what pytest-benchmark's runner computes from its timer.
+    """
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def __sub__(self, earlier: CudaStamp) -> float:
+        self.event.synchronize()
+        return earlier.event.elapsed_time(self.event) / 1e3  # elapsed_time is in milliseconds
+
+
+def cuda_event_timer() -> CudaStamp:
+    """A pytest-benchmark timer that reads CUDA events instead of the host clock.
+
+    The runner calls the timer before and after the work and subtracts: with this timer the
+    difference is the GPU time of the work queued in between (`bench/conftest.py` gives it to
+    the benchmarks that run on CUDA, in pedantic rounds with the queue drained before each).
+
+    Example:
+        >>> @pytest.mark.benchmark(timer=cuda_event_timer)  # doctest: +SKIP
+        ... def test_step(benchmark): ...
+    """
+    return CudaStamp()
+
+
+def bench_device() -> torch.device:
+    """The device the suites measure: CUDA when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def time_fn(fn: Callable[[], object], device: torch.device | str, **kwargs) -> dict[str, float]:
     """`time_gpu` for CUDA devices, `time_cpu` otherwise."""
     if torch.device(device).type == "cuda":

@@ -22,7 +22,10 @@ the second time with keep_base=True (rows "..., keep_base"). Dense AdamW reads p
 exp_avg, exp_avg_sq: 7 elements per entry, states in the param dtype.
 
 Working set: 8 matrices of 4096x4096 fp32 on CPU (512 MB of params, past the last-level
-cache), 8 of 8192x16384 (1.07B elements) on CUDA as the issue asks.
+cache), 8 of 8192x16384 (1.07B elements) on CUDA.
+
+The workload builders (`workload_shapes`, `make_params`, `dense_adamw`, `sparse_adamw`) are
+shared with the pytest-benchmark cases in `bench/test_bench_adamw.py`.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ import torch
 
 from sift import _ops
 from sift.bench._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
-from sift.bench._harness import markdown_table, save_results, summary, time_cpu, time_gpu
+from sift.bench._harness import bench_device, markdown_table, save_results, summary, time_cpu, time_gpu
 from sift.optim import SparseAdamW
 
 DENSITIES = (0.001, 0.01, 0.05)
-# Issue 2's targets: speed-up over torch.optim.AdamW(fused=True) per density. Printed, not asserted.
+# Targets: speed-up over torch.optim.AdamW(fused=True) per density. Printed, not asserted.
 TARGET_SPEEDUP = {"cpu": {0.001: 40.0, 0.01: 6.0, 0.05: 2.0}, "cuda": {0.001: 100.0, 0.01: 20.0, 0.05: 5.0}}
 H200_PEAK_GBPS = 4800.0
 TARGET_PEAK_FRACTION = 0.70
@@ -67,6 +70,23 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def workload_shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
+    """The weight shapes of the suite: 8 x 4096x4096 on CPU, 8 x 8192x16384 on CUDA, 4 x 256x384 when `quick`.
+
+    Example:
+        >>> workload_shapes(torch.device("cpu"), quick=True)
+        [(256, 384), (256, 384), (256, 384), (256, 384)]
+    """
+    if quick:
+        return [(256, 384)] * 4
+    return [(8192, 16384)] * 8 if device.type == "cuda" else [(4096, 4096)] * 8
+
+
+def default_dtypes(device: torch.device) -> tuple[str, ...]:
+    """Weight dtypes the suite runs by default: fp32 on CPU, fp32 and bf16 on CUDA."""
+    return ("float32", "bfloat16") if device.type == "cuda" else ("float32",)
 
 
 def make_params(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device,
@@ -133,6 +153,46 @@ def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, tra
                                                                                          transaction_bytes)
 
 
+def dense_adamw(params: Sequence[torch.nn.Parameter], flavour: str) -> torch.optim.AdamW:
+    """torch's AdamW (`flavour` "fused" or "foreach") past its first step, ready to time `step()`.
+
+    Example:
+        >>> opt = dense_adamw(make_params([(4, 8)], torch.float32, torch.device("cpu")), "foreach")
+        >>> len(opt.state)
+        1
+    """
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **{flavour: True})
+    opt.step()  # allocates the state outside timing
+    _sync(params[0].device)
+    return opt
+
+
+def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: str, keep_base: bool = False,
+                 indices: Sequence[torch.Tensor] | None = None) -> SparseAdamW:
+    """SparseAdamW past its first step (selection and state allocation), ready to time `step()`.
+
+    Args:
+        params: weights with a fixed `.grad` (`make_params`).
+        density: fraction of each weight's entries to train.
+        backend: the kernel backend ("cpp", "triton", "torch").
+        keep_base: fp32 weights keep a base (the step writes base + delta, never reads them).
+        indices: per param, [k] sorted flat positions to use instead of selecting, so that
+            several optimizers step the same entries; None selects the top |grad|.
+
+    Example:
+        >>> ps = make_params([(4, 8)], torch.float32, torch.device("cpu"))
+        >>> sparse_adamw(ps, 0.25, "torch").state[ps[0]]["indices"].numel()
+        8
+    """
+    opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend, keep_base=keep_base)
+    if indices is not None:
+        for p, idx in zip(params, indices):
+            opt.set_indices(p, idx)
+    opt.step()  # with indices=None: selection (top-|grad| of the fixed gradient) + first update
+    _sync(params[0].device)
+    return opt
+
+
 def dense_step_bytes(params: Sequence[torch.Tensor]) -> int:
     """Bytes one dense AdamW step must move: read p, g, m, v; write p, m, v."""
     return sum(7 * p.numel() * p.element_size() for p in params)
@@ -180,7 +240,7 @@ def _timer(device: torch.device, repeat: int = 10, warmup: int = 3) -> Callable[
     return lambda fn: time_cpu(fn, warmup=warmup, repeat=repeat)
 
 
-def _graphed(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
+def graphed(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """Capture `step` in a CUDA graph (after side-stream warm-up) and return its replay."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -194,7 +254,8 @@ def _graphed(step: Callable[[], object], device: torch.device) -> Callable[[], o
     return graph.replay
 
 
-def _sparse_backends(device: torch.device) -> list[str]:
+def sparse_backends(device: torch.device) -> list[str]:
+    """The sparse_adamw_ backends that run on `device`, fastest first (the suite's order)."""
     order = ("triton", "cpp", "torch") if device.type == "cuda" else ("cpp", "torch")
     return [b for b in order if b in _ops.ops()["sparse_adamw_"].impls
             and _ops.backend_unavailable_reason(b, device) is None]
@@ -241,9 +302,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
     fused_opt = None
     fused_slots: list[list[float]] = []
     for flavour in ("foreach", "fused"):
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, **{flavour: True})
-        opt.step()  # allocates the state outside timing
-        _sync(device)
+        opt = dense_adamw(params, flavour)
         timing = _timer(device, repeat=repeat_dense, warmup=2)(opt.step)
         state = {"state_bytes": 8.0 * elements, "bytes_per_entry": 8.0}  # fp32 exp_avg + exp_avg_sq
         if dtype != torch.float32:
@@ -268,27 +327,20 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             fused_slots.append(_timer(device, repeat=3, warmup=1)(fused_opt.step)["samples_ms"])
         selected: list[torch.Tensor] | None = None
         # fp32 also with keep_base=True (base + delta, no weight read), on the fast backend only.
-        runs = [(b, False) for b in _sparse_backends(device)]
+        runs = [(b, False) for b in sparse_backends(device)]
         if dtype == torch.float32:
             runs.insert(1, (runs[0][0], True))
         for backend, keep_base in runs:
-            opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend,
-                              keep_base=keep_base)
+            opt = sparse_adamw(params, density, backend, keep_base, indices=selected)  # the same entries for all
             if selected is None:
-                opt.step()  # selection (top-|grad| of the fixed gradient) + first update
                 selected = [opt.state[p]["indices"] for p in params]
-            else:
-                for p, idx in zip(params, selected):
-                    opt.set_indices(p, idx)  # the same entries for every backend
-                opt.step()
-            _sync(device)
             model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], keep_base)
             label = f"{backend}, keep_base" if keep_base else backend
             # (name, step, L2 fetch bound or None for the driver's default)
             variants: list[tuple[str, Callable[[], object], int | None]] = [(label, opt.step, None)]
             if graphs and backend == "triton":
                 try:
-                    variants.append((label.replace("triton", "triton+graph"), _graphed(opt.step, device), None))
+                    variants.append((label.replace("triton", "triton+graph"), graphed(opt.step, device), None))
                 except Exception as exc:  # the benchmark reports a failed capture instead of dying
                     rows.append({"optimizer": "SparseAdamW", "backend": f"triton+graph: {type(exc).__name__}",
                                  "dtype": dtype_name, "density": f"{100 * density:g}%"})
@@ -336,19 +388,17 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
     Example:
         >>> print(run(quick=True))  # doctest: +SKIP
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = bench_device()
     kind = device.type
+    shapes = workload_shapes(device, quick)
     if quick:
-        shapes = [(256, 384)] * 4
         repeat_dense, repeat_sparse = 3, 5
     elif kind == "cuda":
-        shapes = [(8192, 16384)] * 8
         repeat_dense = repeat_sparse = 0  # do_bench picks its own count
     else:
-        shapes = [(4096, 4096)] * 8
         repeat_dense, repeat_sparse = 7, 20
     if dtypes is None:
-        dtypes = ("float32", "bfloat16") if kind == "cuda" else ("float32",)
+        dtypes = default_dtypes(device)
     elements = sum(r * c for r, c in shapes)
     if kind == "cuda":
         peak_gbps, peak_what = H200_PEAK_GBPS, "H200 HBM3e spec 4.8 TB/s"
@@ -367,7 +417,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
     targets = ", ".join(f"{100 * d:g}%: >= {x:g}x" for d, x in TARGET_SPEEDUP[kind].items())
     notes = [
         "",
-        f"Targets vs AdamW(fused) on {kind} (issue 2, printed not asserted): {targets}"
+        f"Targets vs AdamW(fused) on {kind} (printed, not asserted): {targets}"
         + (f"; >= {100 * TARGET_PEAK_FRACTION:.0f}% of {H200_PEAK_GBPS / 1000:g} TB/s" if kind == "cuda" else "")
         + ".",
         f"Byte model: per entry idx 4 B + m, v, delta read and written 24 B (+ base for bf16/fp16, and for fp32 "

@@ -20,6 +20,9 @@ sorted indices touch read and written (128 B), plus 4 B per entry for the saved 
 
 Memory: 640 MB of input deltas, ~3 GB at the peak of the torch merge, then the 4 GB weight: under
 8 GB in all (the 24 GB machine also runs other work). `quick=True` shrinks everything 100x.
+
+The workload builders (`workload_sizes`, `merge_workload`, `merge_routes`, `apply_workload`,
+`apply_routes`) are shared with the pytest-benchmark cases in `bench/test_bench_delta.py`.
 """
 
 from __future__ import annotations
@@ -36,13 +39,27 @@ from sift import _ops
 from sift.bench._harness import markdown_table, save_results, summary, time_cpu
 from sift.delta import DeltaEntry, SparseDelta
 
-# Issue 3's targets on the 2-core CPU: speed-up over the plain-torch baselines. Printed, not asserted.
+# Targets on the 2-core CPU: speed-up over the plain-torch baselines. Printed, not asserted.
 TARGET_SPEEDUP = {"merge": 5.0, "apply": 3.0}
 
 COLUMNS = ("op", "implementation", "entries in", "entries out", "median ms", "p20 ms", "p80 ms", "x vs torch",
            "target x", "GB/s")
 FILE_COLUMNS = ("artifact", "entries", "file MB", "bytes / entry", "dense fp32 checkpoint MB", "x smaller",
                 "save ms", "load ms")
+
+
+# The two plain-torch merge pipelines; the faster one is the baseline.
+TORCH_MERGES = ("torch cat+sort+unique_consecutive+index_add_", "torch cat+unique+index_add_")
+
+
+def workload_sizes(quick: bool) -> tuple[int, int, int]:
+    """`(k, n, space)`: k deltas of n entries each in an index space of `space` elements.
+
+    Example:
+        >>> workload_sizes(quick=True)
+        (8, 100000, 10000000)
+    """
+    return (8, 100_000, 10_000_000) if quick else (8, 10_000_000, 1_000_000_000)
 
 
 def random_sorted_indices(n: int, space: int, gen: torch.Generator) -> torch.Tensor:
@@ -110,20 +127,46 @@ def _row(op: str, impl: str, n_in: int, n_out: int, t: dict[str, float], base_ms
     }
 
 
+def merge_workload(k: int, n: int, space: int, gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`k` random deltas of `n` entries in `[0, space)`: per delta, [n] sorted indices and [n] fp32 values.
+
+    Example:
+        >>> idx, val = merge_workload(2, 5, 100, torch.Generator().manual_seed(0))
+        >>> [i.shape for i in idx], val[0].dtype
+        ([torch.Size([5]), torch.Size([5])], torch.float32)
+    """
+    indices = [random_sorted_indices(n, space, gen) for _ in range(k)]
+    values = [torch.randn(n, generator=gen) for _ in range(k)]
+    return indices, values
+
+
+def merge_routes(indices: list[torch.Tensor], values: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """The merges compared on one workload: the `TORCH_MERGES` pipelines, then the C++ op ("sum", "ties").
+
+    The C++ routes need the extension (`sift._ext.load_extension()`).
+    """
+    ones = [1.0] * len(indices)
+
+    def cpp(ties: bool) -> Callable[[], object]:
+        return lambda: torch.ops.sift.merge_sorted_deltas(indices, values, ones, [len(indices)], ties)
+
+    return {
+        TORCH_MERGES[0]: lambda: _torch_merge_sort(indices, values),
+        TORCH_MERGES[1]: lambda: _torch_merge_unique(indices, values),
+        "sum": cpp(False),
+        "ties": cpp(True),
+    }
+
+
 def bench_merge(k: int, n: int, space: int, repeat: int, gen: torch.Generator) -> tuple[list[dict], dict]:
     """Times the k-way merge of `k` random deltas of `n` entries in `[0, space)`.
 
     Returns:
         The table rows and `{"deltas": [...], "merged": (indices, values)}` for the file sizes.
     """
-    indices = [random_sorted_indices(n, space, gen) for _ in range(k)]
-    values = [torch.randn(n, generator=gen) for _ in range(k)]
-    ones = [1.0] * k
-
-    def cpp(ties: bool):
-        return lambda: torch.ops.sift.merge_sorted_deltas(indices, values, ones, [k], ties)
-
-    merged_idx, merged_val = (t[0] for t in cpp(False)())
+    indices, values = merge_workload(k, n, space, gen)
+    routes = merge_routes(indices, values)
+    merged_idx, merged_val = (t[0] for t in routes["sum"]())
     ref_idx, ref_val = _torch_merge_sort(indices, values)
     if not torch.equal(merged_idx, ref_idx.to(merged_idx.dtype)):
         raise RuntimeError("C++ merge and torch disagree on the union of indices")
@@ -131,28 +174,57 @@ def bench_merge(k: int, n: int, space: int, repeat: int, gen: torch.Generator) -
     del ref_idx, ref_val
     n_out = merged_idx.numel()
     nbytes = 8 * k * n + 8 * n_out
-    torch_names = ("torch cat+sort+unique_consecutive+index_add_", "torch cat+unique+index_add_")
-    t = time_interleaved({
-        torch_names[0]: lambda: _torch_merge_sort(indices, values),
-        torch_names[1]: lambda: _torch_merge_unique(indices, values),
-        "sum": cpp(False),
-        "ties": cpp(True),
-    }, warmup=1, repeat=repeat)
-    best = min(torch_names, key=lambda name: t[name]["median_ms"])
+    t = time_interleaved(routes, warmup=1, repeat=repeat)
+    best = min(TORCH_MERGES, key=lambda name: t[name]["median_ms"])
     base_ms = t[best]["median_ms"]
     rows = [_row("merge", f"{name}{' (baseline: best torch)' if name == best else ''}", k * n, n_out, t[name], None,
-                 None, nbytes) for name in torch_names]
+                 None, nbytes) for name in TORCH_MERGES]
     rows.append(_row("merge", "sift C++ merge_sorted_deltas (sum)", k * n, n_out, t["sum"], base_ms,
                      TARGET_SPEEDUP["merge"], nbytes))
     rows.append(_row("merge", "sift C++ merge_sorted_deltas (ties)", k * n, n_out, t["ties"], base_ms, None, nbytes))
     return rows, {"deltas": (indices, values), "merged": (merged_idx, merged_val)}
 
 
-def bench_apply(n: int, space: int, repeat: int, gen: torch.Generator) -> tuple[list[dict], dict]:
-    """Times adding an `n`-entry delta to a `space`-element fp32 weight, C++ against `index_add_`."""
+def apply_workload(n: int, space: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An `n`-entry delta and the weight it applies to: ([n] sorted indices, [n] fp32 values, [space] fp32 weight).
+
+    Example:
+        >>> idx, val, weight = apply_workload(5, 100, torch.Generator().manual_seed(0))
+        >>> idx.shape, weight.shape
+        (torch.Size([5]), torch.Size([100]))
+    """
     idx = random_sorted_indices(n, space, gen)
     val = torch.randn(n, generator=gen) * 1e-3
     weight = torch.randn(space, generator=gen)  # fp32; values drift over repeats, which timing ignores
+    return idx, val, weight
+
+
+def apply_routes(idx: torch.Tensor, val: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The applies compared on one workload, each adding the delta to `weight` in place.
+
+    "index_add_" (the baseline), "cpp" (`sparse_delta_apply_`), "cpp+save" (also gathers the
+    overwritten values) and "api" (`SparseDelta.apply_` + `remove_`). The C++ routes need the
+    extension.
+    """
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(weight, requires_grad=False)
+    delta = SparseDelta({"weight": DeltaEntry((weight.numel(),), torch.float32, idx, val)})
+
+    def api_round_trip():
+        delta.apply_(model)
+        delta.remove_(model)
+
+    return {
+        "index_add_": lambda: weight.index_add_(0, idx, val),
+        "cpp": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, False),
+        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, True),
+        "api": api_round_trip,
+    }
+
+
+def bench_apply(n: int, space: int, repeat: int, gen: torch.Generator) -> tuple[list[dict], dict]:
+    """Times adding an `n`-entry delta to a `space`-element fp32 weight, C++ against `index_add_`."""
+    idx, val, weight = apply_workload(n, space, gen)
     lines = int(torch.unique_consecutive(idx.long() // 16).numel())
     stream = 8 * n + 128 * lines
     scratch = weight[: min(space, 1 << 16)].clone()
@@ -162,20 +234,7 @@ def bench_apply(n: int, space: int, repeat: int, gen: torch.Generator) -> tuple[
     _ops.call("sparse_delta_apply_", [probe], [probe_idx], [val[: probe_idx.numel()]], 1.0, False, backend="cpp")
     if not torch.equal(probe, scratch.index_add(0, probe_idx, val[: probe_idx.numel()])):
         raise RuntimeError("C++ apply and index_add_ disagree")
-    model = torch.nn.Module()
-    model.weight = torch.nn.Parameter(weight, requires_grad=False)
-    delta = SparseDelta({"weight": DeltaEntry((space,), torch.float32, idx, val)})
-
-    def api_round_trip():
-        delta.apply_(model)
-        delta.remove_(model)
-
-    t = time_interleaved({
-        "index_add_": lambda: weight.index_add_(0, idx, val),
-        "cpp": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, False),
-        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, True),
-        "api": api_round_trip,
-    }, warmup=2, repeat=repeat)
+    t = time_interleaved(apply_routes(idx, val, weight), warmup=2, repeat=repeat)
     t_torch, t_cpp, t_cpp_save, t_api = t["index_add_"], t["cpp"], t["cpp+save"], t["api"]
     base = t_torch["median_ms"]
     rows = [
@@ -227,7 +286,7 @@ def run(quick: bool = False) -> str:
 
     if not load_extension():
         return "### delta\n\nthe C++ extension is unavailable; nothing to compare (see `python -m sift.env`)\n"
-    k, n, space = (8, 100_000, 10_000_000) if quick else (8, 10_000_000, 1_000_000_000)
+    k, n, space = workload_sizes(quick)
     repeat = 5 if quick else 7  # rotations; the torch merge takes seconds per call at full size
     gen = torch.Generator().manual_seed(0)
     load_before = os.getloadavg()

