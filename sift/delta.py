@@ -41,7 +41,11 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.optim import _entries_for, _index_dtype, _is_dtensor, _merge_disjoint
+from sift._index import entries_for as _entries_for
+from sift._index import index_dtype as _index_dtype
+from sift._index import merge_disjoint as _merge_disjoint
+from sift._index import top_k_positions
+from sift.optim import _is_dtensor
 
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
@@ -470,8 +474,7 @@ class SparseDelta:
             diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
             if density is not None:
                 k = min(_entries_for(density, diff.numel()), int(diff.count_nonzero()))
-                idx = torch.topk(diff.abs(), k, sorted=False).indices if k else diff.new_empty(0, dtype=torch.long)
-                idx = idx.sort().values
+                idx = top_k_positions(diff.abs(), k)  # ties: the lower flat index, as the optimizer
             else:
                 idx = (diff.abs() > threshold).nonzero().view(-1)
             if idx.numel():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -45,6 +46,12 @@ from typing import Any
 import torch
 
 from sift import _ops
+from sift._index import check_indices as _check_indices
+from sift._index import entries_for as _entries_for
+from sift._index import index_dtype as _index_dtype
+from sift._index import lookup as _lookup
+from sift._index import merge_disjoint as _merge_disjoint
+from sift._index import top_k_positions
 
 _SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
@@ -80,45 +87,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
-def _check_indices(indices: torch.Tensor, numel: int, what: str, allow_empty: bool = False) -> None:
-    """Raise ValueError unless `indices` is a sorted, unique, in-range 1-D integer tensor."""
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, got {type(indices).__name__}")
-    if indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what} must be int32 or int64, got {indices.dtype}")
-    if indices.is_meta:
-        raise ValueError(f"{what} are on the meta device: their values cannot be checked")
-    if indices.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
-    if indices.numel() == 0:
-        if allow_empty:
-            return
-        raise ValueError(f"{what} is empty: a sparse weight needs at least one entry")
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0 or hi >= numel:
-        raise ValueError(f"{what} out of range: values span [{lo}, {hi}] for a weight of {numel} elements")
-    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise ValueError(f"{what} must be sorted ascending without duplicates")
-
-
-def _entries_for(density: float, numel: int) -> int:
-    """ceil(density * numel): how many entries a density keeps (callers apply their own floor or cap)."""
-    # round() first: 0.2 * 35 is 7.000000000000001 in binary floating point.
-    return math.ceil(round(density * numel, 6))
-
-
-def _merge_disjoint(first: torch.Tensor, second: torch.Tensor,
-                    *values: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Merge two disjoint sorted index sets [a], [b] and their per-index values (pairs of [a], [b]):
-    the [a + b] sorted indices and each value pair in that order. One sort does it."""
-    merged, order = torch.sort(torch.cat([first, second]))
-    return merged, [torch.cat([x, y])[order] for x, y in values]
-
-
 def _steps(p: torch.Tensor) -> bool:
     """Whether the step uses p's gradient this time: frozen params are skipped even with a grad."""
     return p.requires_grad and p.grad is not None
@@ -127,18 +95,6 @@ def _steps(p: torch.Tensor) -> bool:
 def _needs_base(p: torch.Tensor, keep_base: bool) -> bool:
     """Whether p's sparse state keeps `base` (bf16/fp16 always, fp32 with keep_base)."""
     return p.dtype != torch.float32 or keep_base
-
-
-def _lookup(sorted_positions: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which `queries` are in `sorted_positions`, and where: ([q] bool, [q] int64 positions).
-
-    Positions of queries not found are arbitrary (but in range when `sorted_positions` is not empty).
-    """
-    haystack, queries = sorted_positions.long(), queries.long()
-    if haystack.numel() == 0:
-        return torch.zeros_like(queries, dtype=torch.bool), torch.zeros_like(queries)
-    pos = torch.searchsorted(haystack, queries).clamp_max(haystack.numel() - 1)
-    return haystack[pos] == queries, pos
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -153,16 +109,24 @@ class SparseAdamW(torch.optim.Optimizer):
         weight_decay: decoupled weight decay, applied to the chosen entries only.
         density: fraction of each weight's entries to train, in (0, 1]; the top
             `ceil(density * numel)` (at least 1) are kept. `1.0` makes the group dense AdamW.
-        select_steps: how many `step()` calls accumulate |grad| before the entries are chosen.
-            The last of them also applies the first update; earlier ones update nothing.
-        selection: "magnitude" (SIFT's top-|grad|) or "random" (seeded baseline).
+        select_steps: how many `step()` calls accumulate the selection score before the
+            entries are chosen. The last of them also applies the first update; earlier ones
+            update nothing. Only a `step()` that runs counts: a step GradScaler skips (inf/NaN
+            gradients) leaves the selection pending and the state unchanged.
+        selection: "magnitude" (SIFT's top-|grad|, summed over the selection steps),
+            "saliency" (first-order saliency `-theta * grad` averaged over the selection
+            steps, the entries of largest magnitude kept; NAS-PEFT), or "random" (seeded
+            baseline). Equal scores go to the lower flat index on every device.
         seed: seed of `selection="random"`.
         maximize: maximise the objective instead.
         compact_grads: memory-efficient mode (SIFT Fig. 4). A post-accumulate-grad hook on
             each sparse weight gathers `grad[indices]` into a compact fp32 buffer and frees
             the dense gradient at once, so at most one dense weight gradient exists at a
-            time. Selection then also happens in the hook, at the first backward of the last
-            selection step. Micro-batch accumulation adds into the compact buffers.
+            time. Micro-batch accumulation adds into the compact buffers. Until a weight's
+            entries are chosen its dense gradient is kept as in plain mode (the selection
+            steps hold every sparse weight's dense gradient), so the entries equal plain
+            mode's in every case: accumulation over micro-batches, several selection steps,
+            every rule.
         max_grad_norm: if set, `step()` first clips the gradients it uses to this global
             norm with `sift.clip_grad_norm_` (for loops that cannot call it themselves).
         process_group: data parallelism without DDP, for `compact_grads` mode (whose hooks
@@ -213,8 +177,8 @@ class SparseAdamW(torch.optim.Optimizer):
             raise TypeError(f"keep_base must be a bool, got {keep_base!r}")
         if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
             raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
-        if selection not in ("magnitude", "random"):
-            raise ValueError(f"selection must be 'magnitude' or 'random', got {selection!r}")
+        if selection not in ("magnitude", "saliency", "random"):
+            raise ValueError(f"selection must be 'magnitude', 'saliency' or 'random', got {selection!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if process_group is not None and not compact_grads:
@@ -232,9 +196,11 @@ class SparseAdamW(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
         self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
+        # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
+        # as long as this optimizer (never in state_dict, pickles or copies).
+        self._kernel_cache: dict = {}
         self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
-        self._selection_seen: set[torch.Tensor] = set()  # params that took part in this step's selection
-        self._prepared = False
+        self._init_step_caches()
         # Sparse params still waiting for their selection (None: scan all of them). Frozen
         # and gradless params stay on it, so a layer unfrozen later is still selected.
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
@@ -244,6 +210,15 @@ class SparseAdamW(torch.optim.Optimizer):
         self._hooks_ready = compact_grads
         if compact_grads:
             self._sync_hooks()
+
+    def _init_step_caches(self) -> None:
+        """What lives for one step only: the entries a selecting step will choose (computed by
+        `clip_grad_norm_` or the step, committed only by the step), the clipped [k] gradients
+        `clip_grad_norm_` gathered for the step, and which pending dense grads were averaged
+        across ranks. Keyed by the gradient they came from, so a stale entry is never used."""
+        self._tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self._clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self._averaged: set[torch.Tensor] = set()
 
     @classmethod
     def for_model(
@@ -337,8 +312,7 @@ class SparseAdamW(torch.optim.Optimizer):
             gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + position)
             score = torch.rand(_local(p).numel(), generator=gen, device=p.device)
         assert score is not None
-        chosen = torch.topk(score.reshape(-1), k, sorted=False).indices
-        return torch.sort(chosen).values.to(_index_dtype(_local(p).numel()))
+        return top_k_positions(score, k).to(_index_dtype(_local(p).numel()))
 
     def _init_sparse_state(self, p: torch.Tensor, indices: torch.Tensor) -> None:
         state = self.state[p]
@@ -355,44 +329,96 @@ class SparseAdamW(torch.optim.Optimizer):
         if self.compact_grads:
             self._compact[p] = torch.zeros(k, **zeros)
 
-    def _selection_update(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, final: bool) -> None:
-        """Feed one gradient into p's selection; choose its entries when `final`."""
-        state = self.state[p]
-        magnitude = _local(grad.detach()).abs().float() if self.selection == "magnitude" else None
-        if "score" in state and magnitude is not None:
-            state["score"].add_(magnitude)
-            magnitude = state["score"]
-        if final:
-            calls = state.get("selection_calls", 0)
-            self._init_sparse_state(p, self._choose(group, p, magnitude))
-            state["selection_calls"] = calls
-        elif magnitude is not None and "score" not in state:
-            state["score"] = magnitude.clone()
+    def _score_now(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This step's contribution to p's selection score (fp32, p's local shape); None for "random"."""
+        grad = _local(p.grad.detach())
+        if self.selection == "magnitude":
+            return grad.abs().float()
+        if self.selection == "saliency":
+            # First-order saliency: the loss change predicted for zeroing the entry. Summed
+            # signed over the selection steps; the magnitude of the sum ranks (the average's order).
+            return -(_local(p.detach()).float() * grad.float())
+        return None
 
-    def _prepare(self) -> None:
-        """Once per step: hook newly unfrozen params (hook mode), select for dense grads (plain mode)."""
-        if self._prepared:
-            return
-        self._prepared = True
-        if self._unhooked:
-            self._hook_unfrozen()
-        if self.compact_grads or self._pending == []:
-            return
-        # Only the params still pending are scanned: after selection the per-step cost is nil.
+    @staticmethod
+    def _grad_key(p: torch.Tensor) -> tuple:
+        """Identifies the gradient a cached result came from (a new or modified grad misses)."""
+        g = p.grad
+        return (id(g), g._version, g.data_ptr()) if g is not None else ()
+
+    def _is_final_selection(self, p: torch.Tensor) -> bool:
+        return self.state[p].get("selection_calls", 0) + 1 >= self.select_steps
+
+    def _pending_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """Sparse params whose entries are not chosen yet, that this step would select for."""
+        if self._pending == []:
+            return []
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
-        pending = []
-        for group, p in candidates:
-            if "indices" in self.state.get(p, {}) or _local(p).numel() == 0:
-                continue
-            if not _steps(p):
-                pending.append((group, p))
-                continue
-            calls = self.state[p].get("selection_calls", 0) + 1
-            self._selection_update(group, p, p.grad, final=calls >= self.select_steps)
-            self.state[p]["selection_calls"] = calls
-            if "indices" not in self.state[p]:
-                pending.append((group, p))
-        self._pending = pending
+        return [(group, p) for group, p in candidates
+                if "indices" not in self.state.get(p, {}) and _local(p).numel() > 0 and _steps(p)]
+
+    def _average_pending(self) -> None:
+        """With a process group: average the pending params' dense grads across ranks (once a
+        step) before anything selects from them, so every rank chooses the same entries."""
+        if self.process_group is None:
+            return
+        for _, p in self._pending_with_grad():
+            if p not in self._averaged:
+                self._average_across_ranks(p.grad)
+                self._averaged.add(p)
+
+    def _tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """The entries this step would choose for pending p (its final selection step); not committed."""
+        key = self._grad_key(p)
+        hit = self._tentative.get(p)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        score = self._score_now(p)
+        previous = self.state[p].get("score")
+        if score is not None and previous is not None:
+            score = score.add_(previous)
+        if score is not None and self.selection == "saliency":
+            score = score.abs_()
+        indices = self._choose(group, p, score)
+        self._tentative[p] = (key, indices)
+        return indices
+
+    def _select(self) -> None:
+        """Commit this step's selection: called by `step()` alone, after it knows it updates."""
+        self._average_pending()
+        for group, p in self._pending_with_grad():
+            state = self.state[p]
+            calls = state.get("selection_calls", 0) + 1
+            if calls >= self.select_steps:
+                indices = self._tentative_indices(group, p)
+                self._init_sparse_state(p, indices)
+                if self.compact_grads:
+                    self._gather_compact(p, self._clipped_grad(p))
+            else:
+                score = self._score_now(p)
+                if score is not None:
+                    state["score"] = score if "score" not in state else state["score"].add_(score)
+            state["selection_calls"] = calls
+            if self.compact_grads:
+                p.grad = None  # as the hook does once the entries are known
+        # Only params still pending are scanned next time: after selection the per-step cost is nil.
+        candidates = self._pending if self._pending is not None else list(self._sparse_params())
+        self._pending = [(g, p) for g, p in candidates if "indices" not in self.state.get(p, {})
+                         and _local(p).numel() > 0]
+
+    def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The [k] gradient `clip_grad_norm_` gathered and scaled for this step, if still current."""
+        hit = self._clipped.get(p)
+        return hit[1] if hit is not None and hit[0] == self._grad_key(p) else None
+
+    def _gather_compact(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
+        """compact_grads, at selection: fill p's compact buffer from its dense grad (or the clipped gather)."""
+        compact = self._compact[p]
+        if clipped is not None:
+            compact.copy_(clipped)
+        else:
+            compact.copy_(torch.index_select(_local(p.grad).reshape(-1), 0, self.state[p]["indices"]))
+        self._grad_ready.add(p)
 
     def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
         """Choose the trainable entries of `param` yourself.
@@ -506,23 +532,19 @@ class SparseAdamW(torch.optim.Optimizer):
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
         state = self.state[p]
         if "indices" not in state:
-            group = self._group_of(p)
-            if self.process_group is not None:
-                grad = self._average_across_ranks(grad)
-            final = state.get("selection_calls", 0) + 1 >= self.select_steps
-            self._selection_update(group, p, grad, final=final)
-            self._selection_seen.add(p)
-        if "indices" in state:
-            compact = self._compact[p]
-            flat = grad.reshape(-1)
-            if p in self._grad_ready:
-                compact.add_(torch.index_select(flat, 0, state["indices"]))
-            elif flat.dtype == torch.float32:
-                torch.index_select(flat, 0, state["indices"], out=compact)
-                self._grad_ready.add(p)
-            else:
-                compact.copy_(torch.index_select(flat, 0, state["indices"]))
-                self._grad_ready.add(p)
+            # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
+            # selects from it, so micro-batches and skipped steps count exactly as there.
+            return
+        compact = self._compact[p]
+        flat = grad.reshape(-1)
+        if p in self._grad_ready:
+            compact.add_(torch.index_select(flat, 0, state["indices"]))
+        elif flat.dtype == torch.float32:
+            torch.index_select(flat, 0, state["indices"], out=compact)
+            self._grad_ready.add(p)
+        else:
+            compact.copy_(torch.index_select(flat, 0, state["indices"]))
+            self._grad_ready.add(p)
         p.grad = None
 
     def _average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -535,22 +557,35 @@ class SparseAdamW(torch.optim.Optimizer):
         return tensor
 
     def _sync_grads(self) -> None:
-        """compact_grads + process_group: average what this step uses across ranks.
+        """compact_grads + process_group: average what this step uses across ranks, once a step.
 
         Every rank must have run backward over the same params (as with DDP).
         """
+        if self.process_group is None:
+            return
         for group in self.param_groups:
             for p in group["params"]:
+                if p in self._averaged:
+                    continue
                 if group["density"] >= 1.0:
                     if _steps(p):
                         self._average_across_ranks(p.grad)
+                        self._averaged.add(p)
                 elif p in self._grad_ready:
                     self._average_across_ranks(self._compact[p])
+                    self._averaged.add(p)
+
+    def _hook_new_params(self) -> None:
+        """compact_grads: hook sparse params unfrozen since the last step."""
+        if self._unhooked:
+            self._hook_unfrozen()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero dense grads as torch does, and drop gathered compact grads."""
+        """Zero dense grads as torch does, and drop gathered compact grads (and what a clip or a
+        skipped step left for the next step)."""
         super().zero_grad(set_to_none)
         self._grad_ready.clear()
+        self._init_step_caches()
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values.
@@ -565,6 +600,9 @@ class SparseAdamW(torch.optim.Optimizer):
             return self._compact[param] if param in self._grad_ready else None
         if param.grad is None:
             return None
+        clipped = self._clipped_grad(param)
+        if clipped is not None:
+            return clipped
         # index_select takes the int32 indices as they are: no int64 copy on every clip.
         return torch.index_select(_local(param.grad).reshape(-1), 0, state["indices"])
 
@@ -602,105 +640,133 @@ class SparseAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_grads()
-        self._prepare()
-        if self.process_group is not None:
-            self._sync_grads()
+        self._hook_new_params()
+        self._sync_grads()
+        # The only place entries are chosen: a step GradScaler skips never gets here.
+        self._select()
         if self.max_grad_norm is not None:
             clip_grad_norm_(self, self.max_grad_norm)
-        if self.compact_grads:
-            for p in self._selection_seen:
-                self.state[p]["selection_calls"] = self.state[p].get("selection_calls", 0) + 1
-        for group in self.param_groups:
-            if group["density"] >= 1.0:
-                self._dense_step(group)
-            else:
-                self._sparse_step(group)
-        self._prepared = False
-        self._selection_seen.clear()
-        self._grad_ready.clear()
+        try:
+            for group in self.param_groups:
+                if group["density"] >= 1.0:
+                    self._dense_step(group)
+                else:
+                    self._sparse_step(group)
+        finally:
+            self._init_step_caches()
+            self._grad_ready.clear()
         return loss
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
-        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         for p in group["params"]:
             state = self.state.get(p)
             if not state or "indices" not in state:
                 continue
-            # compact_grads: the hook gathered a gradient this step (and freed .grad).
-            ready = p.requires_grad and p in self._grad_ready if self.compact_grads else _steps(p)
-            if not ready:
-                continue
-            buckets[(p.device, p.dtype, state["indices"].dtype)].append(p)
+            if self.compact_grads:
+                # The hook gathered a gradient this step (and freed .grad).
+                if not (p.requires_grad and p in self._grad_ready):
+                    continue
+                grad, compact = self._compact[p], True
+            else:
+                if not _steps(p):
+                    continue
+                # clip_grad_norm_ gathered and scaled the chosen entries: the dense grad stays as it was.
+                grad = self._clipped_grad(p)
+                compact = grad is not None
+                if grad is None:
+                    grad = _local(p.grad).contiguous()
+            buckets[(p.device, p.dtype, state["indices"].dtype, compact)].append((p, grad))
         beta1, beta2 = group["betas"]
-        for (device, dtype, _), params in buckets.items():
+        for (device, dtype, _, compact), members in buckets.items():
+            params = [p for p, _ in members]
+            grads = [g for _, g in members]
             states = [self.state[p] for p in params]
             steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            if self.compact_grads:
-                grads = [self._compact[p] for p in params]
-            else:
-                grads = [_local(p.grad).contiguous() for p in params]
             _, fn = _ops.resolve("sparse_adamw_", device, self.backend)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
                 lr = lr.to(device)
-            fn(
-                [_local(p.detach()) for p in params],
-                grads,
-                [s["indices"] for s in states],
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                [s["delta"] for s in states],
-                [s["base"] for s in states] if "base" in states[0] else [],
-                steps,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
-                compact_grads=self.compact_grads,
-            )
+            # The kernels read the incremented count; it is taken back if a kernel raises.
+            torch._foreach_add_(steps, 1.0)
+            try:
+                fn(
+                    [_local(p.detach()) for p in params],
+                    grads,
+                    [s["indices"] for s in states],
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    [s["delta"] for s in states],
+                    [s["base"] for s in states] if "base" in states[0] else [],
+                    steps,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    maximize=group["maximize"],
+                    compact_grads=compact,
+                    table_cache=self._kernel_cache,
+                )
+            except BaseException:
+                torch._foreach_sub_(steps, 1.0)
+                raise
 
     def _dense_step(self, group: dict[str, Any]) -> None:
-        """torch's AdamW math (single-tensor form); step counts live on the CPU as in torch."""
-        beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
-        for p in group["params"]:
-            if not _steps(p):
-                continue
-            grad = -p.grad if group["maximize"] else p.grad
+        """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
+        counts on the device, no host read), so a CUDA graph can capture the whole step."""
+        from torch.optim.adamw import adamw
+
+        params = [p for p in group["params"] if _steps(p)]
+        if not params:
+            return
+        lr = group["lr"]
+        capturable = isinstance(lr, torch.Tensor) and any(p.is_cuda for p in params)
+        for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            step = state["step"].item()
-            p.mul_(1 - lr * group["weight_decay"])
-            state["exp_avg"].lerp_(grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(group["eps"])
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias_correction1)
+            elif capturable and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+              [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
+              capturable=capturable, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 
     # ------------------------------------------------------------- state dict
 
     _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "backend", "max_grad_norm",
-                "process_group", "_compact", "_grad_ready")
+                "_compact", "_grad_ready")
 
     def __getstate__(self) -> dict[str, Any]:
-        """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it)."""
+        """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
+
+        Not carried: the process group (a handle to this process's communicator, which cannot
+        be pickled; the copy has none and warns), the grad hooks (the copy hooks its own params)
+        and the kernels' launch tables (built again for the copy's tensors).
+        """
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED})
+        state["had_process_group"] = self.process_group is not None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        had_process_group = state.pop("had_process_group", False)
+        state.pop("process_group", None)  # pickled by earlier versions (always None there)
         super().__setstate__(state)
         self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
-        self._selection_seen = set()
-        self._prepared = False
+        self.process_group = None
+        if had_process_group:
+            warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
+                          "pickled); set `optimizer.process_group` to average gradients across ranks again",
+                          stacklevel=2)
+        self._kernel_cache = {}
+        self._init_step_caches()
         self._pending = None
         self._hook_handles = {}
         self._unhooked = []
@@ -901,7 +967,10 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     The norm is taken over what the next `step()` uses: the chosen entries of each sparse
     weight (its compact buffer in `compact_grads` mode, `grad[indices]` otherwise) and the
     full gradients of dense groups, so both modes clip identically. Call it between
-    `backward()` and `step()`; on a selecting step it runs the selection first.
+    `backward()` and `step()`. On a selecting step it works out the entries the step will
+    choose without committing them (GradScaler may still skip that step). In plain mode the
+    chosen entries are gathered once into [k] fp32 buffers that are scaled and that the step
+    then reads: the dense gradient is neither written nor read again.
 
     Args:
         optimizer: the SparseAdamW whose gradients to clip.
@@ -921,10 +990,12 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
-    optimizer._prepare()
+    # Nothing here commits a selection: GradScaler may still skip the step this clip precedes.
+    optimizer._hook_new_params()
+    optimizer._sync_grads()
+    optimizer._average_pending()
     mesh_group = None
-    used: list[torch.Tensor] = []  # what the step reads
-    scaled: list[torch.Tensor] = []  # what to scale in place
+    used: list[torch.Tensor] = []  # what the step reads, scaled in place below
     for group in optimizer.param_groups:
         for p in group["params"]:
             if _is_dtensor(p):
@@ -934,12 +1005,26 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
             if group["density"] >= 1.0:
                 if _steps(p):
                     used.append(_local(p.grad))
-                    scaled.append(_local(p.grad))
                 continue
-            grad = optimizer.compact_grad(p)
-            if grad is not None:
-                used.append(grad)
-                scaled.append(grad if optimizer.compact_grads else _local(p.grad))
+            state = optimizer.state.get(p, {})
+            if optimizer.compact_grads and "indices" in state:
+                if p in optimizer._grad_ready:
+                    used.append(optimizer._compact[p])
+                continue
+            if not _steps(p):
+                continue
+            if "indices" in state:
+                indices = state["indices"]
+            elif _local(p).numel() > 0 and optimizer._is_final_selection(p):
+                # This step will choose its entries: clip what it will read from them.
+                indices = optimizer._tentative_indices(group, p)
+            else:
+                continue  # an earlier selection step: the step updates nothing
+            # The entries the step uses, gathered once in fp32: the step then reads these
+            # instead of the dense gradient, which is neither read again nor written.
+            gathered = torch.index_select(_local(p.grad).reshape(-1), 0, indices).float()
+            optimizer._clipped[p] = (optimizer._grad_key(p), gathered)
+            used.append(gathered)
     if not used and mesh_group is None:
         return torch.zeros(())
     device = used[0].device if used else torch.device("cpu")
@@ -965,9 +1050,9 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh_group)
             total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    # Scaled in place as the norm was taken: one multi-tensor multiply per (device, dtype).
+    # The coefficient stays a device tensor (no host sync): one multi-tensor multiply per (device, dtype).
     to_scale: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for g in scaled:
+    for g in used:
         to_scale[(g.device, g.dtype)].append(g)
     for (dev, dtype), gs in to_scale.items():
         torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))

@@ -687,18 +687,17 @@ def _adamw_bad_input(kind, inputs):
     pytest.param("wrong-base-dtype", torch.bfloat16, r"bases\[0\] must be a contiguous torch.bfloat16",
                  id="wrong-base-dtype"),
 ])
-def test_triton_step_rejects_bad_tensors_before_writing(kind, dtype, match, monkeypatch):
+def test_triton_step_rejects_bad_tensors_before_writing(kind, dtype, match):
     """The Triton launcher read strided/short/wrong-dtype state tensors through raw addresses, silently."""
-    from collections import OrderedDict
-
     from sift.triton_kernels import sparse_adamw as kernel_module
 
-    monkeypatch.setattr(kernel_module, "_table_cache", OrderedDict())  # no table from an earlier test's addresses
+    table_cache: dict = {}  # a fresh owner: no table from an earlier test's addresses
     inputs = _adamw_bad_input(kind, _kernel_inputs([(37, 29), (513,)], dtype, 0.3, True, seed=6))
     before = copy.deepcopy(inputs)
     with pytest.raises(ValueError, match=match):
         kernel_module.sparse_adamw_(*inputs, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                                    maximize=False, compact_grads=True)
+                                    maximize=False, compact_grads=True, table_cache=table_cache)
+    assert kernel_module.owner_tables(table_cache) == []  # a refused call keeps no table
     for got_list, want_list in zip(inputs, before):
         for got, want in zip(got_list, want_list):
             assert torch.equal(got, want)
@@ -741,9 +740,11 @@ def test_hook_mode_group_added_later_gets_its_hooks_once():
     opt.add_param_group({"params": [w], "density": 0.2})
     assert len(opt._hook_handles) == 1
     (w.sum() * 3 + head.sum()).backward()
-    assert w.grad is None and head.grad is not None
+    assert w.grad is not None and head.grad is not None  # selecting: the dense grad is kept until step()
     opt.step()
-    assert opt.state[w]["indices"].numel() == 6
+    assert opt.state[w]["indices"].numel() == 6 and w.grad is None
+    (w.sum() * 3 + head.sum()).backward()
+    assert w.grad is None and head.grad is not None
 
 
 def test_hook_mode_holds_at_most_one_dense_grad():
@@ -754,6 +755,9 @@ def test_hook_mode_holds_at_most_one_dense_grad():
     def count(_):
         alive.append(sum(p.grad is not None for p in model.parameters()))
 
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()  # the selection step keeps dense grads until it chooses
+    opt.zero_grad()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(count)
     model(torch.randn(4, 16)).sum().backward()
@@ -766,12 +770,9 @@ def test_four_micro_batches_equal_one_batch(compact):
     model_a, model_b = _model(), _model()
     opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1, compact_grads=compact)
     opt_b = SparseAdamW(model_b.parameters(), lr=1e-2, density=0.1, compact_grads=compact)
-    # The selection step uses one whole batch in both (hook mode selects at the first
-    # backward of a step); accumulation is then compared over the following steps.
-    _train(model_a, opt_a, 1)
-    _train(model_b, opt_b, 1)
-    _train(model_a, opt_a, 5, micro=1, start=1)
-    _train(model_b, opt_b, 5, micro=4, start=1)
+    # The selection step accumulates micro-batches too: both choose from the same summed gradient.
+    _train(model_a, opt_a, 6, micro=1)
+    _train(model_b, opt_b, 6, micro=4)
     _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()),
                          rtol=1e-5, atol=1e-7)
 
@@ -785,7 +786,12 @@ def test_clip_grad_norm_uses_the_chosen_entries():
     w.grad = g.clone()
     norm = sift.clip_grad_norm_(opt, max_norm=1.0)
     torch.testing.assert_close(norm, torch.linalg.vector_norm(g[:4]))
-    torch.testing.assert_close(torch.linalg.vector_norm(w.grad[:4]), torch.tensor(1.0), rtol=1e-5, atol=0)
+    assert "indices" not in opt.state[w], "clipping must not commit the selection"
+    assert torch.equal(w.grad, g), "clipping must not write the dense gradient"
+    opt.step()
+    assert opt.state[w]["indices"].tolist() == [0, 1, 2, 3]
+    clipped = opt.state[w]["exp_avg"] / (1 - 0.9)  # first moment of the first step: the gradient used
+    torch.testing.assert_close(torch.linalg.vector_norm(clipped), torch.tensor(1.0), rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------- state dict

@@ -1,0 +1,99 @@
+"""Index helpers shared by the optimizer and the sparse deltas: sorted flat positions of one
+weight, their dtype, validation, merging, lookup, and the one top-k rule with its tie-break."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """int32 for weights below 2**31 elements (half the bytes), else int64."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def check_indices(indices: torch.Tensor, numel: int, what: str, allow_empty: bool = False) -> None:
+    """Raise ValueError unless `indices` is a sorted, unique, in-range 1-D integer tensor.
+
+    Args:
+        indices: [k] flat positions into a weight of `numel` elements.
+        numel: the weight's element count.
+        what: the argument's name, for the message.
+        allow_empty: accept k == 0.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what} must be int32 or int64, got {indices.dtype}")
+    if indices.is_meta:
+        raise ValueError(f"{what} are on the meta device: their values cannot be checked")
+    if indices.dim() != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.numel() == 0:
+        if allow_empty:
+            return
+        raise ValueError(f"{what} is empty: a sparse weight needs at least one entry")
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= numel:
+        raise ValueError(f"{what} out of range: values span [{lo}, {hi}] for a weight of {numel} elements")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"{what} must be sorted ascending without duplicates")
+
+
+def entries_for(density: float, numel: int) -> int:
+    """ceil(density * numel): how many entries a density keeps (callers apply their own floor or cap)."""
+    # round() first: 0.2 * 35 is 7.000000000000001 in binary floating point.
+    return math.ceil(round(density * numel, 6))
+
+
+def merge_disjoint(first: torch.Tensor, second: torch.Tensor,
+                   *values: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Merge two disjoint sorted index sets [a], [b] and their per-index values (pairs of [a], [b]):
+    the [a + b] sorted indices and each value pair in that order. One sort does it."""
+    merged, order = torch.sort(torch.cat([first, second]))
+    return merged, [torch.cat([x, y])[order] for x, y in values]
+
+
+def lookup(sorted_positions: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which `queries` are in `sorted_positions`, and where: ([q] bool, [q] int64 positions).
+
+    Positions of queries not found are arbitrary (but in range when `sorted_positions` is not empty).
+    """
+    haystack, queries = sorted_positions.long(), queries.long()
+    if haystack.numel() == 0:
+        return torch.zeros_like(queries, dtype=torch.bool), torch.zeros_like(queries)
+    pos = torch.searchsorted(haystack, queries).clamp_max(haystack.numel() - 1)
+    return haystack[pos] == queries, pos
+
+
+def top_k_positions(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The flat positions of the `k` largest scores, sorted ascending; equal scores go to the
+    lower flat position, so every device and torch version chooses the same entries.
+
+    `torch.topk` leaves ties to the implementation: with bf16 gradients thousands of entries
+    can share the k-th value. NaN ranks below every number.
+
+    Args:
+        score: any shape; flattened.
+        k: how many, 0 <= k <= score.numel().
+
+    Returns:
+        [k] int64 positions, ascending.
+
+    Example:
+        >>> top_k_positions(torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0]), 2)
+        tensor([1, 2])
+    """
+    flat = score.reshape(-1)
+    if not 0 <= k <= flat.numel():
+        raise ValueError(f"k must be in [0, {flat.numel()}], got {k}")
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    if flat.is_floating_point():
+        flat = torch.where(torch.isnan(flat), float("-inf"), flat)
+    threshold = torch.topk(flat, k, sorted=False).values.min()
+    above = (flat > threshold).nonzero().reshape(-1)
+    # nonzero() lists positions in ascending order: the first ones among the ties win.
+    tied = (flat == threshold).nonzero().reshape(-1)[: k - above.numel()]
+    return torch.sort(torch.cat([above, tied])).values
