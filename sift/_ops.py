@@ -218,8 +218,12 @@ def sparse_adamw_ref(
     weight_decay: float,
     maximize: bool,
     compact_grads: bool,
+    table_cache: dict | None = None,
 ) -> None:
-    """Plain-torch reference of one fused SparseAdamW step (see the contract above)."""
+    """Plain-torch reference of one fused SparseAdamW step (see the contract above).
+
+    `table_cache` (the caller's dict for a backend's launch tables) is accepted and unused.
+    """
     check_lengths(len(params), grads=grads, indices=indices, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                   deltas=deltas, steps=steps, **({"bases": bases} if bases else {}))
     for i, p in enumerate(params):
@@ -253,7 +257,7 @@ define("sparse_adamw_", sparse_adamw_ref)
 
 @register("sparse_adamw_", "cpp")
 def _sparse_adamw_cpp(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, *, lr, beta1, beta2,
-                      eps, weight_decay, maximize, compact_grads):
+                      eps, weight_decay, maximize, compact_grads, table_cache=None):
     lr = float(lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
     torch.ops.sift.sparse_adamw_(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, lr, beta1,
                                  beta2, eps, weight_decay, maximize, compact_grads)

@@ -11,12 +11,18 @@ For tensor i with k_i chosen entries at sorted flat positions `idx_i` (the contr
     delta_i += upd
     param_i[idx_i] = w + upd         (no base)     or  round(base_i + delta_i)
 
-Multi-tensor layout. A segment table `table[n_tensors, 9]` (int64) holds per tensor:
+Multi-tensor layout. A segment table `table[n_tensors, N_COLS]` (int64) holds per tensor:
 `k_i` and the addresses of param, grad, indices, exp_avg, exp_avg_sq, delta, base (0 if none)
-and step (a 0-d fp32 device tensor, so bias correction needs no host sync). A block table
-`blocks[n_blocks, 2]` maps each program to (tensor, first entry); a block never straddles
-two tensors. The block table depends only on the k_i and is built once; the segment table
-is rebuilt only when an address changes (a new dense gradient each step in plain mode).
+and step (a 0-d fp32 device tensor, so bias correction needs no host sync), at the columns
+`COL_*`. A block table `blocks[n_blocks, N_BLOCK_COLS]` maps each program to (tensor, first
+entry); a block never straddles two tensors.
+
+Table lifetime. A captured CUDA graph keeps reading the tables it was captured with, so a
+table must live as long as its owner (the optimizer) may replay it. The caller passes its own
+dict (`table_cache`); the launcher keeps there one slot per param set, rebuilt only when an
+address or a size changes (a new dense gradient each step in plain mode), and every table a
+capture used until the dict is dropped. Without a `table_cache` (a direct call) the tables
+are built for the call and nothing outlives it.
 
 Hyper-parameters are runtime scalars (a new value never recompiles); `lr` may instead
 live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a scheduler.
@@ -26,8 +32,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,6 +44,23 @@ from ._rounding import round_to_bf16
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
               torch.int32: tl.int32, torch.int64: tl.int64}
+
+# Segment table columns, one int64 row per tensor: the host builder and the kernel both use
+# these names, so the layout is written only here.
+COL_NUMEL = tl.constexpr(0)  # k_i, entries of the tensor
+COL_PARAM = tl.constexpr(1)
+COL_GRAD = tl.constexpr(2)
+COL_INDICES = tl.constexpr(3)
+COL_EXP_AVG = tl.constexpr(4)
+COL_EXP_AVG_SQ = tl.constexpr(5)
+COL_DELTA = tl.constexpr(6)
+COL_BASE = tl.constexpr(7)  # 0 without bases
+COL_STEP = tl.constexpr(8)
+N_COLS = tl.constexpr(9)
+# Block table columns, one row per program.
+BLOCK_COL_TENSOR = tl.constexpr(0)  # row of the segment table
+BLOCK_COL_START = tl.constexpr(1)  # first entry of the tensor the program updates
+N_BLOCK_COLS = tl.constexpr(2)
 
 
 @triton.jit
@@ -64,17 +87,17 @@ def _sparse_adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid)
-    start = tl.load(blocks_ptr + 2 * pid + 1)
-    row = table_ptr + tensor * 9
-    n = tl.load(row)
-    w_ptr = tl.load(row + 1).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + 2).to(tl.pointer_type(G_DTYPE))
-    i_ptr = tl.load(row + 3).to(tl.pointer_type(I_DTYPE))
-    m_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    d_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 8).to(tl.pointer_type(tl.float32))
+    tensor = tl.load(blocks_ptr + N_BLOCK_COLS * pid + BLOCK_COL_TENSOR)
+    start = tl.load(blocks_ptr + N_BLOCK_COLS * pid + BLOCK_COL_START)
+    row = table_ptr + tensor * N_COLS
+    n = tl.load(row + COL_NUMEL)
+    w_ptr = tl.load(row + COL_PARAM).to(tl.pointer_type(W_DTYPE))
+    g_ptr = tl.load(row + COL_GRAD).to(tl.pointer_type(G_DTYPE))
+    i_ptr = tl.load(row + COL_INDICES).to(tl.pointer_type(I_DTYPE))
+    m_ptr = tl.load(row + COL_EXP_AVG).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + COL_EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
+    d_ptr = tl.load(row + COL_DELTA).to(tl.pointer_type(tl.float32))
+    step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
     if ALIGNED:
         # Addresses read from a table carry no alignment facts; without these hints the
         # compiler cannot emit 16-byte vector loads for the contiguous compact arrays.
@@ -114,7 +137,7 @@ def _sparse_adamw_kernel(
     inv_bc2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)
 
     if HAS_BASE:
-        b_ptr = tl.load(row + 7).to(tl.pointer_type(W_DTYPE))
+        b_ptr = tl.load(row + COL_BASE).to(tl.pointer_type(W_DTYPE))
         base = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = base + d
     else:
@@ -141,43 +164,87 @@ def _sparse_adamw_kernel(
 _BLOCK = 512
 _NUM_WARPS = 8
 _EVICT_FIRST = False
-_block_cache: dict[tuple, torch.Tensor] = {}
-# Segment tables by their exact contents. A captured CUDA graph keeps reading the table it was
-# captured with, so tables are not overwritten in place: the most recent ones stay alive.
-_TABLE_CACHE_SIZE = 32
-_table_cache: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()
+# The launcher's entry in an owner's `table_cache` dict.
+_CACHE_KEY = "sparse_adamw_"
 
 
-def _block_table(sizes: tuple[int, ...], device: torch.device, block: int) -> torch.Tensor:
-    key = (sizes, str(device), block)
-    blocks = _block_cache.get(key)
-    if blocks is None:
-        rows = [(t, s) for t, k in enumerate(sizes) for s in range(0, k, block)]
-        blocks = torch.tensor(rows, dtype=torch.int64).reshape(-1, 2).to(device)
-        _block_cache[key] = blocks
-    return blocks
+class _Tables(NamedTuple):
+    """The device tables of one launch and what they were built from."""
+
+    columns: tuple[tuple[int, ...], ...]  # the segment table's rows, on the host
+    table: torch.Tensor  # [n_tensors, N_COLS] int64
+    aligned: bool  # whether every compact array is 16-byte aligned
+    block: int
+    blocks: torch.Tensor  # [n_blocks, N_BLOCK_COLS] int64
 
 
-def _segment_table(key: tuple, columns: tuple[tuple[int, ...], ...], device: torch.device,
-                   check: Callable[[], None]) -> tuple[torch.Tensor, bool]:
-    """The device copy of `columns` (cached by content) and whether the compact arrays are 16-byte aligned.
+class _OwnerTables:
+    """The tables of one owner: one slot per param set, and every table a capture used.
 
-    `check` validates the tensors behind a table before it is built; a cached table stands for
-    addresses that passed it.
+    A slot is keyed by its params' addresses and rebuilt when any column changes. A param is
+    stepped in one launch per step, so a new param set first drops the slots it overlaps: the
+    slots stay fewer than the params. Tables a CUDA graph captured stay until the owner drops
+    the dict, since a replay reads them after the slot has moved on.
     """
-    full_key = (key, columns)  # a tuple of tuples: hashed and compared in C
-    hit = _table_cache.get(full_key)
-    if hit is not None:
-        _table_cache.move_to_end(full_key)
-        return hit
+
+    __slots__ = ("slots", "captured")
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple, _Tables] = {}
+        self.captured: dict[int, _Tables] = {}  # id(table) -> its tables
+
+    def tables(self) -> list[torch.Tensor]:
+        """Every segment and block table alive here, each once."""
+        alive = {id(t): t for kept in (*self.slots.values(), *self.captured.values())
+                 for t in (kept.table, kept.blocks)}
+        return list(alive.values())
+
+    def get(self, slot: tuple, columns: tuple[tuple[int, ...], ...], block: int, device: torch.device,
+            check: Callable[[], None]) -> _Tables:
+        """The tables of `slot` for `columns` (the last item of `slot` is the params' addresses)."""
+        old = self.slots.get(slot)
+        if old is not None and old.columns == columns and old.block == block:
+            return old
+        # The block table depends only on the sizes, which a moved gradient keeps.
+        same_sizes = old is not None and old.block == block and \
+            [row[COL_NUMEL] for row in old.columns] == [row[COL_NUMEL] for row in columns]
+        new = _build_tables(columns, block, device, check, old.blocks if same_sizes else None)
+        if old is None:
+            params = set(slot[-1])
+            for stale in [key for key in self.slots if not params.isdisjoint(key[-1])]:
+                del self.slots[stale]
+        self.slots[slot] = new
+        return new
+
+
+def _build_tables(columns: tuple[tuple[int, ...], ...], block: int, device: torch.device, check: Callable[[], None],
+                  blocks: torch.Tensor | None = None) -> _Tables:
+    """Device tables for `columns`, after `check` validated the tensors behind the addresses."""
     check()
-    host = torch.tensor(columns, dtype=torch.int64)
+    host = torch.tensor(columns, dtype=torch.int64).reshape(-1, int(N_COLS))
     table = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    aligned = all(col[c] % 16 == 0 for col in columns for c in (3, 4, 5, 6))
-    _table_cache[full_key] = (table, aligned)
-    if len(_table_cache) > _TABLE_CACHE_SIZE:
-        _table_cache.popitem(last=False)
-    return table, aligned
+    aligned = all(row[c] % 16 == 0 for row in columns for c in (COL_INDICES, COL_EXP_AVG, COL_EXP_AVG_SQ, COL_DELTA))
+    if blocks is None:
+        rows = [(t, s) for t, row in enumerate(columns) for s in range(0, row[COL_NUMEL], block)]
+        blocks = torch.tensor(rows, dtype=torch.int64).reshape(-1, int(N_BLOCK_COLS)).to(device)
+    return _Tables(columns, table, aligned, block, blocks)
+
+
+def owner_tables(table_cache: dict) -> list[torch.Tensor]:
+    """The segment and block tables `sparse_adamw_` keeps in an owner's `table_cache`.
+
+    Args:
+        table_cache: the dict passed as `table_cache=` (e.g. `SparseAdamW._kernel_cache`).
+
+    Returns:
+        The tables alive in it, `[n_tensors, N_COLS]` and `[n_blocks, N_BLOCK_COLS]` int64 each.
+
+    Example:
+        >>> [t.shape for t in owner_tables(opt._kernel_cache)]
+        [torch.Size([2, 9]), torch.Size([3, 2])]
+    """
+    owner = table_cache.get(_CACHE_KEY)
+    return owner.tables() if owner is not None else []
 
 
 def _check_tensors(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, sizes, compact_grads,
@@ -224,6 +291,7 @@ def sparse_adamw_(
     block: int | None = None,
     num_warps: int | None = None,
     evict_first: bool | None = None,
+    table_cache: dict | None = None,
 ) -> None:
     """One fused SparseAdamW step over tensors sharing one device, dtype and index dtype.
 
@@ -241,6 +309,10 @@ def sparse_adamw_(
         compact_grads: whether `grads` are already gathered.
         block, num_warps, evict_first: launch configuration (entries per program, warps,
             L2 eviction hint on the compact arrays); None takes the tuned defaults.
+        table_cache: the caller's dict for this launcher's tables (an optimizer keeps one for
+            its lifetime). A CUDA graph captured over the call reads the tables kept there,
+            so it replays only while the dict lives. None builds the tables for this call only
+            (no capture then: the table's host-to-device copy cannot be captured).
 
     Example:
         >>> sparse_adamw_([w], [w.grad], [idx], [m], [v], [d], [], [step], lr=1e-3, beta1=0.9,
@@ -271,15 +343,34 @@ def sparse_adamw_(
         raise ValueError(f"lr must be a float or a one-element tensor on {device}, got {lr.device} with {lr.numel()}")
     sizes = tuple(map(torch.Tensor.numel, indices))
     ptr = torch.Tensor.data_ptr
-    columns = tuple(zip(
-        sizes, map(ptr, params), map(ptr, grads), map(ptr, indices), map(ptr, exp_avgs), map(ptr, exp_avg_sqs),
-        map(ptr, deltas), map(ptr, bases) if has_base else itertools.repeat(0), map(ptr, steps),
-    ))
-    key = (str(device), w_dtype, i_dtype, compact_grads, sizes)
-    table, aligned = _segment_table(key, columns, device, lambda: _check_tensors(
-        params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, sizes, compact_grads, device))
+    param_ptrs = tuple(map(ptr, params))
+    cols: list = [None] * int(N_COLS)
+    cols[COL_NUMEL] = sizes
+    cols[COL_PARAM] = param_ptrs
+    cols[COL_GRAD] = map(ptr, grads)
+    cols[COL_INDICES] = map(ptr, indices)
+    cols[COL_EXP_AVG] = map(ptr, exp_avgs)
+    cols[COL_EXP_AVG_SQ] = map(ptr, exp_avg_sqs)
+    cols[COL_DELTA] = map(ptr, deltas)
+    cols[COL_BASE] = map(ptr, bases) if has_base else itertools.repeat(0)
+    cols[COL_STEP] = map(ptr, steps)
+    columns = tuple(zip(*cols))
     block = block or _BLOCK
-    blocks = _block_table(sizes, device, block)
+
+    def check() -> None:
+        _check_tensors(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, sizes, compact_grads,
+                       device)
+
+    if table_cache is None:
+        tables = _build_tables(columns, block, device, check)
+    else:
+        owner = table_cache.get(_CACHE_KEY)
+        if owner is None:
+            owner = table_cache[_CACHE_KEY] = _OwnerTables()
+        tables = owner.get((str(device), w_dtype, i_dtype, compact_grads, param_ptrs), columns, block, device, check)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            owner.captured.setdefault(id(tables.table), tables)
+    table, aligned, blocks = tables.table, tables.aligned, tables.blocks
     n_blocks = blocks.shape[0]
     if n_blocks == 0:
         return
