@@ -602,21 +602,43 @@ def test_cpp_step_rejects_unknown_isa_before_writing():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_optimizer_steps_side_by_side_with_reference(backend, dtype, shape):
-    """Every step: params and every state tensor equal the torch-reference optimizer's."""
+    """Every step: params and every state tensor equal the torch-reference optimizer's (other
+    backends), and the chosen entries equal torch's own AdamW on an fp32 copy (every backend,
+    the reference included: an oracle that shares no code with it)."""
     torch.manual_seed(1)
     pa = torch.nn.Parameter(torch.randn(shape).to(dtype))
     pb = torch.nn.Parameter(pa.detach().clone())
+    oracle = torch.nn.Parameter(pa.detach().float().clone())
     opt_a = SparseAdamW([pa], lr=1e-2, density=0.2, backend=backend)
     opt_b = SparseAdamW([pb], lr=1e-2, density=0.2, backend="torch")
+    opt_oracle = torch.optim.AdamW([oracle], lr=1e-2, weight_decay=1e-2, foreach=False)
     rtol, atol = TOLERANCES[dtype]
     for step in range(4):
         g = torch.randn(shape, generator=torch.Generator().manual_seed(step)).to(dtype)
-        pa.grad, pb.grad = g.clone(), g.clone()
+        pa.grad, pb.grad, oracle.grad = g.clone(), g.clone(), g.float()
         opt_a.step()
         opt_b.step()
-        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol)
-        for key in ("indices", "exp_avg", "exp_avg_sq", "delta", "step"):
-            torch.testing.assert_close(opt_a.state[pa][key], opt_b.state[pb][key], rtol=1e-5, atol=1e-7)
+        opt_oracle.step()
+        if backend != "torch":
+            torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol)
+            for key in ("indices", "exp_avg", "exp_avg_sq", "delta", "step"):
+                torch.testing.assert_close(opt_a.state[pa][key], opt_b.state[pb][key], rtol=1e-5, atol=1e-7)
+        idx = opt_a.state[pa]["indices"].long()
+        if step == 0:
+            k = math.ceil(0.2 * pa.numel())
+            # Ties (bf16 has many) go to the lower flat index: a stable descending sort says which.
+            order = torch.sort(g.float().abs().reshape(-1), descending=True, stable=True).indices
+            assert torch.equal(idx, order[:k].sort().values)
+            mask = torch.zeros(pa.numel(), dtype=torch.bool)
+            mask[idx] = True
+        want = oracle.detach().reshape(-1)
+        got = pa.detach().reshape(-1)
+        torch.testing.assert_close(got[mask], want[mask].to(dtype), rtol=rtol, atol=atol)
+        assert torch.equal(got[~mask], pb.detach().reshape(-1)[~mask])
+        torch.testing.assert_close(opt_a.state[pa]["exp_avg"], opt_oracle.state[oracle]["exp_avg"].reshape(-1)[idx],
+                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(opt_a.state[pa]["exp_avg_sq"],
+                                   opt_oracle.state[oracle]["exp_avg_sq"].reshape(-1)[idx], rtol=1e-5, atol=1e-9)
 
 
 def test_low_precision_kernel_error_within_twice_torch_rounding():
