@@ -1,5 +1,5 @@
 """Sparse deltas: the C++/Triton ops against their torch references, SparseDelta's round trips
-(save/load, apply/remove), merging against dense sums, and every bad input of the issue."""
+(save/load, apply/remove), merging against dense sums, and every bad input they must refuse."""
 
 from __future__ import annotations
 
