@@ -11,8 +11,11 @@
 // from per-input quantiles, every input is cut at each splitter by binary search, and a
 // tournament tree of packed (index, input) keys merges the k sub-lists of a range. Ranges may
 // share no index, so a range's output fits below the sum of its inputs' start offsets plus its
-// own length; a thread writes its ranges back to back from there, and one in-order memmove per
-// tensor closes the gaps (shared indices) left between threads' blocks.
+// own length; a thread writes its ranges back to back from there into a buffer sized for the
+// sum of the inputs. Where inputs share indices, the ranges' blocks are then copied, in
+// parallel, into a tensor of the union's size: a resize_ would keep the whole buffer's storage
+// (merging 8 copies of one delta would hold 8x its entries); counting the union first would cost
+// one more merge pass.
 //
 // Apply. w[idx[j]] = W(float(w[idx[j]]) + float(scale) * v[j]) for unique sorted idx, with the
 // old w[idx[j]] optionally saved, in chunks over all tensors with software prefetch ahead.
@@ -357,33 +360,33 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> merge_sorted_deltas
     }
   });
 
-  // Close the gaps left by shared indices. Ranges move left in order, so a range's target never
-  // overlaps the source of a later range; memmove handles the overlap with its own source.
-  std::vector<int64_t> final_size(n_groups);
-  at::parallel_for(0, n_groups, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t g = lo; g < hi; ++g) {
-      const int64_t isz = out_idx[g].element_size();
-      char* ib = static_cast<char*>(out_idx[g].data_ptr());
-      char* vb = static_cast<char*>(out_val[g].data_ptr());
-      int64_t dst = 0;
-      for (int64_t r = range_first[g]; r < range_first[g + 1]; ++r) {
-        const MergeRange& range = ranges[r];
-        if (dst != range.write_offset && range.written > 0) {
-          std::memmove(ib + dst * isz, ib + range.write_offset * isz, range.written * isz);
-          std::memmove(vb + dst * 4, vb + range.write_offset * 4, range.written * 4);
-        }
-        dst += range.written;
-      }
-      final_size[g] = dst;
-    }
-  });
+  // Pack each tensor with gaps (shared indices) into a right-sized one; ranges copy in parallel.
+  std::vector<int64_t> packed_at(ranges.size());
+  std::vector<at::Tensor> packed_idx(out_idx), packed_val(out_val);
   for (int64_t g = 0; g < n_groups; ++g) {
-    if (final_size[g] != out_idx[g].numel()) {
-      out_idx[g].resize_({final_size[g]});
-      out_val[g].resize_({final_size[g]});
+    int64_t size = 0;
+    for (int64_t r = range_first[g]; r < range_first[g + 1]; ++r) {
+      packed_at[r] = size;
+      size += ranges[r].written;
+    }
+    if (size != totals[g]) {
+      packed_idx[g] = at::empty({size}, out_idx[g].options());
+      packed_val[g] = at::empty({size}, out_val[g].options());
     }
   }
-  return {out_idx, out_val};
+  at::parallel_for(0, static_cast<int64_t>(ranges.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const MergeRange& range = ranges[r];
+      const int64_t g = range.group;
+      if (range.written == 0 || packed_idx[g].is_same(out_idx[g])) continue;
+      const int64_t isz = out_idx[g].element_size();
+      std::memcpy(static_cast<char*>(packed_idx[g].data_ptr()) + packed_at[r] * isz,
+                  static_cast<const char*>(out_idx[g].data_ptr()) + range.write_offset * isz, range.written * isz);
+      std::memcpy(packed_val[g].data_ptr<float>() + packed_at[r], out_val[g].data_ptr<float>() + range.write_offset,
+                  range.written * sizeof(float));
+    }
+  });
+  return {packed_idx, packed_val};
 }
 
 // ------------------------------------------------------------------------------------------

@@ -326,7 +326,8 @@ def merge_sorted_deltas_ref(
             agree_sum = torch.zeros_like(total).index_add_(0, inverse, torch.where(agree, contrib, 0.0))
             count = torch.zeros_like(total).index_add_(0, inverse, agree.double())
             total = torch.where(count > 0, agree_sum / count.clamp_min(1), 0.0)
-        out_idx.append(union.to(idx_in[0].dtype))
+        # unique_consecutive's output keeps a storage sized for its input: copy to the union's size.
+        out_idx.append(union.to(idx_in[0].dtype, copy=True))
         out_val.append(total.float())
     return out_idx, out_val
 

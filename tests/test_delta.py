@@ -896,3 +896,34 @@ def test_cpp_merge_rejects_group_sizes_whose_sum_wraps():
     ix, val = torch.tensor([1, 4], dtype=torch.int32), torch.ones(2)
     with pytest.raises(RuntimeError, match="group_sizes must add up to the number of indices tensors"):
         torch.ops.sift.merge_sorted_deltas([ix], [val], [1.0], [2**62] * 3 + [2**62 + 1], False)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"), pytest.param("cpp", id="cpp", marks=requires_cpp)])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("ties", [pytest.param(False, id="sum"), pytest.param(True, id="ties")])
+def test_merged_tensors_hold_no_storage_beyond_their_entries(backend, index_dtype, ties, monkeypatch):
+    """merge_sorted_deltas shrank its outputs with resize_, keeping storage for the sum of its inputs."""
+    gen = torch.Generator().manual_seed(11)
+    shared = _sorted_unique(150_000, 600_000, gen, index_dtype)  # 8 copies: several ranges per thread
+    groups = [
+        [shared] * 8,
+        [_sorted_unique(n, 3000, gen, index_dtype) for n in (1000, 2000, 1500)],
+        [_sorted_unique(500, 1000, gen, index_dtype)],
+        [torch.empty(0, dtype=index_dtype), _sorted_unique(10, 50, gen, index_dtype)],
+        [torch.empty(0, dtype=index_dtype)] * 2,
+    ]
+    indices = [i for group in groups for i in group]
+    values = [torch.randn(i.numel(), generator=gen) for i in indices]
+    weights = [0.5 + 0.1 * j for j in range(len(indices))]
+    sizes = [len(group) for group in groups]
+    out_idx, out_val = _ops.call("merge_sorted_deltas", indices, values, weights, sizes, ties, backend=backend)
+    assert out_idx[0].numel() == shared.numel()
+    for t in (*out_idx, *out_val):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    # The user-facing merge, on deltas that share entries.
+    monkeypatch.setenv("SIFT_BACKEND", backend)
+    model = _model()
+    merged = merge_deltas([_random_delta(model, seed) for seed in range(3)], method="ties" if ties else "sum")
+    for entry in merged.entries.values():
+        for t in (entry.indices, entry.values):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
