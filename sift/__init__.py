@@ -6,10 +6,12 @@
 """
 
 from sift import heads
+from sift._ops import sparse_weight_grad
 from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.targets import trainable_summary
 
 __version__ = "0.1.0"
 
-__all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "heads", "merge_deltas", "__version__"]
+__all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "heads", "merge_deltas", "sparse_weight_grad",
+           "__version__"]
