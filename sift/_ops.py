@@ -497,6 +497,241 @@ def _singular_values_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
+# sparse_adamw_lean_: the SparseAdamW step on the lean state (SparseAdamW(state="lean")),
+# at most 8 bytes per trainable entry.
+#
+# Layout of tensor i (numel n_i, k_i chosen entries at sorted flat positions idx):
+#   window_offsets[i]  [ceil(n_i / 65536) + 1] int32, CSR over 65536-element windows of the
+#                      flat weight: window w holds entries off[w] .. off[w+1]-1; off[0] = 0,
+#                      off[-1] = k_i
+#   indices_low[i]     [k_i] int16, idx & 0xFFFF (read as uint16): idx = w * 65536 + uint16(low)
+#   exp_avgs[i], exp_avg_sqs[i]  [k_i] bf16, read as fp32, stored by stochastic rounding
+#   residuals[i]       [k_i] int8, bf16/fp16 weights only (empty list for fp32): the exact
+#                      weight is fp32(w) + residual * unit(w), unit(w) = ulp(w) / 256
+#   steps[i]           0-d fp32, already incremented
+# The step (fp32 math, the order of sparse_adamw_ref):
+#   g   = grads[i] (compact, [k_i] fp32) | grads[i].view(-1)[idx] (dense);  g = -g if maximize
+#   m   = b1 * m + (1 - b1) * g;   v = b2 * v + (1 - b2) * g * g
+#   w   = fp32(p[idx]) (+ residual * unit(p[idx]) for bf16/fp16)
+#   upd = -lr * wd * w - lr / bc1 * m / (sqrt(v) * (1 / sqrt(bc2)) + eps)
+#         (lr rounded to fp32; lr / bc1 and 1 / sqrt(bc2) in fp64, then fp32; each fp32 operation
+#         rounded, no fused multiply-add)
+#   new = w + upd;  p[idx] = round_to_nearest(new)
+#   residual = clamp(rint((new - fp32(p[idx])) / unit(p[idx])), -128, 127), 0 where p[idx] is inf/NaN
+#   m, v -> bf16 by stochastic rounding: fp32 bits + r >> 16, r 16 random bits (m the low half
+#           of lean_random_bits(idx, t), v the high half); NaN stores the quiet NaN 0x7FC0
+# unit(w): bf16 2^(max(E, 16) - 142), fp16 2^(max(E, 1) - 33), E the stored exponent field.
+# For normal weights that is ulp / 256 (bf16 ulp 2^(e-7), fp16 2^(e-10)); fp16 subnormals
+# and zero get the subnormal spacing's; bf16 weights below 2^-111 in magnitude get 2^-126
+# (coarser than ulp / 256 there, so no fp32 subnormal is ever formed). new - fp32(p[idx]) and
+# the products by powers of two are exact in fp32, so the residual is the same on every backend.
+# Why stochastic rounding: bf16 moments rounded to nearest stall once an update is below half
+# a bf16 ulp of the moment; with beta2 = 0.999 the second moment ends at 0.28x (constant
+# gradients) or 1.33x (Gaussian) of fp32's (figures: bench/results/README.md). Random bits
+# from a hash of (flat index, step) make the rounding unbiased and the same on every backend,
+# so a reloaded state continues identically.
+# ---------------------------------------------------------------------------------------
+
+LEAN_WINDOW = 65536
+LEAN_WINDOW_BITS = 16
+
+
+def lean_num_windows(numel: int) -> int:
+    """Windows of a weight of `numel` elements (the CSR table has one more entry)."""
+    return -(-numel // LEAN_WINDOW)
+
+
+def encode_lean_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat positions -> (indices_low [k] int16, window_offsets [windows + 1] int32).
+
+    Example:
+        >>> low, off = encode_lean_indices(torch.tensor([3, 65537]), 70000)
+        >>> low.tolist(), off.tolist()
+        ([3, 1], [0, 1, 2])
+    """
+    idx = indices.long()
+    counts = torch.bincount(idx >> LEAN_WINDOW_BITS, minlength=lean_num_windows(numel))
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=idx.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    low = ((idx & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits as a signed int16 value
+    return low.to(torch.int16), offsets
+
+
+def decode_lean_indices(indices_low: torch.Tensor, window_offsets: torch.Tensor,
+                        dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """(indices_low, window_offsets) -> [k] sorted flat positions in `dtype`.
+
+    Example:
+        >>> decode_lean_indices(torch.tensor([3, 1], dtype=torch.int16), torch.tensor([0, 1, 2], dtype=torch.int32))
+        tensor([    3, 65537])
+    """
+    counts = window_offsets.diff().long()
+    windows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                      output_size=indices_low.numel())
+    return ((windows << LEAN_WINDOW_BITS) | (indices_low.long() & 0xFFFF)).to(dtype)
+
+
+def lean_unit(w: torch.Tensor) -> torch.Tensor:
+    """unit(w) of the contract above: the residual's step for bf16/fp16 weights `w` (fp32, exact)."""
+    bits = w.view(torch.int16).int() & 0xFFFF
+    if w.dtype == torch.bfloat16:
+        exponent = ((bits >> 7) & 0xFF).clamp_min(16) - 142
+    else:
+        exponent = ((bits >> 10) & 0x1F).clamp_min(1) - 33
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def _lean_inv_unit(w: torch.Tensor) -> torch.Tensor:
+    """1 / unit(w), a power of two in fp32's normal range."""
+    bits = w.view(torch.int16).int() & 0xFFFF
+    if w.dtype == torch.bfloat16:
+        exponent = 142 - ((bits >> 7) & 0xFF).clamp_min(16)
+    else:
+        exponent = 33 - ((bits >> 10) & 0x1F).clamp_min(1)
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+_U32 = 0xFFFFFFFF
+
+
+def lean_random_bits(idx: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """32 random bits per entry (int64 holding a uint32) from a hash of (flat index, step).
+
+    The low 32 bits of the index and the integer step are mixed, then finalised with
+    MurmurHash3's fmix32; all arithmetic is modulo 2^32, as uint32 in the kernels.
+    """
+    x = ((idx.long() & _U32) * 0x9E3779B1 + (step.long() & _U32) * 0x632BE5AB) & _U32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _U32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _U32
+    return x ^ (x >> 16)
+
+
+def lean_round_bf16(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` -> bf16 by stochastic rounding with 16 random bits per entry (int64 in [0, 65536))."""
+    bits = x.view(torch.int32).long() & _U32
+    out = ((bits + random16) & _U32) >> 16
+    out = torch.where(torch.isnan(x), 0x7FC0, out)
+    return (((out ^ 0x8000) - 0x8000).to(torch.int16)).view(torch.bfloat16)
+
+
+def sparse_adamw_lean_ref(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    indices_low: list[torch.Tensor],
+    window_offsets: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    residuals: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    compact_grads: bool,
+    table_cache: dict | None = None,
+) -> None:
+    """Plain-torch reference of one SparseAdamW step on the lean state (see the contract above).
+
+    `table_cache` is accepted and unused.
+    """
+    check_lengths(len(params), grads=grads, indices_low=indices_low, window_offsets=window_offsets,
+                  exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    low_precision = bool(params) and params[0].dtype != torch.float32
+    if low_precision:
+        check_lengths(len(params), residuals=residuals)
+    elif residuals:
+        raise ValueError("residuals must be empty for float32 params")
+    for i, p in enumerate(params):
+        _check_lean_tensors(i, p, grads[i], indices_low[i], window_offsets[i], exp_avgs[i], exp_avg_sqs[i],
+                            residuals[i] if low_precision else None, steps[i], compact_grads)
+    for i, p in enumerate(params):
+        flat = p.view(-1)
+        idx = decode_lean_indices(indices_low[i], window_offsets[i])
+        g = grads[i] if compact_grads else grads[i].reshape(-1)[idx]
+        g = g.float()
+        if maximize:
+            g = -g
+        # Separate roundings, no fused multiply-add (torch's add_ with alpha fuses), so the
+        # kernels, compiled with fp-contract off, give the same bits.
+        m = exp_avgs[i].float() * beta1 + g * (1 - beta1)
+        v = exp_avg_sqs[i].float() * beta2 + g * (1 - beta2) * g
+        t = steps[i].double()
+        bc1 = 1 - beta1**t
+        bc2 = 1 - beta2**t
+        # lr is taken in fp32 (as a device tensor lr is), then lr / bc1 in fp64.
+        lr32 = lr.float() if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float32)
+        step_size = (lr32.double() / bc1).float().to(p.device)
+        inv_bc2_sqrt = (1 / bc2.sqrt()).float().to(p.device)
+        lr32 = lr32.to(p.device)
+        stored = flat[idx]
+        w = stored.float()
+        if low_precision:
+            w = w + residuals[i].float() * lean_unit(stored)
+        # torch's fp32 sqrt on CPU is not always correctly rounded; through fp64 it is.
+        sqrt_v = v.double().sqrt().float()
+        upd = -lr32 * weight_decay * w - step_size * m / (sqrt_v * inv_bc2_sqrt + eps)
+        new = w + upd
+        rounded = new.to(p.dtype)
+        flat[idx] = rounded
+        if low_precision:
+            r = torch.round((new - rounded.float()) * _lean_inv_unit(rounded)).clamp_(-128, 127)
+            residuals[i].copy_(torch.where(torch.isfinite(rounded), r, 0.0).to(torch.int8))
+        bits = lean_random_bits(idx, steps[i])
+        exp_avgs[i].copy_(lean_round_bf16(m, bits & 0xFFFF))
+        exp_avg_sqs[i].copy_(lean_round_bf16(v, bits >> 16))
+
+
+def _check_lean_tensors(i: int, p: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, offsets: torch.Tensor,
+                        m: torch.Tensor, v: torch.Tensor, residual: torch.Tensor | None, step: torch.Tensor,
+                        compact_grads: bool) -> None:
+    """Shapes and dtypes of tensor i's lean operands (values are trusted: the optimizer builds them)."""
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not p.is_contiguous():
+        raise ValueError(f"params[{i}] must be a contiguous float32, bfloat16 or float16 tensor")
+    if low.dtype != torch.int16 or low.dim() != 1:
+        raise ValueError(f"indices_low[{i}] must be a 1-D int16 tensor, got {low.dtype} {tuple(low.shape)}")
+    k = low.numel()
+    windows = lean_num_windows(p.numel())
+    if offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
+        raise ValueError(f"window_offsets[{i}] must be int32 of shape ({windows + 1},) for a param of "
+                         f"{p.numel()} elements, got {offsets.dtype} {tuple(offsets.shape)}")
+    if compact_grads:
+        if grad.dtype != torch.float32 or grad.numel() != k:
+            raise ValueError(f"grads[{i}] must be float32 with one entry per index (compact_grads)")
+    elif grad.dtype != p.dtype or grad.numel() != p.numel():
+        raise ValueError(f"grads[{i}] must have the shape and dtype of params[{i}]")
+    for name, t in (("exp_avgs", m), ("exp_avg_sqs", v)):
+        if t.dtype != torch.bfloat16 or t.shape != (k,):
+            raise ValueError(f"{name}[{i}] must be bfloat16 of shape ({k},), got {t.dtype} {tuple(t.shape)}")
+    if residual is not None and (residual.dtype != torch.int8 or residual.shape != (k,)):
+        raise ValueError(f"residuals[{i}] must be int8 of shape ({k},), got {residual.dtype} {tuple(residual.shape)}")
+    if step.dtype != torch.float32 or step.numel() != 1:
+        raise ValueError(f"steps[{i}] must be a one-element float32 tensor")
+
+
+define("sparse_adamw_lean_", sparse_adamw_lean_ref)
+
+
+@register("sparse_adamw_lean_", "cpp")
+def _sparse_adamw_lean_cpp(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals, steps, *,
+                           lr, beta1, beta2, eps, weight_decay, maximize, compact_grads, table_cache=None):
+    lr = float(lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
+    torch.ops.sift.sparse_adamw_lean_(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals,
+                                      steps, lr, beta1, beta2, eps, weight_decay, maximize, compact_grads)
+
+
+@register("sparse_adamw_lean_", "triton")
+def _sparse_adamw_lean_triton(*args, **kwargs):
+    from sift.triton_kernels.sparse_adamw_lean import sparse_adamw_lean_
+
+    sparse_adamw_lean_(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
 # sparse_weight_grad: the weight gradient of a linear layer at its chosen entries only (a
 # sampled dense-dense product), so the sparse backward never forms the dense [R, C] gradient.
 #

@@ -1,0 +1,298 @@
+// SparseAdamW step on the lean state (at most 8 bytes per entry) on CPU. The math and the
+// layout are the contract in sift/_ops.py (sparse_adamw_lean_ref); this file is its
+// C++/OpenMP implementation.
+//
+// Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
+// very different sizes. A chunk finds its first window by binary search over the window
+// offsets and then walks the windows it spans; within a window the flat index is the
+// window's base plus the 16-bit low half. Each entry is gathered, updated and scattered in one
+// pass, the weight and gradient lines prefetched PREFETCH_DISTANCE entries ahead (an address
+// guessed from the current window: a prefetch past the window is wasted, never a fault).
+// The scalar loop is compiled with fp-contract off and does the reference's operations in
+// its order, so results match the torch reference bit for bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace sift {
+namespace {
+
+constexpr int64_t LEAN_CHUNK = 512;
+constexpr int64_t LEAN_PREFETCH_DISTANCE = 32;
+constexpr int LEAN_WINDOW_BITS = 16;
+
+// 1 - beta is taken in double on the host, as torch's AdamW does.
+struct LeanHyper {
+  float lr, beta1, beta2, one_minus_b1, one_minus_b2, eps, weight_decay;
+  bool maximize;
+};
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// unit(w) = the residual's step and its inverse, powers of two in fp32's normal range (see
+// the contract: bf16 2^(max(E, 16) - 142), fp16 2^(max(E, 1) - 33), E the exponent field).
+template <typename W>
+struct Unit;
+
+template <>
+struct Unit<c10::BFloat16> {
+  static uint32_t exponent(c10::BFloat16 w) { return std::max<uint32_t>((w.x >> 7) & 0xFF, 16); }
+  static float unit(c10::BFloat16 w) { return bits_to_float((exponent(w) - 15) << 23); }
+  static float inv_unit(c10::BFloat16 w) { return bits_to_float((269 - exponent(w)) << 23); }
+};
+
+template <>
+struct Unit<c10::Half> {
+  static uint32_t exponent(c10::Half w) { return std::max<uint32_t>((w.x >> 10) & 0x1F, 1); }
+  static float unit(c10::Half w) { return bits_to_float((exponent(w) + 94) << 23); }
+  static float inv_unit(c10::Half w) { return bits_to_float((160 - exponent(w)) << 23); }
+};
+
+// 32 random bits from (flat index, step): the hash of the contract, modulo 2^32.
+inline uint32_t random_bits(int64_t idx, uint32_t step) {
+  uint32_t x = static_cast<uint32_t>(idx) * 0x9E3779B1u + step * 0x632BE5ABu;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 by stochastic rounding with 16 random bits (NaN -> the quiet NaN 0x7FC0).
+inline c10::BFloat16 round_bf16_stochastic(float x, uint32_t random16) {
+  const uint16_t out = std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>((float_to_bits(x) + random16) >> 16);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+// Entries [begin, end) of one tensor. W: weight dtype, G: gathered grad dtype.
+template <typename W, typename G, bool COMPACT>
+void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __restrict low,
+                const int32_t* __restrict offsets, int64_t n_windows, c10::BFloat16* __restrict m,
+                c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t k,
+                uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+  constexpr bool LOW_PRECISION = !std::is_same_v<W, float>;
+  const float sign = h.maximize ? -1.0f : 1.0f;
+  const float decay = h.lr * h.weight_decay;
+  // The window holding entry `begin`: the last w with offsets[w] <= begin.
+  int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
+  int64_t j = begin;
+  while (j < end) {
+    const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
+    const int64_t window_base = win << LEAN_WINDOW_BITS;
+    for (; j < stop; ++j) {
+      if (j + LEAN_PREFETCH_DISTANCE < k) {
+        const int64_t ahead = window_base + static_cast<uint16_t>(low[j + LEAN_PREFETCH_DISTANCE]);
+        if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
+        __builtin_prefetch(w + ahead, 1, 3);
+      }
+      const int64_t q = window_base + static_cast<uint16_t>(low[j]);
+      const float gj = sign * static_cast<float>(COMPACT ? g_src[j] : g_src[q]);
+      const W stored = w[q];
+      float wj = static_cast<float>(stored);
+      if constexpr (LOW_PRECISION) wj = wj + static_cast<float>(residual[j]) * Unit<W>::unit(stored);
+      const float mj = h.beta1 * static_cast<float>(m[j]) + h.one_minus_b1 * gj;
+      const float vj = h.beta2 * static_cast<float>(v[j]) + h.one_minus_b2 * gj * gj;
+      const float upd = -decay * wj - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
+      const float fresh = wj + upd;
+      const W rounded = static_cast<W>(fresh);
+      w[q] = rounded;
+      if constexpr (LOW_PRECISION) {
+        const float back = static_cast<float>(rounded);
+        float r = std::nearbyint((fresh - back) * Unit<W>::inv_unit(rounded));
+        r = std::min(127.0f, std::max(-128.0f, r));
+        residual[j] = std::isfinite(back) ? static_cast<int8_t>(r) : int8_t{0};
+      }
+      const uint32_t bits = random_bits(q, step);
+      m[j] = round_bf16_stochastic(mj, bits & 0xFFFFu);
+      v[j] = round_bf16_stochastic(vj, bits >> 16);
+    }
+    ++win;
+  }
+}
+#pragma GCC pop_options
+
+struct LeanSegment {
+  int64_t tensor, begin, end;
+};
+
+// First position in [begin, end) of tensor i whose low half breaks the layout (not above the
+// previous entry of its window, or past the weight in the last window), else -1. Checked per
+// chunk, just before the chunk is stepped, as the exact step does.
+int64_t first_bad_low(const int16_t* low, const int32_t* offsets, int64_t n_windows, int64_t numel, int64_t begin,
+                      int64_t end) {
+  int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
+  for (int64_t j = begin; j < end; ++win) {
+    const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
+    const int64_t limit = std::min<int64_t>(int64_t{1} << LEAN_WINDOW_BITS, numel - (win << LEAN_WINDOW_BITS));
+    for (; j < stop; ++j) {
+      const int64_t a = static_cast<uint16_t>(low[j]);
+      if (a >= limit || (j > offsets[win] && a <= static_cast<uint16_t>(low[j - 1]))) return j;
+    }
+  }
+  return -1;
+}
+
+template <typename W>
+void dispatch_lean(W* w, const at::Tensor& grad, bool compact, const int16_t* low, const int32_t* off,
+                   int64_t n_windows, c10::BFloat16* m, c10::BFloat16* v, int8_t* res, int64_t begin, int64_t end,
+                   int64_t k, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+  if (compact)
+    lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, k, step,
+                               step_size, inv_bc2_sqrt, h);
+  else
+    lean_chunk<W, W, false>(w, grad.data_ptr<W>(), low, off, n_windows, m, v, res, begin, end, k, step, step_size,
+                            inv_bc2_sqrt, h);
+}
+
+void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::TensorList indices_low,
+                           at::TensorList window_offsets, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                           at::TensorList residuals, at::TensorList steps, double lr, double beta1, double beta2,
+                           double eps, double weight_decay, bool maximize, bool compact_grads) {
+  const auto n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(indices_low.size()) == n, "indices_low must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(window_offsets.size()) == n, "window_offsets must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(exp_avgs.size()) == n, "exp_avgs must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(exp_avg_sqs.size()) == n, "exp_avg_sqs must have one tensor per param");
+  TORCH_CHECK(static_cast<int64_t>(steps.size()) == n, "steps must have one tensor per param");
+  const auto dtype = n ? params[0].scalar_type() : at::kFloat;
+  const bool low_precision = dtype != at::kFloat;
+  if (low_precision) {
+    TORCH_CHECK(static_cast<int64_t>(residuals.size()) == n, "residuals must have one tensor per bf16/fp16 param");
+  } else {
+    TORCH_CHECK(residuals.empty(), "residuals must be empty for float32 params");
+  }
+  std::vector<float> step_size(n), inv_bc2_sqrt(n);
+  std::vector<uint32_t> step_count(n);
+  std::vector<LeanSegment> work;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    const int64_t k = indices_low[i].numel();
+    const int64_t numel = p.numel();
+    const int64_t n_windows = (numel + (int64_t{1} << LEAN_WINDOW_BITS) - 1) >> LEAN_WINDOW_BITS;
+    for (const auto* t : {&p, &grads[i], &indices_low[i], &window_offsets[i], &exp_avgs[i], &exp_avg_sqs[i],
+                          &steps[i]}) {
+      TORCH_CHECK(t->device().is_cpu(),
+                  "params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs and steps must be CPU tensors");
+    }
+    TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
+    TORCH_CHECK(p.scalar_type() == dtype, "params must share one dtype");
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "params must be float32, bfloat16 or float16");
+    TORCH_CHECK(indices_low[i].scalar_type() == at::kShort && indices_low[i].dim() == 1 &&
+                    indices_low[i].is_contiguous(),
+                "indices_low must be contiguous 1-D int16 tensors");
+    TORCH_CHECK(window_offsets[i].scalar_type() == at::kInt && window_offsets[i].is_contiguous() &&
+                    window_offsets[i].numel() == n_windows + 1,
+                "window_offsets[", i, "] must be contiguous int32 with ceil(numel / 65536) + 1 = ", n_windows + 1,
+                " entries, got ", window_offsets[i].numel());
+    const int32_t* off = window_offsets[i].data_ptr<int32_t>();
+    TORCH_CHECK(off[0] == 0 && off[n_windows] == k, "window_offsets[", i, "] must start at 0 and end at k = ", k);
+    for (int64_t w = 0; w < n_windows; ++w) {
+      TORCH_CHECK(off[w + 1] >= off[w], "window_offsets[", i, "] must be non-decreasing (position ", w + 1, ")");
+    }
+    TORCH_CHECK(grads[i].is_contiguous(), "grads must be contiguous");
+    if (compact_grads) {
+      TORCH_CHECK(grads[i].scalar_type() == at::kFloat && grads[i].numel() == k,
+                  "grads must be fp32 with one entry per index when compact_grads=True");
+    } else {
+      TORCH_CHECK(grads[i].scalar_type() == dtype && grads[i].numel() == numel,
+                  "grads must match their params in dtype and numel");
+    }
+    for (const auto* t : {&exp_avgs[i], &exp_avg_sqs[i]}) {
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == k,
+                  "exp_avgs and exp_avg_sqs must be contiguous bf16 with one entry per index");
+    }
+    if (low_precision) {
+      TORCH_CHECK(residuals[i].device().is_cpu(), "residuals must be CPU tensors");
+      TORCH_CHECK(residuals[i].scalar_type() == at::kChar && residuals[i].is_contiguous() && residuals[i].numel() == k,
+                  "residuals must be contiguous int8 with one entry per index");
+    }
+    TORCH_CHECK(steps[i].numel() == 1, "steps must hold one value per param, got ", steps[i].numel(), " in steps[", i,
+                "]");
+    const double t = steps[i].item<double>();
+    TORCH_CHECK(t >= 1, "steps must be >= 1 (incremented before the update)");
+    step_count[i] = static_cast<uint32_t>(static_cast<uint64_t>(t));
+    // lr is taken in fp32 (as a device tensor lr is), then lr / bc1 in double.
+    step_size[i] = static_cast<float>(static_cast<double>(static_cast<float>(lr)) / (1.0 - std::pow(beta1, t)));
+    inv_bc2_sqrt[i] = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, t)));
+    for (int64_t b = 0; b < k; b += LEAN_CHUNK) work.push_back({i, b, std::min(k, b + LEAN_CHUNK)});
+  }
+  const LeanHyper h{static_cast<float>(lr),          static_cast<float>(beta1), static_cast<float>(beta2),
+                    static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(eps),
+                    static_cast<float>(weight_decay), maximize};
+  std::vector<int64_t> found(work.size(), -1);
+  // A grain of 16 chunks keeps small steps on the calling thread.
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const LeanSegment& s = work[c];
+      const int64_t i = s.tensor, k = indices_low[i].numel(), numel = params[i].numel();
+      const int64_t n_windows = window_offsets[i].numel() - 1;
+      const int16_t* low = indices_low[i].data_ptr<int16_t>();
+      const int32_t* off = window_offsets[i].data_ptr<int32_t>();
+      found[c] = first_bad_low(low, off, n_windows, numel, s.begin, s.end);
+      if (found[c] >= 0) continue;
+      auto* m = exp_avgs[i].data_ptr<c10::BFloat16>();
+      auto* v = exp_avg_sqs[i].data_ptr<c10::BFloat16>();
+      int8_t* res = low_precision ? residuals[i].data_ptr<int8_t>() : nullptr;
+      switch (dtype) {
+        case at::kFloat:
+          dispatch_lean<float>(params[i].data_ptr<float>(), grads[i], compact_grads, low, off, n_windows, m, v, res,
+                               s.begin, s.end, k, step_count[i], step_size[i], inv_bc2_sqrt[i], h);
+          break;
+        case at::kBFloat16:
+          dispatch_lean<c10::BFloat16>(params[i].data_ptr<c10::BFloat16>(), grads[i], compact_grads, low, off,
+                                       n_windows, m, v, res, s.begin, s.end, k, step_count[i], step_size[i],
+                                       inv_bc2_sqrt[i], h);
+          break;
+        case at::kHalf:
+          dispatch_lean<c10::Half>(params[i].data_ptr<c10::Half>(), grads[i], compact_grads, low, off, n_windows, m,
+                                   v, res, s.begin, s.end, k, step_count[i], step_size[i], inv_bc2_sqrt[i], h);
+          break;
+        default:
+          TORCH_CHECK(false, "params must be float32, bfloat16 or float16");
+      }
+    }
+  });
+  for (size_t c = 0; c < work.size(); ++c) {
+    if (found[c] < 0) continue;
+    const int64_t i = work[c].tensor;
+    TORCH_CHECK(false, "indices_low[", i, "] has ", static_cast<uint16_t>(indices_low[i].data_ptr<int16_t>()[found[c]]),
+                " at position ", found[c],
+                ": within a window the low halves must be strictly increasing and below the param's end");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sift, m) {
+  m.def(
+      "sparse_adamw_lean_(Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
+      "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool maximize, bool compact_grads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }
+
+}  // namespace sift
