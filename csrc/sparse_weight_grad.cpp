@@ -45,6 +45,8 @@ constexpr int64_t LANES = 8;
 constexpr int64_t CHUNK_ENTRIES = 2048;
 // Columns transposed per tile of the packing pass: the tile's Tb-float destination lines stay in L1.
 constexpr int64_t PACK_COLS = 64;
+// Multiply-adds (or packed values) a thread should have per token block before another helps.
+constexpr int64_t MIN_THREAD_WORK = int64_t{1} << 18;
 // The X columns of the entry this far ahead are prefetched: the columns of a row are scattered
 // over the packed panel, which the hardware prefetcher cannot follow.
 constexpr int64_t PREFETCH_ENTRIES = 8;
@@ -232,7 +234,11 @@ void run(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& indices, a
   float* o = out.data_ptr<float>();
   const int64_t ld_dy = dy.stride(0), ld_x = x.stride(0);
   const int64_t n_chunks = (k + CHUNK_ENTRIES - 1) / CHUNK_ENTRIES;
-  const int64_t n_threads = std::min<int64_t>(at::get_num_threads(), n_chunks);
+  // Below about 100 microseconds of work per token block a second thread costs more than it
+  // saves (waking it, and waiting at the join when the machine is busy).
+  const int64_t n_threads = std::clamp<int64_t>(k * tbp_max / MIN_THREAD_WORK, 1,
+                                                std::min<int64_t>(at::get_num_threads(), n_chunks));
+  const int64_t pack_grain = std::max<int64_t>(1, MIN_THREAD_WORK / (PACK_COLS * tbp_max));
   // Column of every entry, computed once for all token blocks (no division in the dot loops).
   const at::Tensor col_tensor = indices.remainder(C).to(at::kInt);
   const int32_t* cols = col_tensor.data_ptr<int32_t>();
@@ -241,7 +247,7 @@ void run(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& indices, a
   for (int64_t t0 = 0; t0 < T; t0 += tb_max) {
     const int64_t tb = std::min(tb_max, T - t0);
     const int64_t tbp = (tb + LANES - 1) / LANES * LANES;
-    at::parallel_for(0, pack_tiles, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, pack_tiles, pack_grain, [&](int64_t lo, int64_t hi) {
       for (int64_t p = lo; p < hi; ++p) {
         if (p < pack_tiles_d)
           pack(dy_ptr, ld_dy, t0, tb, tbp, p * PACK_COLS, std::min(R, (p + 1) * PACK_COLS), dp, isa);

@@ -17,6 +17,7 @@ import os
 
 SUITES = {
     "adamw": "sift.bench.adamw",
+    "backward": "sift.bench.backward",
     "delta": "sift.bench.delta",
     "heads": "sift.bench.heads",
     "memory": "sift.bench.memory",
