@@ -3,15 +3,17 @@
 - `SparseAdamW`, `clip_grad_norm_`: AdamW on a fixed sparse subset of each weight (SIFT).
 - `heads`: HiFi head scoring and selection (`sift.heads.score_heads`, ...).
 - `SparseDelta`, `merge_deltas`: fine-tunes as index-sorted deltas.
+- `enable_sparse_backward`: sparse weights' gradients computed only at their chosen entries.
 """
 
 from sift import heads
 from sift._ops import sparse_weight_grad
 from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
+from sift.sparse_backward import enable_sparse_backward
 from sift.targets import trainable_summary
 
 __version__ = "0.1.0"
 
-__all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "heads", "merge_deltas", "sparse_weight_grad",
-           "__version__"]
+__all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "enable_sparse_backward", "heads",
+           "merge_deltas", "sparse_weight_grad", "trainable_summary", "__version__"]

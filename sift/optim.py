@@ -230,19 +230,33 @@ class SparseAdamW(torch.optim.Optimizer):
         target_modules: str | list[str] | None = None,
         dense_modules: str | list[str] | None = None,
         selection: str = "magnitude",
+        sparse_backward: bool = False,
         **optimizer_kwargs: Any,
     ) -> SparseAdamW:
         """Train `model`'s attention projections sparsely and its task head densely; freeze the rest.
 
         See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
+        With `sparse_backward=True` (which implies `compact_grads=True`) each sparse linear weight's
+        gradient is computed only at its chosen entries after selection (`sift.sparse_backward`);
+        the handle that undoes it is `optimizer.sparse_backward_handle`.
 
         Example:
             >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
         """
         from sift.targets import for_model  # sift.targets imports this module
 
-        return for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
-                         selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+        if sparse_backward:
+            if optimizer_kwargs.get("compact_grads") is False:
+                raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
+                                 "buffers); leave compact_grads unset or True")
+            optimizer_kwargs["compact_grads"] = True
+        opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
+                        selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+        if sparse_backward:
+            from sift.sparse_backward import enable_sparse_backward
+
+            opt.sparse_backward_handle = enable_sparse_backward(model, opt)
+        return opt
 
     # ------------------------------------------------------------------ groups
 
@@ -586,6 +600,21 @@ class SparseAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._grad_ready.clear()
         self._init_step_caches()
+
+    def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a sparse backward adds this step's gradient of `param`: ([k] indices, [k] fp32
+        buffer), or None while its entries are not chosen (the dense gradient is needed then).
+
+        The first call of a step zeroes the buffer; later ones (micro-batches) add to it.
+        """
+        state = self.state.get(param, {})
+        if not self.compact_grads or "indices" not in state:
+            return None
+        buffer = self._compact[param]
+        if param not in self._grad_ready:
+            buffer.zero_()
+            self._grad_ready.add(param)
+        return state["indices"], buffer
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values.

@@ -1,0 +1,180 @@
+"""Sparse backward: after selection, a sparse weight's gradient is computed only at its chosen
+entries, straight into the optimizer's compact buffer; the dense weight gradient never exists.
+
+For a linear layer y = x W^T + b (W [out, in]) over T tokens, the backward needs
+
+    dX = dY W                                   [T, in]   as usual
+    g[j] = sum_t dY[t, row_j] * X[t, col_j]     [k]       row_j = idx_j // in, col_j = idx_j % in
+
+instead of the dense dW = dY^T X [out, in] (a third of the layer's training FLOPs and a
+weight-sized buffer). transformers' `Conv1D` stores W as [in, out] (y = x W + b): its flat
+index splits into (in-row, out-col), so the same op runs with X and dY swapped.
+
+During the selection steps the layer returns the dense gradient as before (selection needs it);
+from the first step after selection it returns none for the weight and adds the sampled product
+into the optimizer's compact buffer (gradient accumulation adds up). Biases and dense groups are
+untouched. The optimizer must be in `compact_grads` mode, whose step, clipping and process-group
+averaging already read those buffers.
+
+Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, autocast (bf16/
+fp16 compute; the op reads dY and X in the autocast dtype and accumulates in fp32), gradient
+checkpointing, several processes through the optimizer's `process_group` (k entries on the wire
+per weight). Not supported: wrapping the model in DDP (there is no weight gradient for it to
+reduce: pass `process_group` instead) and fp16 `GradScaler` (its unscale and inf check read
+`.grad`, which these weights no longer have; bf16 autocast needs no scaler).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from sift import _ops
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers.pytorch_utils.Conv1D, matched by name so transformers stays optional here.
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+class _SparseLinearFunction(torch.autograd.Function):
+    """y = x W^T + b (or x W + b for Conv1D) whose backward feeds the compact gradient of W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, route: _Route):
+        device_type = x.device.type
+        cast = _autocast_dtype(device_type)
+        # Autocast's casts, done here once so backward sees the dtypes forward used.
+        xc = x.to(cast) if cast is not None and x.is_floating_point() else x
+        wc = weight.to(cast) if cast is not None else weight
+        bc = bias.to(cast) if cast is not None and bias is not None else bias
+        with torch.autocast(device_type, enabled=False):
+            if route.transposed:
+                out = torch.matmul(xc, wc)
+                if bc is not None:
+                    out = out + bc
+            else:
+                out = nn.functional.linear(xc, wc, bc)
+        ctx.route = route
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(xc, wc)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, wc = ctx.saved_tensors
+        route: _Route = ctx.route
+        weight = route.weight
+        grad_out = grad_out.to(wc.dtype) if grad_out.dtype != wc.dtype else grad_out
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (torch.matmul(grad_out, wc.t()) if route.transposed else torch.matmul(grad_out, wc)).to(ctx.x_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[1]:
+            dy = grad_out.reshape(-1, grad_out.shape[-1])
+            x2 = xc.reshape(-1, xc.shape[-1])
+            target = route.optimizer.compact_grad_target(weight)
+            if target is None:
+                # Not selected yet: the dense gradient, which the selection step reads.
+                dense = x2.t() @ dy if route.transposed else dy.t() @ x2
+                grad_w = dense.to(weight.dtype)
+            else:
+                indices, buffer = target
+                # Linear: W[out, in], row = out. Conv1D: W[in, out], row = in: swap the operands.
+                a, b = (x2, dy) if route.transposed else (dy, x2)
+                _ops.call("sparse_weight_grad", a, b, indices, out=buffer)
+        return grad_x, grad_w, grad_b, None
+
+
+class _Route:
+    """What one patched layer needs in backward: its weight, layout and optimizer."""
+
+    def __init__(self, module: nn.Module, optimizer, transposed: bool):
+        self.weight = module.weight
+        self.optimizer = optimizer
+        self.transposed = transposed
+
+
+def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _SparseLinearFunction.apply(x, self.weight, self.bias, self._sift_route)
+
+
+class SparseBackwardHandle:
+    """The layers `enable_sparse_backward` patched; `remove()` restores their own forward."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.modules = modules
+
+    def remove(self) -> None:
+        for module in self.modules.values():
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_sift_route", None)
+        self.modules = {}
+
+    def __repr__(self) -> str:
+        return f"SparseBackwardHandle({len(self.modules)} layers: {', '.join(list(self.modules)[:4])}...)"
+
+
+def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] | None = None) -> SparseBackwardHandle:
+    """Route each sparsely trained linear weight of `model` through the sparse backward.
+
+    Args:
+        model: the model whose `nn.Linear` / transformers `Conv1D` layers to patch.
+        optimizer: a `sift.SparseAdamW` in `compact_grads` mode that trains those weights
+            in a sparse group (density < 1).
+        modules: dotted names of the layers to patch; default: every linear layer whose
+            weight is a sparse param of `optimizer`.
+
+    Returns:
+        A handle whose `remove()` restores the layers.
+
+    Raises:
+        ValueError: the optimizer is not in compact_grads mode, a named module is not a
+            linear layer, or its weight is not a sparse param of the optimizer.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        >>> opt = sift.SparseAdamW([model[0].weight], density=0.1, compact_grads=True)  # doctest: +SKIP
+        >>> handle = enable_sparse_backward(model, opt)  # doctest: +SKIP
+    """
+    from sift.optim import SparseAdamW
+
+    if not isinstance(optimizer, SparseAdamW):
+        raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
+    if not optimizer.compact_grads:
+        raise ValueError("sparse backward writes the optimizer's compact gradient buffers: build the optimizer "
+                         "with compact_grads=True")
+    sparse = {id(p) for group in optimizer.param_groups if group["density"] < 1.0 for p in group["params"]}
+    named = dict(model.named_modules())
+    if modules is None:
+        chosen = {name: m for name, m in named.items()
+                  if (isinstance(m, nn.Linear) or _is_conv1d(m)) and id(getattr(m, "weight", None)) in sparse}
+    else:
+        chosen = {}
+        for name in modules:
+            if name not in named:
+                raise ValueError(f"modules names {name!r}, which is not a module of the model")
+            m = named[name]
+            if not (isinstance(m, nn.Linear) or _is_conv1d(m)):
+                raise ValueError(f"module {name!r} is a {type(m).__name__}, not nn.Linear or transformers Conv1D")
+            if id(m.weight) not in sparse:
+                raise ValueError(f"the weight of module {name!r} is not in a sparse group of the optimizer")
+            chosen[name] = m
+    for name, m in chosen.items():
+        if "forward" in m.__dict__:
+            raise ValueError(f"module {name!r} already has its forward replaced (sparse backward enabled twice?)")
+    for m in chosen.values():
+        m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
+        m.forward = types.MethodType(_sparse_forward, m)
+    return SparseBackwardHandle(chosen)
