@@ -333,6 +333,9 @@ class SparseDelta:
         skipped with one warning naming them; with `base` (the state dict before training)
         their full difference to it is stored.
 
+        A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: it raises
+        ValueError; use `SparseDelta.from_diff(base_model, tuned_model)` instead.
+
         Args:
             optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
             model: the trained model; names come from `model.named_parameters()`.
@@ -353,6 +356,9 @@ class SparseDelta:
             >>> SparseDelta.from_optimizer(opt, model).nnz
             14
         """
+        if getattr(optimizer, "state_layout", "exact") == "lean":
+            raise ValueError("SparseDelta.from_optimizer needs the exact increments of SparseAdamW(state='exact'); "
+                             "a lean optimizer keeps none: use SparseDelta.from_diff(base_model, tuned_model)")
         names = {p: n for n, p in model.named_parameters()}
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None

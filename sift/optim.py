@@ -29,6 +29,23 @@ An entry re-added later takes its `delta` (and `base`) back from the record and 
 exports). The fused step never reads the record: it costs memory (with int32 indices, 8 bytes
 per retired entry, 10 for bf16/fp16), not time.
 
+`SparseAdamW(state="lean")` keeps at most 8 bytes per entry instead (6 for fp32 weights, 7
+for bf16/fp16, plus the tables below):
+
+    indices_low     [k] int16, the low 16 bits of the sorted flat positions
+    window_offsets  [ceil(numel / 65536) + 1] int32: entries of each 65536-element window (CSR)
+    exp_avg         [k] bf16, stored by stochastic rounding (random bits hashed from index and step)
+    exp_avg_sq      [k] bf16, likewise
+    residual        [k] int8, bf16/fp16 weights only: the exact weight is
+                    w + residual * ulp(w) / 256, so updates down to about ulp / 256 accumulate
+    step            0-d fp32 tensor
+
+The positions are exact. The moments are bf16: unbiased (stochastic rounding; rounding to
+nearest stalls the second moment), about 0.4% noise each. The weight is its own master: fp32
+weights are exact up to the bf16 moments; bf16/fp16 weights lose what lies below ulp / 256.
+There is no `delta` (so `SparseDelta.from_optimizer` refuses a lean optimizer: use
+`SparseDelta.from_diff`) and no retired record: entries `set_indices` drops simply leave.
+
 Groups with `density=1.0` are plain dense AdamW (torch's math), for a classifier head or
 LayerNorms. The fused step runs through `sift._ops` (Triton on CUDA, C++ on CPU, the torch
 reference anywhere).
@@ -92,6 +109,16 @@ def _steps(p: torch.Tensor) -> bool:
     return p.requires_grad and p.grad is not None
 
 
+def _selected(state: dict[str, Any]) -> bool:
+    """Whether a param state holds chosen entries (exact or lean layout)."""
+    return "indices" in state or "indices_low" in state
+
+
+def _num_entries(state: dict[str, Any]) -> int:
+    """k of a selected param state, in either layout."""
+    return (state["indices"] if "indices" in state else state["indices_low"]).numel()
+
+
 def _needs_base(p: torch.Tensor, keep_base: bool) -> bool:
     """Whether p's sparse state keeps `base` (bf16/fp16 always, fp32 with keep_base)."""
     return p.dtype != torch.float32 or keep_base
@@ -143,6 +170,12 @@ class SparseAdamW(torch.optim.Optimizer):
             anyway. Values written into the chosen entries by anything but the optimizer are
             overwritten at the next step (as for bf16/fp16 weights, which always keep a base).
             `load_state_dict` adopts the saved setting, like `select_steps`.
+        state: "exact" (the default: int32 indices, fp32 moments, the exact increment `delta`
+            and, for bf16/fp16 weights, `base`; 16 bytes per entry for fp32 weights, 18 for
+            bf16/fp16) or "lean" (at most 8 bytes per entry: 16-bit index halves under a window
+            table, bf16 moments by stochastic rounding, an int8 sub-ulp residual for bf16/fp16
+            weights; no `delta`, see the module docstring for what is exact). Not with
+            `keep_base`. `load_state_dict` adopts the saved setting.
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -171,8 +204,14 @@ class SparseAdamW(torch.optim.Optimizer):
         process_group: Any = None,
         backend: str | None = None,
         keep_base: bool = False,
+        state: str = "exact",
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay, density)
+        if state not in ("exact", "lean"):
+            raise ValueError(f"state must be 'exact' or 'lean', got {state!r}")
+        if state == "lean" and keep_base is True:
+            raise ValueError("keep_base=True keeps a base next to the exact increment; the lean state has "
+                             "neither (use state='exact')")
         if not isinstance(keep_base, bool):
             raise TypeError(f"keep_base must be a bool, got {keep_base!r}")
         if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
@@ -192,6 +231,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self.seed = seed
         self.compact_grads = compact_grads
         self.keep_base = keep_base
+        self.state_layout = state
         self.backend = backend
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
@@ -333,6 +373,17 @@ class SparseAdamW(torch.optim.Optimizer):
         k = indices.numel()
         zeros = dict(dtype=torch.float32, device=p.device)
         state.clear()
+        if self.state_layout == "lean":
+            low, offsets = _ops.encode_lean_indices(indices.to(p.device), _local(p).numel())
+            state["indices_low"], state["window_offsets"] = low, offsets
+            state["exp_avg"] = torch.zeros(k, dtype=torch.bfloat16, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(k, dtype=torch.bfloat16, device=p.device)
+            if p.dtype != torch.float32:
+                state["residual"] = torch.zeros(k, dtype=torch.int8, device=p.device)
+            state["step"] = torch.zeros((), **zeros)
+            if self.compact_grads:
+                self._compact[p] = torch.zeros(k, **zeros)
+            return
         state["indices"] = indices.to(p.device)
         state["exp_avg"] = torch.zeros(k, **zeros)
         state["exp_avg_sq"] = torch.zeros(k, **zeros)
@@ -369,7 +420,7 @@ class SparseAdamW(torch.optim.Optimizer):
             return []
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
         return [(group, p) for group, p in candidates
-                if "indices" not in self.state.get(p, {}) and _local(p).numel() > 0 and _steps(p)]
+                if not _selected(self.state.get(p, {})) and _local(p).numel() > 0 and _steps(p)]
 
     def _average_pending(self) -> None:
         """With a process group: average the pending params' dense grads across ranks (once a
@@ -417,7 +468,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 p.grad = None  # as the hook does once the entries are known
         # Only params still pending are scanned next time: after selection the per-step cost is nil.
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
-        self._pending = [(g, p) for g, p in candidates if "indices" not in self.state.get(p, {})
+        self._pending = [(g, p) for g, p in candidates if not _selected(self.state.get(p, {}))
                          and _local(p).numel() > 0]
 
     def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -431,7 +482,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if clipped is not None:
             compact.copy_(clipped)
         else:
-            compact.copy_(torch.index_select(_local(p.grad).reshape(-1), 0, self.state[p]["indices"]))
+            compact.copy_(torch.index_select(_local(p.grad).reshape(-1), 0, self.indices_of(p)))
         self._grad_ready.add(p)
 
     def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
@@ -467,6 +518,9 @@ class SparseAdamW(torch.optim.Optimizer):
         indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
         old = dict(self.state.get(param, {}))
         old_compact = self._compact.get(param) if param in self._grad_ready else None
+        if self.state_layout == "lean":
+            self._set_lean_indices(param, indices, old, old_compact)
+            return
         self._init_sparse_state(param, indices)
         state = self.state[param]
         state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
@@ -502,6 +556,46 @@ class SparseAdamW(torch.optim.Optimizer):
         state["retired_delta"] = values[0]
         if has_base:
             state["retired_base"] = values[1]
+
+    def _set_lean_indices(self, param: torch.Tensor, indices: torch.Tensor, old: dict[str, Any],
+                          old_compact: torch.Tensor | None) -> None:
+        """set_indices on the lean state: kept entries keep their moments and residual; there is
+        no increment to retire, so dropped entries simply leave (the weight keeps its value)."""
+        self._init_sparse_state(param, indices)
+        state = self.state[param]
+        state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
+        if "indices_low" not in old:
+            return
+        state["step"].copy_(old["step"])
+        kept, pos = _lookup(_ops.decode_lean_indices(old["indices_low"], old["window_offsets"]), indices)
+        for key in ("exp_avg", "exp_avg_sq", "residual"):
+            if key in state:
+                state[key][kept] = old[key][pos[kept]]
+        if old_compact is not None:
+            self._compact[param][kept] = old_compact[pos[kept]]
+
+    def indices_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The chosen entries of `param`: [k] sorted flat positions (int32, int64 past 2**31 elements).
+
+        The stored tensor for the exact state; decoded (a new [k] tensor) for the lean one.
+
+        Raises:
+            ValueError: `param`'s entries are not chosen yet.
+
+        Example:
+            >>> w = torch.nn.Parameter(torch.randn(4, 4))
+            >>> opt = SparseAdamW([w], density=0.5, state="lean")
+            >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
+            >>> opt.indices_of(w).tolist()
+            [0, 5, 10, 15]
+        """
+        state = self.state.get(param, {})
+        if "indices" in state:
+            return state["indices"]
+        if "indices_low" in state:
+            return _ops.decode_lean_indices(state["indices_low"], state["window_offsets"],
+                                            _index_dtype(_local(param).numel()))
+        raise ValueError("param has no chosen entries yet (not selected, or not managed by this optimizer)")
 
     # ---------------------------------------------------------- gradient hooks
 
@@ -545,19 +639,20 @@ class SparseAdamW(torch.optim.Optimizer):
         if grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
         state = self.state[p]
-        if "indices" not in state:
+        if not _selected(state):
             # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
             # selects from it, so micro-batches and skipped steps count exactly as there.
             return
         compact = self._compact[p]
         flat = grad.reshape(-1)
+        indices = self.indices_of(p)
         if p in self._grad_ready:
-            compact.add_(torch.index_select(flat, 0, state["indices"]))
+            compact.add_(torch.index_select(flat, 0, indices))
         elif flat.dtype == torch.float32:
-            torch.index_select(flat, 0, state["indices"], out=compact)
+            torch.index_select(flat, 0, indices, out=compact)
             self._grad_ready.add(p)
         else:
-            compact.copy_(torch.index_select(flat, 0, state["indices"]))
+            compact.copy_(torch.index_select(flat, 0, indices))
             self._grad_ready.add(p)
         p.grad = None
 
@@ -608,13 +703,13 @@ class SparseAdamW(torch.optim.Optimizer):
         The first call of a step zeroes the buffer; later ones (micro-batches) add to it.
         """
         state = self.state.get(param, {})
-        if not self.compact_grads or "indices" not in state:
+        if not self.compact_grads or not _selected(state):
             return None
         buffer = self._compact[param]
         if param not in self._grad_ready:
             buffer.zero_()
             self._grad_ready.add(param)
-        return state["indices"], buffer
+        return self.indices_of(param), buffer
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values.
@@ -623,7 +718,7 @@ class SparseAdamW(torch.optim.Optimizer):
         `param.grad.view(-1)[indices]` (a new tensor).
         """
         state = self.state.get(param, {})
-        if "indices" not in state:
+        if not _selected(state):
             return None
         if self.compact_grads:
             return self._compact[param] if param in self._grad_ready else None
@@ -633,7 +728,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if clipped is not None:
             return clipped
         # index_select takes the int32 indices as they are: no int64 copy on every clip.
-        return torch.index_select(_local(param.grad).reshape(-1), 0, state["indices"])
+        return torch.index_select(_local(param.grad).reshape(-1), 0, self.indices_of(param))
 
     # -------------------------------------------------------------------- step
 
@@ -655,7 +750,8 @@ class SparseAdamW(torch.optim.Optimizer):
                         f"expected {tuple(p.shape)} and {p.dtype}"
                     )
         for device in devices:  # a forced backend that cannot run raises here, not mid-step
-            _ops.resolve("sparse_adamw_", device, self.backend)
+            _ops.resolve("sparse_adamw_lean_" if self.state_layout == "lean" else "sparse_adamw_", device,
+                         self.backend)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -690,7 +786,7 @@ class SparseAdamW(torch.optim.Optimizer):
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "indices" not in state:
+            if not state or not _selected(state):
                 continue
             if self.compact_grads:
                 # The hook gathered a gradient this step (and freed .grad).
@@ -705,14 +801,24 @@ class SparseAdamW(torch.optim.Optimizer):
                 compact = grad is not None
                 if grad is None:
                     grad = _local(p.grad).contiguous()
-            buckets[(p.device, p.dtype, state["indices"].dtype, compact)].append((p, grad))
+            layout = state["indices"].dtype if "indices" in state else "lean"
+            buckets[(p.device, p.dtype, layout, compact)].append((p, grad))
         beta1, beta2 = group["betas"]
-        for (device, dtype, _, compact), members in buckets.items():
+        for (device, dtype, layout, compact), members in buckets.items():
             params = [p for p, _ in members]
             grads = [g for _, g in members]
             states = [self.state[p] for p in params]
             steps = [s["step"] for s in states]
-            _, fn = _ops.resolve("sparse_adamw_", device, self.backend)
+            lean = layout == "lean"
+            _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.backend)
+            if lean:
+                state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
+                              [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                              [s["residual"] for s in states] if dtype != torch.float32 else [])
+            else:
+                state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
+                              [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
+                              [s["base"] for s in states] if "base" in states[0] else [])
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != device:
                 lr = lr.to(device)
@@ -722,11 +828,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 fn(
                     [_local(p.detach()) for p in params],
                     grads,
-                    [s["indices"] for s in states],
-                    [s["exp_avg"] for s in states],
-                    [s["exp_avg_sq"] for s in states],
-                    [s["delta"] for s in states],
-                    [s["base"] for s in states] if "base" in states[0] else [],
+                    *state_args,
                     steps,
                     lr=lr,
                     beta1=beta1,
@@ -768,7 +870,7 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------- state dict
 
-    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "backend", "max_grad_norm",
+    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "state_layout", "backend", "max_grad_norm",
                 "_compact", "_grad_ready")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -789,6 +891,7 @@ class SparseAdamW(torch.optim.Optimizer):
         state.pop("process_group", None)  # pickled by earlier versions (always None there)
         super().__setstate__(state)
         self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
+        self.__dict__.setdefault("state_layout", "exact")
         self.process_group = None
         if had_process_group:
             warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
@@ -809,7 +912,7 @@ class SparseAdamW(torch.optim.Optimizer):
         """torch's layout, plus this optimizer's selection settings under "sift"."""
         sd = super().state_dict()
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "keep_base": self.keep_base, "format": 1}
+                      "keep_base": self.keep_base, "state": self.state_layout, "format": 1}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -849,13 +952,18 @@ class SparseAdamW(torch.optim.Optimizer):
         keep_base = meta.get("keep_base", False)  # states saved before the option kept no fp32 base
         if not isinstance(keep_base, bool):
             raise ValueError(f"state_dict['sift']['keep_base'] must be a bool, got {keep_base!r}")
+        layout = meta.get("state", "exact")  # states saved before the option are exact
+        if layout not in ("exact", "lean"):
+            raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
+        if layout == "lean" and keep_base:
+            raise ValueError("state_dict['sift'] has keep_base=True with state='lean', which keeps no base")
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
             p, density = id_map[pid]
             new_state[p] = self._load_param_state(p, saved_state, density, _needs_base(p, keep_base),
-                                                  f"state of param {pid}")
+                                                  f"state of param {pid}", lean=layout == "lean")
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -866,6 +974,7 @@ class SparseAdamW(torch.optim.Optimizer):
             group["betas"] = tuple(group["betas"])
             group["density"] = float(group["density"])
         self.keep_base = keep_base
+        self.state_layout = layout
         self.select_steps = meta.get("select_steps", self.select_steps)
         self.selection = meta.get("selection", self.selection)
         self.seed = meta.get("seed", self.seed)
@@ -873,16 +982,18 @@ class SparseAdamW(torch.optim.Optimizer):
         self._grad_ready.clear()
         if self.compact_grads:
             for p, state in self.state.items():
-                if "indices" in state:
-                    self._compact[p] = torch.zeros(state["indices"].numel(), dtype=torch.float32, device=p.device)
+                if _selected(state):
+                    self._compact[p] = torch.zeros(_num_entries(state), dtype=torch.float32, device=p.device)
         if self._hooks_ready:  # a group may have turned sparse or dense
             self._sync_hooks()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
     def _load_param_state(self, p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
-                          what: str) -> dict[str, Any]:
+                          what: str, lean: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        if density < 1.0 and (lean or "indices_low" in saved) and _selected(saved):
+            return self._load_lean_state(p, saved, lean, what)
         stray = [k for k in _RETIRED_KEYS if k in saved and "indices" not in saved]
         if stray:
             raise ValueError(f"{what}: {', '.join(stray)} without indices (a retired record needs a selection)")
@@ -931,6 +1042,44 @@ class SparseAdamW(torch.optim.Optimizer):
         out.update(self._load_retired(p, saved, out["indices"], has_base, what))
         return out
 
+    def _load_lean_state(self, p: torch.Tensor, saved: dict[str, Any], lean: bool, what: str) -> dict[str, Any]:
+        """The validated lean state of a selected sparse param."""
+        if not lean:
+            raise ValueError(f"{what}: a lean state (indices_low), but the state_dict's state is 'exact' (or absent)")
+        low_precision = p.dtype != torch.float32
+        stray = [key for key in ("indices", "delta", "base", *_RETIRED_KEYS) + (() if low_precision else ("residual",))
+                 if key in saved]
+        if stray:
+            raise ValueError(f"{what}: {', '.join(stray)} in a lean state (state='lean' keeps "
+                             f"{'a residual' if low_precision else 'no residual'} and no exact-state keys)")
+        keys = ("indices_low", "window_offsets", "exp_avg", "exp_avg_sq", "step") + (("residual",) if low_precision else ())
+        missing = [key for key in keys if key not in saved]
+        if missing:
+            raise ValueError(f"{what}: missing {', '.join(missing)}")
+        low, offsets = saved["indices_low"], saved["window_offsets"]
+        numel = _local(p).numel()
+        windows = _ops.lean_num_windows(numel)
+        if not isinstance(low, torch.Tensor) or low.dtype != torch.int16 or low.dim() != 1:
+            raise ValueError(f"{what}: indices_low must be a 1-D int16 tensor")
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
+            raise ValueError(f"{what}: window_offsets must be int32 of shape ({windows + 1},) for a param of "
+                             f"{numel} elements")
+        k = low.numel()
+        if int(offsets[0]) != 0 or int(offsets[-1]) != k or bool((offsets.diff() < 0).any()):
+            raise ValueError(f"{what}: window_offsets must rise from 0 to k = {k}")
+        _check_indices(_ops.decode_lean_indices(low.cpu(), offsets.cpu()), numel, f"{what}: decoded indices")
+        dtypes = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "residual": torch.int8}
+        for key in keys[2:4] + keys[5:]:
+            value = saved[key]
+            if not isinstance(value, torch.Tensor) or value.shape != (k,) or value.dtype != dtypes[key]:
+                got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{what}: {key} must be {dtypes[key]} of shape ({k},), got {got}")
+        out = {key: saved[key].detach().to(p.device).clone() for key in keys if key != "step"}
+        out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
+        if "selection_calls" in saved:
+            out["selection_calls"] = int(saved["selection_calls"])
+        return out
+
     def _load_retired(self, p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, has_base: bool,
                       what: str) -> dict[str, torch.Tensor]:
         """The validated retired record of a saved sparse state ({} when it has none)."""
@@ -967,7 +1116,8 @@ class SparseAdamW(torch.optim.Optimizer):
         """Optimizer-state memory: total bytes, trainable entries, and bytes per entry.
 
         Counts the sparse state (indices, moments, delta, base, step, and the retired record
-        that `set_indices` may leave) and the dense state of dense groups; compact gradient
+        that `set_indices` may leave; for the lean state its index halves, window table,
+        moments, residual and step) and the dense state of dense groups; compact gradient
         buffers are reported separately. `trainable_entries` counts active entries only.
         """
         total = entries = 0
@@ -976,8 +1126,8 @@ class SparseAdamW(torch.optim.Optimizer):
                 state = self.state.get(p, {})
                 tensors = [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "score"]
                 total += sum(t.numel() * t.element_size() for t in tensors)
-                if "indices" in state:
-                    entries += state["indices"].numel()
+                if _selected(state):
+                    entries += _num_entries(state)
                 elif "exp_avg" in state:
                     entries += _local(p).numel()
         grad_bytes = sum(t.numel() * t.element_size() for t in self._compact.values())
@@ -1036,14 +1186,14 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                     used.append(_local(p.grad))
                 continue
             state = optimizer.state.get(p, {})
-            if optimizer.compact_grads and "indices" in state:
+            if optimizer.compact_grads and _selected(state):
                 if p in optimizer._grad_ready:
                     used.append(optimizer._compact[p])
                 continue
             if not _steps(p):
                 continue
-            if "indices" in state:
-                indices = state["indices"]
+            if _selected(state):
+                indices = optimizer.indices_of(p)
             elif _local(p).numel() > 0 and optimizer._is_final_selection(p):
                 # This step will choose its entries: clip what it will read from them.
                 indices = optimizer._tentative_indices(group, p)
