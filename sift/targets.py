@@ -325,7 +325,8 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         raise ValueError(f"by must be 'kind' or 'param', got {by!r}")
     names = _param_names(model, optimizer)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    rows: dict[tuple[str, tuple[int, ...], str], list[int]] = {}  # (name, shape, mode) -> [count, entries, bytes, pending]
+    # (name, shape, mode) -> [params, entries, state bytes, params still pending]
+    rows: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     seen: set[int] = set()
     total_params = total_entries = total_bytes = 0
     # Params the optimizer holds outside the model (rare) still count.

@@ -145,10 +145,11 @@ def test_lm_head_is_dense_only_when_untied():
         pytest.param(r".*layer\.0\.attention\.self\.(query|value)", ["bert.encoder.layer.0.attention.self.query.weight",
                      "bert.encoder.layer.0.attention.self.value.weight"], id="one-regex-string"),
         pytest.param(["intermediate.dense", r"bert\.encoder\.layer\.1\.attention\.self\.k\w+"],
-                     ["bert.encoder.layer.0.intermediate.dense.weight", "bert.encoder.layer.1.intermediate.dense.weight",
+                     ["bert.encoder.layer.0.intermediate.dense.weight",
+                      "bert.encoder.layer.1.intermediate.dense.weight",
                       "bert.encoder.layer.1.attention.self.key.weight"], id="name-and-regex-list"),
-        pytest.param(["bert.encoder.layer.1.attention.self.query"], ["bert.encoder.layer.1.attention.self.query.weight"],
-                     id="full-name"),
+        pytest.param(["bert.encoder.layer.1.attention.self.query"],
+                     ["bert.encoder.layer.1.attention.self.query.weight"], id="full-name"),
     ],
 )
 def test_custom_target_modules(targets, expected):
