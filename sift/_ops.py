@@ -757,7 +757,8 @@ _SPARSE_WEIGHT_GRAD_REF_BYTES = 64 << 20
 
 
 def check_sparse_weight_grad_args(
-    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None
+    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate sparse_weight_grad's arguments; flatten the token dims.
 
@@ -792,8 +793,9 @@ def check_sparse_weight_grad_args(
                             or not out.is_contiguous() or out.device != device):
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"out must be a contiguous float32 [{k}] tensor on {device} (k = indices.numel()), got {got}")
-    if k:
-        # One host sync for the three facts; the position is looked up only on failure.
+    if k and check_values:
+        # One host sync for the three facts; the position is looked up only on failure. Callers
+        # whose indices are already validated (the optimizer's) skip it: no sync per layer.
         descending = indices[1:] <= indices[:-1]
         flags = torch.stack([descending.any(), indices[0] < 0, indices[-1].long() >= limit]).tolist()
         if flags[0]:
@@ -807,10 +809,11 @@ def check_sparse_weight_grad_args(
 
 
 def sparse_weight_grad_ref(
-    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None
+    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Plain-torch reference of the sampled product (see the contract above); fp32 math."""
-    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out)
+    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out, check_values)
     (t, c), k = x.shape, indices.numel()
     if out is None:
         out = torch.zeros(k, dtype=torch.float32, device=dy.device)
@@ -827,8 +830,8 @@ define("sparse_weight_grad", sparse_weight_grad_ref)
 
 
 @register("sparse_weight_grad", "cpp")
-def _sparse_weight_grad_cpp(grad_output, input, indices, out=None):
-    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out)
+def _sparse_weight_grad_cpp(grad_output, input, indices, out=None, check_values=True):
+    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out, check_values)
     # The kernel reads rows with unit stride; any row stride is fine.
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -839,10 +842,10 @@ def _sparse_weight_grad_cpp(grad_output, input, indices, out=None):
 
 
 @register("sparse_weight_grad", "triton")
-def _sparse_weight_grad_triton(grad_output, input, indices, out=None):
+def _sparse_weight_grad_triton(grad_output, input, indices, out=None, check_values=True):
     from sift.triton_kernels.sparse_weight_grad import sparse_weight_grad as launch
 
-    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out)
+    dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out, check_values)
     return launch(dy, x, indices, out)
 
 

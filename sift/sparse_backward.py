@@ -93,7 +93,8 @@ class _SparseLinearFunction(torch.autograd.Function):
                 indices, buffer = target
                 # Linear: W[out, in], row = out. Conv1D: W[in, out], row = in: swap the operands.
                 a, b = (x2, dy) if route.transposed else (dy, x2)
-                _ops.call("sparse_weight_grad", a, b, indices, out=buffer)
+                # The optimizer's indices are validated already: no host sync per layer.
+                _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
         return grad_x, grad_w, grad_b, None
 
 
