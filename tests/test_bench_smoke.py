@@ -47,11 +47,14 @@ def test_adamw_quick(tmp_path, monkeypatch):
     expected |= {("SparseAdamW", b, dt, f"{100 * d:g}%") for b in backends for dt in dtypes for d in adamw.DENSITIES}
     # fp32 runs again on the fast backend with keep_base=True.
     expected |= {("SparseAdamW", f"{backends[0]}, keep_base", "float32", f"{100 * d:g}%") for d in adamw.DENSITIES}
+    # Every dtype again on the fast backend with state="lean".
+    expected |= {("SparseAdamW", f"{backends[0]}, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     # The fast backend again with clip_grad_norm_ before each step.
     expected |= {("SparseAdamW", f"{backends[0]}, clip", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     if device.type == "cuda":
         expected |= {("SparseAdamW", "triton+graph", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
         expected |= {("SparseAdamW", "triton+graph, keep_base", "float32", f"{100 * d:g}%") for d in adamw.DENSITIES}
+        expected |= {("SparseAdamW", "triton+graph, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     got = [(r["optimizer"], r["backend"], r["dtype"], r["density"]) for r in rows]
     # Where the driver lets the run bound the L2 fetch size, each triton and fused row is
     # timed again under the bound ("..., L2 fetch 32 B").
@@ -66,6 +69,9 @@ def test_adamw_quick(tmp_path, monkeypatch):
             # sizes' 99 entries per tensor on CPU).
             per_entry = 4 + 8 + 4 + (4 if "keep_base" in r["backend"] else 2 if r["dtype"] != "float32" else 0)
             assert per_entry <= 20 and float(r["state B/entry"]) <= per_entry + 0.05, r
+            if r["backend"].endswith(", lean"):
+                # 6 B (fp32) or 7 B, plus the step and a 4-byte window offset per 65536 elements.
+                assert float(r["state B/entry"]) <= (6 if r["dtype"] == "float32" else 7) + 0.2, r
             if r["backend"].endswith(", clip"):
                 assert r["target x vs fused"] == "" and "`clip_grad_norm_` + step against the step alone" in markdown
             else:

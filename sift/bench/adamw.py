@@ -18,7 +18,10 @@ sparse step streams the index (4 B int32), reads and writes exp_avg, exp_avg_sq 
 sorted indices as distinct 32-byte sectors on GPU and 64-byte lines on CPU: one read of the
 gradient's, one read of the weight's (only without a base: weights with one are rebuilt from
 base + delta, never read) and one write of the weight's. fp32 runs on the fast backend twice,
-the second time with keep_base=True (rows "..., keep_base"). Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
+the second time with keep_base=True (rows "..., keep_base"). Every dtype also runs on the fast
+backend with state="lean" (rows "..., lean"): per entry a 2-byte index half, bf16 moments read
+and written (8 B), an int8 residual read and written for bf16/fp16 (2 B), and the weight read
+as without a base. Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
 exp_avg, exp_avg_sq: 7 elements per entry, states in the param dtype.
 
 Working set: 8 matrices of 4096x4096 fp32 on CPU (512 MB of params, past the last-level
@@ -137,10 +140,11 @@ def transactions_touched(indices: Sequence[torch.Tensor], elem_size: int, transa
 
 
 def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, transaction_bytes: int,
-                      keep_base: bool = False) -> int:
+                      keep_base: bool = False, lean: bool = False) -> int:
     """Bytes one SparseAdamW step must move (see the module docstring's byte model).
 
     `keep_base`: fp32 weights with a base (read per entry) instead of a random weight read.
+    `lean`: the lean state (16-bit index halves, bf16 moments, int8 residual for bf16/fp16).
 
     Example:
         >>> sparse_step_bytes([torch.tensor([0, 100], dtype=torch.int32)], torch.float32, 64)
@@ -148,8 +152,10 @@ def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, tra
     """
     entries = sum(int(i.numel()) for i in indices)
     elem = torch.empty((), dtype=w_dtype).element_size()
-    has_base = w_dtype != torch.float32 or keep_base
+    has_base = not lean and (w_dtype != torch.float32 or keep_base)
     per_entry = indices[0].element_size() + 6 * 4 + (elem if has_base else 0)
+    if lean:
+        per_entry = 2 + 4 * 2 + (2 if w_dtype != torch.float32 else 0)
     weight_passes = 2 if has_base else 3  # grad read, weight read (without a base), weight write
     return entries * per_entry + weight_passes * transaction_bytes * transactions_touched(indices, elem,
                                                                                          transaction_bytes)
@@ -170,7 +176,7 @@ def dense_adamw(params: Sequence[torch.nn.Parameter], flavour: str) -> torch.opt
 
 
 def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: str, keep_base: bool = False,
-                 indices: Sequence[torch.Tensor] | None = None) -> SparseAdamW:
+                 indices: Sequence[torch.Tensor] | None = None, state: str = "exact") -> SparseAdamW:
     """SparseAdamW past its first step (selection and state allocation), ready to time `step()`.
 
     Args:
@@ -180,13 +186,15 @@ def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: 
         keep_base: fp32 weights keep a base (the step writes base + delta, never reads them).
         indices: per param, [k] sorted flat positions to use instead of selecting, so that
             several optimizers step the same entries; None selects the top |grad|.
+        state: the optimizer state layout, "exact" or "lean".
 
     Example:
         >>> ps = make_params([(4, 8)], torch.float32, torch.device("cpu"))
         >>> sparse_adamw(ps, 0.25, "torch").state[ps[0]]["indices"].numel()
         8
     """
-    opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend, keep_base=keep_base)
+    opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend, keep_base=keep_base,
+                      state=state)
     if indices is not None:
         for p, idx in zip(params, indices):
             opt.set_indices(p, idx)
@@ -329,18 +337,20 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             fused_slots.append(_timer(device, repeat=3, warmup=1)(fused_opt.step)["samples_ms"])
         selected: list[torch.Tensor] | None = None
         # fp32 also with keep_base=True (base + delta, no weight read), on the fast backend only.
-        runs = [(b, False) for b in sparse_backends(device)]
+        # Every dtype also with state="lean", on the fast backend, next to its exact row.
+        runs = [(b, False, "exact") for b in sparse_backends(device)]
+        runs.insert(1, (runs[0][0], False, "lean"))
         if dtype == torch.float32:
-            runs.insert(1, (runs[0][0], True))
-        for backend, keep_base in runs:
-            opt = sparse_adamw(params, density, backend, keep_base, indices=selected)  # the same entries for all
+            runs.insert(2, (runs[0][0], True, "exact"))
+        for backend, keep_base, layout in runs:
+            opt = sparse_adamw(params, density, backend, keep_base, indices=selected, state=layout)  # same entries
             if selected is None:
-                selected = [opt.state[p]["indices"] for p in params]
-            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], keep_base)
-            label = f"{backend}, keep_base" if keep_base else backend
+                selected = [opt.indices_of(p) for p in params]
+            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], keep_base, layout == "lean")
+            label = f"{backend}, keep_base" if keep_base else f"{backend}, lean" if layout == "lean" else backend
             # (name, step, L2 fetch bound or None for the driver's default)
             variants: list[tuple[str, Callable[[], object], int | None]] = [(label, opt.step, None)]
-            if backend == runs[0][0] and not keep_base:
+            if backend == runs[0][0] and not keep_base and layout == "exact":
                 # Global-norm clipping over the used entries, then the step: the cost clipping adds.
                 def clip_and_step(opt=opt):
                     clip_grad_norm_(opt, CLIP_NORM)
