@@ -6,8 +6,8 @@
 // very different sizes. A chunk finds its first window by binary search over the window
 // offsets and then walks the windows it spans; within a window the flat index is the
 // window's base plus the 16-bit low half. Each entry is gathered, updated and scattered in one
-// pass, the weight and gradient lines prefetched PREFETCH_DISTANCE entries ahead (an address
-// guessed from the current window: a prefetch past the window is wasted, never a fault).
+// pass, the weight and gradient lines prefetched PREFETCH_DISTANCE entries ahead within the
+// chunk, whose flat positions are decoded first into a small local array.
 // The scalar loop is compiled with fp-contract off and does the reference's operations in
 // its order, so results match the torch reference bit for bit.
 
@@ -94,40 +94,47 @@ void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __res
   constexpr bool LOW_PRECISION = !std::is_same_v<W, float>;
   const float sign = h.maximize ? -1.0f : 1.0f;
   const float decay = h.lr * h.weight_decay;
-  // The window holding entry `begin`: the last w with offsets[w] <= begin.
+  // The flat positions of the chunk first (the window walk stays out of the update loop, and
+  // the prefetches below use exact addresses).
+  int64_t flat[LEAN_CHUNK];
+  const int64_t n = end - begin;
   int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
-  int64_t j = begin;
-  while (j < end) {
+  for (int64_t j = begin; j < end; ++win) {
     const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
     const int64_t window_base = win << LEAN_WINDOW_BITS;
-    for (; j < stop; ++j) {
-      if (j + LEAN_PREFETCH_DISTANCE < k) {
-        const int64_t ahead = window_base + static_cast<uint16_t>(low[j + LEAN_PREFETCH_DISTANCE]);
-        if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
-        __builtin_prefetch(w + ahead, 1, 3);
-      }
-      const int64_t q = window_base + static_cast<uint16_t>(low[j]);
-      const float gj = sign * static_cast<float>(COMPACT ? g_src[j] : g_src[q]);
-      const W stored = w[q];
-      float wj = static_cast<float>(stored);
-      if constexpr (LOW_PRECISION) wj = wj + static_cast<float>(residual[j]) * Unit<W>::unit(stored);
-      const float mj = h.beta1 * static_cast<float>(m[j]) + h.one_minus_b1 * gj;
-      const float vj = h.beta2 * static_cast<float>(v[j]) + h.one_minus_b2 * gj * gj;
-      const float upd = -decay * wj - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
-      const float fresh = wj + upd;
-      const W rounded = static_cast<W>(fresh);
-      w[q] = rounded;
-      if constexpr (LOW_PRECISION) {
-        const float back = static_cast<float>(rounded);
-        float r = std::nearbyint((fresh - back) * Unit<W>::inv_unit(rounded));
-        r = std::min(127.0f, std::max(-128.0f, r));
-        residual[j] = std::isfinite(back) ? static_cast<int8_t>(r) : int8_t{0};
-      }
-      const uint32_t bits = random_bits(q, step);
-      m[j] = round_bf16_stochastic(mj, bits & 0xFFFFu);
-      v[j] = round_bf16_stochastic(vj, bits >> 16);
+    for (; j < stop; ++j) flat[j - begin] = window_base + static_cast<uint16_t>(low[j]);
+  }
+  for (int64_t t = 0; t < std::min<int64_t>(n, LEAN_PREFETCH_DISTANCE); ++t) {
+    if (!COMPACT) __builtin_prefetch(g_src + flat[t], 0, 3);
+    __builtin_prefetch(w + flat[t], 1, 3);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + LEAN_PREFETCH_DISTANCE < n) {
+      const int64_t ahead = flat[t + LEAN_PREFETCH_DISTANCE];
+      if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
+      __builtin_prefetch(w + ahead, 1, 3);
     }
-    ++win;
+    const int64_t j = begin + t;
+    const int64_t q = flat[t];
+    const float gj = sign * static_cast<float>(COMPACT ? g_src[j] : g_src[q]);
+    const W stored = w[q];
+    float wj = static_cast<float>(stored);
+    if constexpr (LOW_PRECISION) wj = wj + static_cast<float>(residual[j]) * Unit<W>::unit(stored);
+    const float mj = h.beta1 * static_cast<float>(m[j]) + h.one_minus_b1 * gj;
+    const float vj = h.beta2 * static_cast<float>(v[j]) + h.one_minus_b2 * gj * gj;
+    const float upd = -decay * wj - step_size * mj / (std::sqrt(vj) * inv_bc2_sqrt + h.eps);
+    const float fresh = wj + upd;
+    const W rounded = static_cast<W>(fresh);
+    w[q] = rounded;
+    if constexpr (LOW_PRECISION) {
+      const float back = static_cast<float>(rounded);
+      float r = std::nearbyint((fresh - back) * Unit<W>::inv_unit(rounded));
+      r = std::min(127.0f, std::max(-128.0f, r));
+      residual[j] = std::isfinite(back) ? static_cast<int8_t>(r) : int8_t{0};
+    }
+    const uint32_t bits = random_bits(q, step);
+    m[j] = round_bf16_stochastic(mj, bits & 0xFFFFu);
+    v[j] = round_bf16_stochastic(vj, bits >> 16);
   }
 }
 #pragma GCC pop_options
