@@ -1,0 +1,144 @@
+"""One full training step (forward, backward, optimizer) of a Llama-architecture model built
+from a config, four ways: full AdamW, SIFT with the dense backward (`compact_grads=True`), SIFT
+with `sparse_backward=True`, and peft LoRA on the same modules.
+
+Each method runs in its own process, so its peak memory is its own: after two untimed steps
+(selection, state allocation), the process's peak resident set over the timed steps (VmHWM,
+reset before them) less its resident set before them, i.e. what a steady step allocates on top
+of weights and state. glibc is told to map every block of 64 KiB or more on its own
+(`MALLOC_MMAP_THRESHOLD_`), so freed tensors leave the resident set and the peak is the step's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+METHODS = ("full AdamW", "SIFT dense backward", "SIFT sparse backward", "LoRA r=16")
+LORA_RANK = 16
+COLUMNS = ("method", "density", "trainable", "median s/step", "p20 s", "p80 s", "step peak MiB",
+           "x vs dense-backward SIFT", "x vs LoRA")
+
+
+def model_config(quick: bool) -> dict[str, int]:
+    """A small Llama (GQA) that a 2-core CPU steps in about a second; `quick`: a toy."""
+    if quick:
+        return dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, seq=32, batch=2)
+    return dict(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, seq=256, batch=2)
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _one_method(method: str, quick: bool, density: float, steps: int, seed: int, threads: int) -> dict[str, object]:
+    import transformers
+
+    import sift
+
+    torch.set_num_threads(threads)
+    cfg = model_config(quick)
+    seq, batch = cfg.pop("seq"), cfg.pop("batch")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    model.train()
+    if method == "full AdamW":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        trainable = sum(p.numel() for p in model.parameters())
+    elif method.startswith("SIFT"):
+        sparse = method == "SIFT sparse backward"
+        opt = sift.SparseAdamW.for_model(model, density=density, lr=1e-4, target_modules=list(TARGETS),
+                                         dense_modules=[], compact_grads=True, sparse_backward=sparse)
+        trainable = sum(max(1, round(density * p.numel())) for g in opt.param_groups for p in g["params"])
+    else:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                                                           target_modules=list(TARGETS), lora_dropout=0.0))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        trainable = sum(p.numel() for p in params)
+    gen = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen) for _ in range(steps + 2)]
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(batches[0])  # selection (SIFT) and state allocation: not timed
+    step(batches[1])
+    rss_before = _rss_kib("VmRSS")
+    peak_ok = _reset_peak()
+    times = []
+    for ids in batches[2:]:
+        t0 = time.perf_counter()
+        step(ids)
+        times.append(time.perf_counter() - t0)
+    peak = (_rss_kib("VmHWM") - rss_before) / 1024 if peak_ok else float("nan")
+    return {"method": method, "times": times, "peak_mib": peak, "trainable": trainable}
+
+
+def _run_in_process(args: tuple) -> dict[str, object]:
+    return _one_method(*args)
+
+
+def step_table(quick: bool, density: float = 0.01, steps: int | None = None) -> list[dict[str, object]]:
+    """Time each method's training step in its own process; rows for the backward suite's table.
+
+    Args:
+        quick: the toy model (seconds).
+        density: the SIFT density (LoRA uses rank 16 whatever it is).
+        steps: timed steps per method (default 3 quick, 8 full).
+
+    Returns:
+        One row per method with the columns of `COLUMNS` (ratios filled in).
+    """
+    from sift.bench._harness import summary
+
+    steps = steps or (3 if quick else 8)
+    threads = torch.get_num_threads()
+    ctx = mp.get_context("spawn")
+    results = []
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when the child starts
+    try:
+        for method in METHODS:
+            with ctx.Pool(1) as pool:
+                results.append(pool.apply(_run_in_process, ((method, quick, density, steps, 0, threads),)))
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    rows = []
+    for r in results:
+        s = summary([t * 1e3 for t in r["times"]])
+        rows.append({"method": r["method"], "density": f"{100 * density:g}%" if r["method"].startswith("SIFT") else "",
+                     "trainable": r["trainable"], "median s/step": s["median_ms"] / 1e3, "p20 s": s["p20_ms"] / 1e3,
+                     "p80 s": s["p80_ms"] / 1e3, "step peak MiB": r["peak_mib"]})
+    by = {r["method"]: r["median s/step"] for r in rows}
+    for r in rows:
+        r["x vs dense-backward SIFT"] = by["SIFT dense backward"] / r["median s/step"]
+        r["x vs LoRA"] = by["LoRA r=16"] / r["median s/step"]
+    return rows
