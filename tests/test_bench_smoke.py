@@ -193,3 +193,17 @@ def test_cuda_event_timer_reports_seconds_between_events(monkeypatch):
     FakeEvent.clock_ms = 2.5
     end = _harness.cuda_event_timer()
     assert end - start == pytest.approx(2.5e-3)
+
+
+def test_backward_quick(tmp_path, monkeypatch):
+    from sift.bench import backward, train_step
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    markdown = backward.run(quick=True)
+    assert "One training step" in markdown and "Targets (CPU" in markdown
+    saved = _saved(tmp_path, "backward")
+    methods = [r["method"] for r in saved["rows"] if "method" in r]
+    assert methods == list(train_step.METHODS)
+    for r in saved["rows"]:
+        if "method" in r:
+            assert float(r["median s/step"]) > 0 and int(r["trainable"]) > 0
