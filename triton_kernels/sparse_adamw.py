@@ -71,6 +71,8 @@ def _sparse_adamw_kernel(
     lr,
     beta1,
     beta2,
+    one_minus_beta1,
+    one_minus_beta2,
     log2_beta1,
     log2_beta2,
     eps,
@@ -121,8 +123,10 @@ def _sparse_adamw_kernel(
     v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
     d = tl.load(d_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first" if EVICT_FIRST else "")
 
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    # 1 - beta comes from the host in double precision, as torch's AdamW takes it: in fp32,
+    # 1 - 0.999 is 5e-5 off and would bias every second moment.
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
 
     # Bias corrections in fp64 (scalars, once per program): in fp32, 1 - beta^t cancels for
     # beta near 1 (beta2 = 0.99999 at t = 1 leaves 1e-5 with an absolute error of ~6e-8).
@@ -384,6 +388,8 @@ def sparse_adamw_(
         0.0 if lr_on_device else float(lr),
         float(beta1),
         float(beta2),
+        1.0 - float(beta1),
+        1.0 - float(beta2),
         log2_beta1,
         log2_beta2,
         float(eps),
