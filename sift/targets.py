@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.optim import SparseAdamW, _local
+from sift.optim import SparseAdamW, _local, _num_entries, _selected
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -346,8 +346,8 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
             mode, entries = "dense", numel
         else:
             mode = "sparse"
-            if "indices" in state:
-                entries = state["indices"].numel()
+            if _selected(state):  # either layout: exact `indices` or lean `indices_low`
+                entries = _num_entries(state)
             else:
                 entries = max(1, entries_for(group["density"], numel)) if numel else 0
                 pending = 1
@@ -388,8 +388,8 @@ def planned_entries(optimizer: SparseAdamW) -> int:
             state = optimizer.state.get(p, {})
             if group["density"] >= 1.0:
                 total += numel
-            elif "indices" in state:
-                total += state["indices"].numel()
+            elif _selected(state):
+                total += _num_entries(state)
             elif numel:
                 total += max(1, entries_for(group["density"], numel))
     return total

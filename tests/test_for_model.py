@@ -351,3 +351,27 @@ def test_trainer_target_errors_before_touching_the_model(tmp_path, kwargs, messa
     with pytest.raises(ValueError, match=message):
         SparseTrainer(model=model, args=_train_args(tmp_path), train_dataset=_tiny_train_data(), **kwargs)
     _assert_untouched(model, before)
+
+
+def test_trainable_summary_and_planned_entries_read_the_lean_state():
+    """Lean params (indices_low, no `indices`) were shown as still pending after their first step."""
+    from sift.targets import planned_entries
+
+    model = _bert()
+    opt = SparseAdamW.for_model(model, density=0.05, state="lean")
+    k = math.ceil(0.05 * 1024)
+    entries = 8 * k + 66
+    assert planned_entries(opt) == entries
+    model(**_batch(model)).loss.backward()
+    opt.step()
+    rows = _summary_rows(sift.trainable_summary(model, opt, by="param"))
+    by_name = {r[0]: r for r in rows}
+    params = dict(model.named_parameters())
+    for name in EXPECTED_SPARSE["bert"]:
+        state = opt.state[params[name]]
+        assert "indices" not in state and opt.indices_of(params[name]).numel() == k
+        nbytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        assert by_name[name][2:] == ["sparse", f"{k:,}", f"{nbytes:,}"]
+    assert rows[-1][3].startswith(f"**{entries:,}**")
+    assert sum(int(r[4].replace(",", "")) for r in rows[:-1]) == int(opt.state_bytes()["state_bytes"])
+    assert planned_entries(opt) == entries
