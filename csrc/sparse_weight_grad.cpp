@@ -12,9 +12,13 @@
 // horizontal reduction for the four), with the X columns of later entries prefetched. Each
 // block adds its partial sums into out, so the result is summed in fp32 over Tb-token blocks.
 //
-// Threads take fixed-size chunks of entries from a shared counter: a machine shared with other
-// work makes static splits straggle, and chunks are not aligned to rows because one row may
-// hold most of the entries (a chunk that starts inside a row just re-reads its dY^T row).
+// Threads split the tokens, not the entries: each sums its own range of tokens for every entry,
+// with its own panels, into a [k] partial sum (the first thread's is out itself), and the
+// partial sums are added at the end. So no thread waits for another until that final sum: on
+// a machine shared with other work, a barrier per token block (shared panels) cost a
+// scheduler time slice whenever one thread was preempted (6x slower at 2048 tokens, 2 cores).
+// The price is a [k] fp32 buffer per extra thread, and a sum whose order of tokens depends on
+// the thread count (every order is fp32 over fp32 products).
 //
 // The dot-product body is compiled for AVX2+FMA and generically, and chosen at run time.
 #include <ATen/ATen.h>
@@ -29,7 +33,6 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -40,13 +43,15 @@ namespace {
 
 // Packed token rows are padded to a multiple of this (one AVX2 vector of fp32).
 constexpr int64_t LANES = 8;
-// Entries per chunk handed to a thread: enough to amortise the row lookup at a chunk's start,
-// few enough that the last chunks even out the threads.
-constexpr int64_t CHUNK_ENTRIES = 2048;
-// Columns transposed per tile of the packing pass: the tile's Tb-float destination lines stay in L1.
+// Columns transposed per tile of the scalar packing pass: the tile's destination lines stay in L1.
 constexpr int64_t PACK_COLS = 64;
-// Multiply-adds (or packed values) a thread should have per token block before another helps.
+// Each thread sums a range of at least this many tokens for every entry.
+constexpr int64_t MIN_GROUP_TOKENS = 32;
+// Multiply-adds (and packed values) a thread should have before another one helps: below
+// about 100 microseconds of work, waking a thread costs more than it saves.
 constexpr int64_t MIN_THREAD_WORK = int64_t{1} << 18;
+// Entries per task of the final sum of the threads' partial sums.
+constexpr int64_t REDUCE_GRAIN = int64_t{1} << 14;
 // The X columns of the entry this far ahead are prefetched: the columns of a row are scattered
 // over the packed panel, which the hardware prefetcher cannot follow.
 constexpr int64_t PREFETCH_ENTRIES = 8;
@@ -224,43 +229,43 @@ void run(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& indices, a
   const int64_t T = dy.size(0), R = dy.size(1), C = x.size(1), k = indices.numel();
   const int64_t tb_max = token_block > 0 ? token_block : choose_token_block(T, C);
   const int64_t tbp_max = (tb_max + LANES - 1) / LANES * LANES;
-  at::Tensor dpanel = at::empty({R * tbp_max}, out.options());
-  at::Tensor xpanel = at::empty({C * tbp_max}, out.options());
-  float* dp = dpanel.data_ptr<float>();
-  float* xp = xpanel.data_ptr<float>();
+  const int64_t work = (k + R + C) * T;  // multiply-adds plus packed values
+  const int64_t groups = std::clamp<int64_t>(
+      std::min({static_cast<int64_t>(at::get_num_threads()), T / MIN_GROUP_TOKENS, work / MIN_THREAD_WORK}), 1,
+      std::max<int64_t>(1, at::get_num_threads()));
+  // Column of every entry, computed once for all token blocks (no division in the dot loops).
+  const at::Tensor col_tensor = indices.remainder(C).to(at::kInt);
+  const int32_t* cols = col_tensor.data_ptr<int32_t>();
+  // Per group: its panels Dp [R, Tb] and Xp [C, Tb]; groups after the first also a [k] partial sum.
+  const int64_t panel_floats = (R + C) * tbp_max;
+  at::Tensor scratch = at::empty({groups * panel_floats + (groups - 1) * k}, out.options());
+  float* panels = scratch.data_ptr<float>();
+  float* partials = panels + groups * panel_floats;
   const S* dy_ptr = dy.data_ptr<S>();
   const S* x_ptr = x.data_ptr<S>();
   const I* idx = indices.data_ptr<I>();
   float* o = out.data_ptr<float>();
   const int64_t ld_dy = dy.stride(0), ld_x = x.stride(0);
-  const int64_t n_chunks = (k + CHUNK_ENTRIES - 1) / CHUNK_ENTRIES;
-  // Below about 100 microseconds of work per token block a second thread costs more than it
-  // saves (waking it, and waiting at the join when the machine is busy).
-  const int64_t n_threads = std::clamp<int64_t>(k * tbp_max / MIN_THREAD_WORK, 1,
-                                                std::min<int64_t>(at::get_num_threads(), n_chunks));
-  const int64_t pack_grain = std::max<int64_t>(1, MIN_THREAD_WORK / (PACK_COLS * tbp_max));
-  // Column of every entry, computed once for all token blocks (no division in the dot loops).
-  const at::Tensor col_tensor = indices.remainder(C).to(at::kInt);
-  const int32_t* cols = col_tensor.data_ptr<int32_t>();
-  const int64_t pack_tiles_d = (R + PACK_COLS - 1) / PACK_COLS;
-  const int64_t pack_tiles = pack_tiles_d + (C + PACK_COLS - 1) / PACK_COLS;
-  for (int64_t t0 = 0; t0 < T; t0 += tb_max) {
-    const int64_t tb = std::min(tb_max, T - t0);
-    const int64_t tbp = (tb + LANES - 1) / LANES * LANES;
-    at::parallel_for(0, pack_tiles, pack_grain, [&](int64_t lo, int64_t hi) {
-      for (int64_t p = lo; p < hi; ++p) {
-        if (p < pack_tiles_d)
-          pack(dy_ptr, ld_dy, t0, tb, tbp, p * PACK_COLS, std::min(R, (p + 1) * PACK_COLS), dp, isa);
-        else {
-          const int64_t c0 = (p - pack_tiles_d) * PACK_COLS;
-          pack(x_ptr, ld_x, t0, tb, tbp, c0, std::min(C, c0 + PACK_COLS), xp, isa);
-        }
+  at::parallel_for(0, groups, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g) {
+      float* dp = panels + g * panel_floats;
+      float* xp = dp + R * tbp_max;
+      float* acc = g == 0 ? o : partials + (g - 1) * k;
+      if (g > 0) std::fill(acc, acc + k, 0.0f);
+      for (int64_t t0 = T * g / groups, t_end = T * (g + 1) / groups; t0 < t_end; t0 += tb_max) {
+        const int64_t tb = std::min(tb_max, t_end - t0);
+        const int64_t tbp = (tb + LANES - 1) / LANES * LANES;
+        pack(dy_ptr, ld_dy, t0, tb, tbp, 0, R, dp, isa);
+        pack(x_ptr, ld_x, t0, tb, tbp, 0, C, xp, isa);
+        chunk_dots<I>(dp, xp, tbp, idx, cols, 0, k, k, C, acc, isa);
       }
-    });
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
-      for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-        chunk_dots<I>(dp, xp, tbp, idx, cols, c * CHUNK_ENTRIES, std::min(k, (c + 1) * CHUNK_ENTRIES), k, C, o, isa);
+    }
+  });
+  if (groups > 1) {
+    at::parallel_for(0, k, REDUCE_GRAIN, [&](int64_t lo, int64_t hi) {
+      for (int64_t g = 1; g < groups; ++g) {
+        const float* part = partials + (g - 1) * k;
+        for (int64_t j = lo; j < hi; ++j) o[j] += part[j];
       }
     });
   }

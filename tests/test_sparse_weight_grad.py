@@ -231,6 +231,23 @@ def test_cpp_isa_and_token_blocks(isa, token_block, dtype, index_dtype):
     _assert_close(out, dy, x, idx)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+def test_cpp_token_ranges_per_thread(threads):
+    """Each thread sums its own range of tokens into a partial sum; the ranges add up to all tokens."""
+    _require("cpp")
+    dy, x, gen = _inputs(1001, 41, 33, torch.float32, seed=7)
+    idx = _random_indices(41 * 33, 1300, gen, torch.int32)
+    before = torch.randn(1300, generator=gen)
+    out = before.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out, "auto", 16)
+    finally:
+        torch.set_num_threads(saved)
+    _assert_close(out - before, dy, x, idx)
+
+
 def test_cpp_op_refuses_bad_indices():
     """The public torch.ops op checks indices itself: a wild read or a race otherwise."""
     _require("cpp")
@@ -254,3 +271,26 @@ def test_triton_block_sizes_and_strides(blocks, dtype):
     idx = _random_indices(21 * 11, 70, gen, torch.int32)
     got = launch(dy, x, idx, block_k=blocks[0], block_t=blocks[1])
     _assert_close(got, dy, x, idx)
+
+
+def test_cpp_op_traces_with_fake_tensors():
+    """The op's Meta kernel lets FakeTensor (torch.compile) trace it without running it."""
+    _require("cpp")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.zeros(3)
+        torch.ops.sift.sparse_weight_grad_(torch.randn(4, 3), torch.randn(4, 5), torch.tensor([1, 6, 9]), out)
+        assert out.shape == (3,) and out.dtype == torch.float32
+
+
+def test_bench_backward_op_table_quick():
+    """The benchmark's op table runs and has one row per configuration."""
+    from sift.bench import backward
+
+    rows, markdown = backward._op_table(quick=True)
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(backward.OP_COLUMNS)
+    n = len(backward.QUICK_SHAPES) * len(backward.QUICK_TOKENS) * len(backward.DTYPES) * len(backward.DENSITIES)
+    assert len(lines) == n + 2 and len(rows) == n
+    assert all(r["median ms"] > 0 and r["dense median ms"] > 0 for r in rows)
