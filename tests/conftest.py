@@ -76,3 +76,25 @@ def pytest_runtest_setup(item):
 
 requires_cpp = pytest.mark.requires_cpp
 requires_triton = pytest.mark.requires_triton
+
+# The optimizer-step backends and weight dtypes every kernel test runs over.
+BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("cpp", id="cpp", marks=requires_cpp),
+    pytest.param("triton", id="triton", marks=requires_triton),
+]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+          pytest.param(torch.float16, id="fp16")]
+
+
+def capture_step(opt) -> "torch.cuda.CUDAGraph":
+    """One `opt.step()` warmed up on a side stream (as CUDA graphs require), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    return graph

@@ -9,15 +9,8 @@ import torch
 
 from sift import SparseAdamW, SparseDelta, _ops, clip_grad_norm_
 from sift.triton_kernels._rounding import round_to_bf16  # noqa: F401  (Triton importable where the tests run)
-from conftest import requires_cpp, requires_triton
+from conftest import BACKENDS, DTYPES, requires_cpp
 
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("cpp", id="cpp", marks=requires_cpp),
-    pytest.param("triton", id="triton", marks=requires_triton),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
-          pytest.param(torch.float16, id="fp16")]
 # Weights of the kernel tests: several 65536-element windows (one left empty), a short tail
 # window, and tensors smaller than one window.
 KERNEL_SHAPES = [(70001, 3), (300, 501), (7,), (1, 1)]

@@ -13,15 +13,9 @@ import torch
 
 import sift
 from sift import SparseAdamW, _ops
-from conftest import TOLERANCES, cpp_available, requires_cpp, requires_triton, triton_available
+from conftest import (BACKENDS, DTYPES, TOLERANCES, capture_step, cpp_available, requires_cpp, requires_triton,
+                      triton_available)
 
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("cpp", id="cpp", marks=requires_cpp),
-    pytest.param("triton", id="triton", marks=requires_triton),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
-          pytest.param(torch.float16, id="fp16")]
 SHAPES = [pytest.param((37, 29), id="37x29"), pytest.param((1, 1), id="1x1"), pytest.param((513,), id="513"),
           pytest.param((3, 5, 7), id="3x5x7")]
 
@@ -1185,15 +1179,8 @@ def test_cuda_graph_capture_follows_lr_tensor(keep_base):
     w.grad, ref.grad = g.clone(), g.clone()
     opt.step()  # selection happens eagerly
     opt_ref.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        opt.step()  # warm-up on the side stream (compiles the kernel)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_step(opt)  # its warm-up step compiles the kernel
     opt_ref.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
     for new_lr in (5e-3, 1e-3):
         lr.fill_(new_lr)
         opt_ref.param_groups[0]["lr"] = new_lr
@@ -1258,15 +1245,8 @@ def test_captured_step_survives_another_optimizer_of_the_same_shapes():
         p.grad, r.grad, o.grad = g.clone(), g.clone(), torch.randn_like(o)
     opt.step()
     opt_ref.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_step(opt)
     opt_ref.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
     for _ in range(3):
         opt_other.step()  # same shapes and dtypes: same cache key before the fix
         graph.replay()

@@ -11,10 +11,8 @@ import torch
 import sift
 from sift import SparseAdamW, _ops
 from sift._index import top_k_positions
-from conftest import requires_cpp, requires_triton
+from conftest import BACKENDS, capture_step
 
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("cpp", id="cpp", marks=requires_cpp),
-            pytest.param("triton", id="triton", marks=requires_triton)]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -244,15 +242,8 @@ def test_dense_and_sparse_groups_with_tensor_lr_capture_in_a_cuda_graph():
         r.grad = p.grad.clone()
     opt.step()
     opt_ref.step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph = capture_step(opt)
     opt_ref.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
     for _ in range(3):
         graph.replay()
         opt_ref.step()
