@@ -176,6 +176,21 @@ class SparseAdamW(torch.optim.Optimizer):
             table, bf16 moments by stochastic rounding, an int8 sub-ulp residual for bf16/fp16
             weights; no `delta`, see the module docstring for what is exact). Not with
             `keep_base`. `load_state_dict` adopts the saved setting.
+        update_in_backward: with `compact_grads=True`, step each selected sparse weight as soon
+            as its gradient is complete: inside its gradient hook (after the gather), or, with
+            the sparse backward, right after the layer wrote its compact gradient. Its [k]
+            gradient lives in one scratch buffer per device, sized to the largest k and reused
+            by every weight, so no per-weight compact gradient buffer outlives its layer's
+            backward (`state_bytes()["compact_grad_bytes"]` counts the scratch). The selection
+            step(s) still run in `step()` on dense gradients (and apply the first update there);
+            afterwards `step()` only steps dense groups and keeps the books. One backward per
+            `step()`: a second backward reaching a weight before `step()` raises RuntimeError
+            (no micro-batch accumulation). `max_grad_norm` clips per tensor: each weight's
+            compact gradient (and each dense group's gradient) is scaled to norm at most
+            `max_grad_norm` on its own, since no global norm exists while layers are still
+            being stepped; `sift.clip_grad_norm_` raises in this mode. Not with a
+            `process_group` (the ranks' gradients would have to be averaged inside backward)
+            nor with fp16 GradScaler (it reads `.grad`, which these weights no longer have).
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -205,8 +220,17 @@ class SparseAdamW(torch.optim.Optimizer):
         backend: str | None = None,
         keep_base: bool = False,
         state: str = "exact",
+        update_in_backward: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay, density)
+        if not isinstance(update_in_backward, bool):
+            raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
+        if update_in_backward and not compact_grads:
+            raise ValueError("update_in_backward=True needs compact_grads=True (the update runs in the gradient "
+                             "hooks of compact_grads mode)")
+        if update_in_backward and process_group is not None:
+            raise ValueError("update_in_backward=True does not support a process_group: each weight is stepped "
+                             "inside backward, before its gradient could be averaged across ranks")
         if state not in ("exact", "lean"):
             raise ValueError(f"state must be 'exact' or 'lean', got {state!r}")
         if state == "lean" and keep_base is True:
@@ -235,7 +259,12 @@ class SparseAdamW(torch.optim.Optimizer):
         self.backend = backend
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
+        self.update_in_backward = update_in_backward
         self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
+        # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
+        # the sparse params a backward reached since the last step() (a second backward raises).
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._backward_seen: set[torch.Tensor] = set()
         # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
         # as long as this optimizer (never in state_dict, pickles or copies).
         self._kernel_cache: dict = {}
@@ -381,7 +410,7 @@ class SparseAdamW(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 state["residual"] = torch.zeros(k, dtype=torch.int8, device=p.device)
             state["step"] = torch.zeros((), **zeros)
-            if self.compact_grads:
+            if self.compact_grads and not self.update_in_backward:
                 self._compact[p] = torch.zeros(k, **zeros)
             return
         state["indices"] = indices.to(p.device)
@@ -391,7 +420,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if _needs_base(p, self.keep_base):
             state["base"] = _local(p.detach()).view(-1)[state["indices"].long()].clone()
         state["step"] = torch.zeros((), **zeros)
-        if self.compact_grads:
+        if self.compact_grads and not self.update_in_backward:
             self._compact[p] = torch.zeros(k, **zeros)
 
     def _score_now(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -457,7 +486,10 @@ class SparseAdamW(torch.optim.Optimizer):
             if calls >= self.select_steps:
                 indices = self._tentative_indices(group, p)
                 self._init_sparse_state(p, indices)
-                if self.compact_grads:
+                if self.update_in_backward:
+                    # The first update, here since the gradient was dense in backward.
+                    self._update_now(p, self._gather_scratch(p, p.grad))
+                elif self.compact_grads:
                     self._gather_compact(p, self._clipped_grad(p))
             else:
                 score = self._score_now(p)
@@ -638,10 +670,17 @@ class SparseAdamW(torch.optim.Optimizer):
             return
         if grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
+        if self.update_in_backward:
+            self._mark_backward(p)
         state = self.state[p]
         if not _selected(state):
             # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
             # selects from it, so micro-batches and skipped steps count exactly as there.
+            return
+        if self.update_in_backward:
+            compact = self._gather_scratch(p, grad)
+            p.grad = None  # freed before the step, so at most one dense weight gradient exists
+            self._update_now(p, compact)
             return
         compact = self._compact[p]
         flat = grad.reshape(-1)
@@ -705,11 +744,70 @@ class SparseAdamW(torch.optim.Optimizer):
         state = self.state.get(param, {})
         if not self.compact_grads or not _selected(state):
             return None
+        if self.update_in_backward:
+            self._mark_backward(param)
+            indices = self.indices_of(param)
+            return indices, self._scratch_for(param, indices.numel()).zero_()
         buffer = self._compact[param]
         if param not in self._grad_ready:
             buffer.zero_()
             self._grad_ready.add(param)
         return self.indices_of(param), buffer
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        """A sparse backward finished writing `param`'s compact gradient (into `compact_grad_target`'s
+        buffer); with update_in_backward, step `param` now."""
+        if self.update_in_backward and _selected(self.state.get(param, {})):
+            self._update_now(param, self._scratch_for(param, _num_entries(self.state[param])))
+
+    # ----------------------------------------------------- update in backward
+
+    def _mark_backward(self, p: torch.Tensor) -> None:
+        """update_in_backward: record that a backward reached `p`; a second one before step() raises."""
+        if p in self._backward_seen:
+            raise RuntimeError("update_in_backward=True takes one backward per step(): a second backward reached a "
+                               "weight before step() (gradient accumulation is not supported in this mode; use "
+                               "update_in_backward=False to accumulate micro-batches)")
+        self._backward_seen.add(p)
+
+    def _scratch_for(self, p: torch.Tensor, k: int) -> torch.Tensor:
+        """A [k] fp32 view of p's device's scratch gradient, grown to the largest k selected there."""
+        buffer = self._scratch.get(p.device)
+        if buffer is None or buffer.numel() < k:
+            largest = max((_num_entries(s) for q, s in self.state.items() if q.device == p.device and _selected(s)),
+                          default=k)
+            buffer = torch.empty(max(k, largest), dtype=torch.float32, device=p.device)
+            self._scratch[p.device] = buffer
+        return buffer[:k]
+
+    def _gather_scratch(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """grad[indices] of selected p, in fp32, into the scratch buffer."""
+        indices = self.indices_of(p)
+        compact = self._scratch_for(p, indices.numel())
+        flat = _local(grad).reshape(-1)
+        if flat.dtype == torch.float32:
+            torch.index_select(flat, 0, indices, out=compact)
+        else:
+            compact.copy_(torch.index_select(flat, 0, indices))
+        return compact
+
+    def _update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
+        """Clip p's [k] compact gradient on its own (max_grad_norm) and run p's fused step at once."""
+        if not p.requires_grad:
+            return
+        if self.max_grad_norm is not None:
+            norm = torch.linalg.vector_norm(compact)
+            compact.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
+        layout = "lean" if "indices_low" in self.state[p] else self.state[p]["indices"].dtype
+        self._fused_step(self._group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
+
+    def _clip_dense_per_tensor(self) -> None:
+        """update_in_backward with max_grad_norm: each dense group's gradient clipped on its own."""
+        grads = [_local(p.grad) for group in self.param_groups if group["density"] >= 1.0
+                 for p in group["params"] if _steps(p)]
+        for g in grads:
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+            g.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0).to(g.dtype))
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values.
@@ -769,7 +867,9 @@ class SparseAdamW(torch.optim.Optimizer):
         self._sync_grads()
         # The only place entries are chosen: a step GradScaler skips never gets here.
         self._select()
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and self.update_in_backward:
+            self._clip_dense_per_tensor()
+        elif self.max_grad_norm is not None:
             clip_grad_norm_(self, self.max_grad_norm)
         try:
             for group in self.param_groups:
@@ -780,6 +880,7 @@ class SparseAdamW(torch.optim.Optimizer):
         finally:
             self._init_step_caches()
             self._grad_ready.clear()
+            self._backward_seen.clear()
         return loss
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
@@ -803,45 +904,50 @@ class SparseAdamW(torch.optim.Optimizer):
                     grad = _local(p.grad).contiguous()
             layout = state["indices"].dtype if "indices" in state else "lean"
             buckets[(p.device, p.dtype, layout, compact)].append((p, grad))
-        beta1, beta2 = group["betas"]
         for (device, dtype, layout, compact), members in buckets.items():
-            params = [p for p, _ in members]
-            grads = [g for _, g in members]
-            states = [self.state[p] for p in params]
-            steps = [s["step"] for s in states]
-            lean = layout == "lean"
-            _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.backend)
-            if lean:
-                state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
-                              [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                              [s["residual"] for s in states] if dtype != torch.float32 else [])
-            else:
-                state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
-                              [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
-                              [s["base"] for s in states] if "base" in states[0] else [])
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor) and lr.device != device:
-                lr = lr.to(device)
-            # The kernels read the incremented count; it is taken back if a kernel raises.
-            torch._foreach_add_(steps, 1.0)
-            try:
-                fn(
-                    [_local(p.detach()) for p in params],
-                    grads,
-                    *state_args,
-                    steps,
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    maximize=group["maximize"],
-                    compact_grads=compact,
-                    table_cache=self._kernel_cache,
-                )
-            except BaseException:
-                torch._foreach_sub_(steps, 1.0)
-                raise
+            self._fused_step(group, device, dtype, layout, compact, members)
+
+    def _fused_step(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, layout: Any,
+                    compact: bool, members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One fused sparse step over `members` [(param, grad)], all on `device` in `dtype`, one layout."""
+        beta1, beta2 = group["betas"]
+        params = [p for p, _ in members]
+        grads = [g for _, g in members]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        lean = layout == "lean"
+        _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.backend)
+        if lean:
+            state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
+                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                          [s["residual"] for s in states] if dtype != torch.float32 else [])
+        else:
+            state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
+                          [s["base"] for s in states] if "base" in states[0] else [])
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device != device:
+            lr = lr.to(device)
+        # The kernels read the incremented count; it is taken back if a kernel raises.
+        torch._foreach_add_(steps, 1.0)
+        try:
+            fn(
+                [_local(p.detach()) for p in params],
+                grads,
+                *state_args,
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+                compact_grads=compact,
+                table_cache=self._kernel_cache,
+            )
+        except BaseException:
+            torch._foreach_sub_(steps, 1.0)
+            raise
 
     def _dense_step(self, group: dict[str, Any]) -> None:
         """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
@@ -871,7 +977,7 @@ class SparseAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------- state dict
 
     _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "state_layout", "backend", "max_grad_norm",
-                "_compact", "_grad_ready")
+                "_compact", "_grad_ready", "update_in_backward")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
@@ -892,6 +998,9 @@ class SparseAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
         self.__dict__.setdefault("state_layout", "exact")
+        self.__dict__.setdefault("update_in_backward", False)
+        self._scratch = {}
+        self._backward_seen = set()
         self.process_group = None
         if had_process_group:
             warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
@@ -980,7 +1089,8 @@ class SparseAdamW(torch.optim.Optimizer):
         self.seed = meta.get("seed", self.seed)
         self._compact.clear()
         self._grad_ready.clear()
-        if self.compact_grads:
+        self._backward_seen.clear()
+        if self.compact_grads and not self.update_in_backward:
             for p, state in self.state.items():
                 if _selected(state):
                     self._compact[p] = torch.zeros(_num_entries(state), dtype=torch.float32, device=p.device)
@@ -1118,7 +1228,8 @@ class SparseAdamW(torch.optim.Optimizer):
         Counts the sparse state (indices, moments, delta, base, step, and the retired record
         that `set_indices` may leave; for the lean state its index halves, window table,
         moments, residual and step) and the dense state of dense groups; compact gradient
-        buffers are reported separately. `trainable_entries` counts active entries only.
+        buffers (with `update_in_backward`, the shared scratch) are reported separately.
+        `trainable_entries` counts active entries only.
         """
         total = entries = 0
         for group in self.param_groups:
@@ -1130,7 +1241,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     entries += _num_entries(state)
                 elif "exp_avg" in state:
                     entries += _local(p).numel()
-        grad_bytes = sum(t.numel() * t.element_size() for t in self._compact.values())
+        grad_bytes = sum(t.numel() * t.element_size() for t in [*self._compact.values(), *self._scratch.values()])
         return {
             "state_bytes": float(total),
             "trainable_entries": float(entries),
@@ -1169,6 +1280,10 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    if optimizer.update_in_backward:
+        raise RuntimeError("clip_grad_norm_ cannot clip an optimizer with update_in_backward=True: its sparse "
+                           "gradients were applied and freed during backward; pass max_grad_norm to the optimizer "
+                           "(it clips each tensor on its own)")
     # Nothing here commits a selection: GradScaler may still skip the step this clip precedes.
     optimizer._hook_new_params()
     optimizer._sync_grads()

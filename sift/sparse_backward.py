@@ -19,9 +19,11 @@ averaging already read those buffers.
 Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, autocast (bf16/
 fp16 compute; the op reads dY and X in the autocast dtype and accumulates in fp32), gradient
 checkpointing, several processes through the optimizer's `process_group` (k entries on the wire
-per weight). Not supported: wrapping the model in DDP (there is no weight gradient for it to
-reduce: pass `process_group` instead) and fp16 `GradScaler` (its unscale and inf check read
-`.grad`, which these weights no longer have; bf16 autocast needs no scaler).
+per weight), and the optimizer's `update_in_backward` (each weight is stepped as soon as its
+compact gradient is written, through `optimizer._gradient_ready`). Not supported: wrapping the
+model in DDP (there is no weight gradient for it to reduce: pass `process_group` instead) and
+fp16 `GradScaler` (its unscale and inf check read `.grad`, which these weights no longer have;
+bf16 autocast needs no scaler).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class _SparseLinearFunction(torch.autograd.Function):
                 a, b = (x2, dy) if route.transposed else (dy, x2)
                 # The optimizer's indices are validated already: no host sync per layer.
                 _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
+                # update_in_backward: the optimizer steps this weight now (grad_x is computed already).
+                route.optimizer._gradient_ready(weight)
         return grad_x, grad_w, grad_b, None
 
 
