@@ -93,21 +93,45 @@ def test_sparse_step_bytes_counts_shared_lines_once():
 def test_memory_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
     markdown = memory.run(quick=True)
-    columns = memory.COLUMNS if torch.cuda.is_available() else memory.CPU_COLUMNS
-    rows = _table(markdown, columns)
-    expected = [(label, gc) for label, _, _ in memory.CONFIGS for gc in ("no", "yes")]
+    on_cuda = torch.cuda.is_available()
+    columns = memory.COLUMNS if on_cuda else memory.CPU_COLUMNS
+    # On CPU the measured table comes first, then the one projected to the full model.
+    sections = markdown.split("### ")[1:]
+    rows = _table(sections[0], columns)
+    expected = [(label, gc) for label, _, _, _ in memory.CONFIGS for gc in ("no", "yes")]
     assert [(r["optimizer"], r["GC"]) for r in rows] == expected
     by = {(r["optimizer"], r["GC"]): r for r in rows}
-    dense, plain, hook = memory.CONFIGS[2][0], memory.CONFIGS[1][0], memory.CONFIGS[0][0]
+    label = {(kind, state): name for name, kind, state, _ in memory.CONFIGS}
+    dense, plain, lora = label[("dense", "")], label[("plain", "exact")], label[("lora", "")]
     for gc in ("no", "yes"):
         # Memory accounting is deterministic: the point of SIFT must show in it.
         assert float(by[(plain, gc)]["Optim"]) < float(by[(dense, gc)]["Optim"])
-        assert float(by[(hook, gc)]["Grad"]) < float(by[(plain, gc)]["Grad"])
-        assert float(by[(hook, gc)]["Params"]) == float(by[(dense, gc)]["Params"])
+        assert float(by[(plain, gc)]["Params"]) == float(by[(dense, gc)]["Params"]) < float(by[(lora, gc)]["Params"])
+        for state in ("exact", "lean"):
+            hook, uib = label[("hook", state)], label[("hook_uib", state)]
+            sparse, sparse_uib = label[("sparse_backward", state)], label[("sparse_backward_uib", state)]
+            assert float(by[(hook, gc)]["Grad"]) < float(by[(plain, gc)]["Grad"])
+            assert float(by[(sparse, gc)]["Grad"]) == float(by[(hook, gc)]["Grad"])
+            # One scratch buffer of the largest k instead of a buffer per weight.
+            assert float(by[(uib, gc)]["Grad"]) == float(by[(sparse_uib, gc)]["Grad"]) < float(by[(hook, gc)]["Grad"])
+            assert float(by[(hook, gc)]["Params"]) == float(by[(dense, gc)]["Params"])
+        assert float(by[(label[("hook", "lean")], gc)]["Optim"]) < float(by[(label[("hook", "exact")], gc)]["Optim"])
     assert float(by[(dense, "yes")]["Activation"]) < float(by[(dense, "no")]["Activation"])
     saved = _saved(tmp_path, "memory")
     assert len(saved["rows"]) == len(expected)
     assert saved["config"]["density"] == pytest.approx(memory.DENSITY)
+    if on_cuda:
+        return
+    assert sections[1].startswith("PROJECTED")
+    projected = _table(sections[1], memory.PROJECTED_COLUMNS)
+    assert [(r["optimizer"], r["GC"]) for r in projected] == expected
+    assert len(saved["projected"]) == len(expected)
+    # The paper's Table 1, quoted beside its rows.
+    sift_gc = next(r for r in projected if r["optimizer"] == label[("hook", "exact")] and r["GC"] == "yes")
+    assert sift_gc["paper Total"] == "16.50" and sift_gc["paper Activation"] == "0.81"
+    for r in saved["projected"]:
+        p = r["projected_bytes"]
+        assert p["total"] == pytest.approx(p["params"] + p["grad"] + p["optim"] + p["activation"])
 
 
 def test_bench_cli_rejects_unknown_suites(capsys):
