@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from sift import _ops
-from sift.bench._harness import markdown_table, save_results, summary
+from sift.bench._harness import bench_device, markdown_table, save_results, summary, time_gpu
 
 # The op's speed-up over the dense product on CPU at each density. Printed, not asserted.
 TARGET_SPEEDUP = {0.01: 8.0, 0.05: 2.0}
@@ -71,20 +71,23 @@ def _random_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
 def _op_table(quick: bool) -> tuple[list[dict[str, object]], str]:
     """The op against the dense product; returns the rows and their markdown table."""
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if quick else (SHAPES, TOKENS)
+    device = bench_device()
+    # GPU: triton.testing.do_bench (synchronised, L2 flushed); CPU: the budgeted perf_counter loop.
+    timer = time_gpu if device.type == "cuda" else time_budgeted
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, object]] = []
     for (r, c) in shapes:
         for t in tokens:
             for dtype_name, dtype in DTYPES.items():
-                dy = torch.randn(t, r, generator=gen).to(dtype)
-                x = torch.randn(t, c, generator=gen).to(dtype)
-                dense = time_budgeted(lambda: dy.T @ x)
+                dy = torch.randn(t, r, generator=gen).to(device=device, dtype=dtype)
+                x = torch.randn(t, c, generator=gen).to(device=device, dtype=dtype)
+                dense = timer(lambda: dy.T @ x)
                 for density in DENSITIES:
                     k = max(1, round(density * r * c))
-                    idx = _random_indices(r * c, k, gen)
-                    out = torch.zeros(k)
+                    idx = _random_indices(r * c, k, gen).to(device)
+                    out = torch.zeros(k, device=device)
                     backend, _ = _ops.resolve("sparse_weight_grad", dy.device)
-                    sparse = time_budgeted(lambda: _ops.sparse_weight_grad(dy, x, idx, out))
+                    sparse = timer(lambda: _ops.sparse_weight_grad(dy, x, idx, out))
                     target = TARGET_SPEEDUP.get(density)
                     rows.append({
                         "weight [R, C]": f"{r} x {c}", "tokens": t, "dtype": dtype_name,
@@ -93,12 +96,12 @@ def _op_table(quick: bool) -> tuple[list[dict[str, object]], str]:
                         "op GFLOP/s": 2 * k * t / (sparse["median_ms"] * 1e6),
                         "dense median ms": dense["median_ms"], "dense p20 ms": dense["p20_ms"],
                         "dense p80 ms": dense["p80_ms"], "x vs dense": dense["median_ms"] / sparse["median_ms"],
-                        "target x": f">= {target:g}" if target else "", "dense calls": dense["calls"],
-                        "op calls": sparse["calls"],
+                        "target x": f">= {target:g}" if target else "", "dense calls": dense.get("calls", ""),
+                        "op calls": sparse.get("calls", ""),
                     })
                 del dy, x
     suffix = " [quick: small shapes]" if quick else ""
-    title = f"Sparse weight gradient vs dense dY.T @ X on {'cuda' if torch.cuda.is_available() else 'cpu'}{suffix}"
+    title = f"Sparse weight gradient vs dense dY.T @ X on {device.type}{suffix}"
     return rows, markdown_table(title, OP_COLUMNS, rows)
 
 

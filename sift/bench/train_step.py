@@ -59,7 +59,8 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
     cfg = model_config(quick)
     seq, batch = cfg.pop("seq"), cfg.pop("batch")
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(device)
     model.train()
     if method == "full AdamW":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
@@ -78,7 +79,7 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
         trainable = sum(p.numel() for p in params)
     gen = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen) for _ in range(steps + 2)]
+    batches = [torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen).to(device) for _ in range(steps + 2)]
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -88,14 +89,25 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
 
     step(batches[0])  # selection (SIFT) and state allocation: not timed
     step(batches[1])
-    rss_before = _rss_kib("VmRSS")
-    peak_ok = _reset_peak()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        rss_before = _rss_kib("VmRSS")
+        peak_ok = _reset_peak()
     times = []
     for ids in batches[2:]:
         t0 = time.perf_counter()
         step(ids)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = (_rss_kib("VmHWM") - rss_before) / 1024 if peak_ok else float("nan")
+    if cuda:  # the caching allocator's own count: what the step allocated on top of weights and state
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    else:
+        peak = (_rss_kib("VmHWM") - rss_before) / 1024 if peak_ok else float("nan")
     return {"method": method, "times": times, "peak_mib": peak, "trainable": trainable}
 
 
