@@ -10,17 +10,38 @@
 // chunk, whose flat positions are decoded first into a small local array.
 // The scalar loop is compiled with fp-contract off and does the reference's operations in
 // its order, so results match the torch reference bit for bit.
+//
+// With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), chosen at run
+// time (cpu_isa.h) for params below 2^31 elements: 8 entries per step, grads and weights
+// gathered, the hash and both stochastic roundings in vector registers, the same operations
+// in the same order, so the bits agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
+
+// Whether c10::Half(float) converts with F16C (as in sparse_adamw.cpp): read before any
+// `#pragma GCC target`, which would define __F16C__ for the code that follows it.
+#ifdef __F16C__
+#define SIFT_C10_HALF_USES_F16C 1
+#else
+#define SIFT_C10_HALF_USES_F16C 0
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "cpu_isa.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <limits>
+#include <string>
 #include <vector>
+
+#ifdef SIFT_X86_SIMD
+#include <immintrin.h>
+#endif
 
 namespace sift {
 namespace {
@@ -85,30 +106,16 @@ inline c10::BFloat16 round_bf16_stochastic(float x, uint32_t random16) {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-// Entries [begin, end) of one tensor. W: weight dtype, G: gathered grad dtype.
-template <typename W, typename G, bool COMPACT>
-void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __restrict low,
-                const int32_t* __restrict offsets, int64_t n_windows, c10::BFloat16* __restrict m,
-                c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t k,
-                uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+// Entries [t0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`.
+// W: weight dtype, G: gathered grad dtype, I: the decoded position's type.
+template <typename W, typename G, typename I, bool COMPACT>
+void lean_entries(W* __restrict w, const G* __restrict g_src, const I* __restrict flat, c10::BFloat16* __restrict m,
+                  c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t t0, int64_t n,
+                  uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
   constexpr bool LOW_PRECISION = !std::is_same_v<W, float>;
   const float sign = h.maximize ? -1.0f : 1.0f;
   const float decay = h.lr * h.weight_decay;
-  // The flat positions of the chunk first (the window walk stays out of the update loop, and
-  // the prefetches below use exact addresses).
-  int64_t flat[LEAN_CHUNK];
-  const int64_t n = end - begin;
-  int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
-  for (int64_t j = begin; j < end; ++win) {
-    const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
-    const int64_t window_base = win << LEAN_WINDOW_BITS;
-    for (; j < stop; ++j) flat[j - begin] = window_base + static_cast<uint16_t>(low[j]);
-  }
-  for (int64_t t = 0; t < std::min<int64_t>(n, LEAN_PREFETCH_DISTANCE); ++t) {
-    if (!COMPACT) __builtin_prefetch(g_src + flat[t], 0, 3);
-    __builtin_prefetch(w + flat[t], 1, 3);
-  }
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = t0; t < n; ++t) {
     if (t + LEAN_PREFETCH_DISTANCE < n) {
       const int64_t ahead = flat[t + LEAN_PREFETCH_DISTANCE];
       if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
@@ -139,6 +146,118 @@ void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __res
 }
 #pragma GCC pop_options
 
+#ifdef SIFT_X86_SIMD
+// n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
+template <int64_t W>
+struct Tail16 {
+  alignas(64) uint16_t v[W] = {};
+  Tail16(const uint16_t* p, int64_t n) { std::memcpy(v, p, static_cast<size_t>(n) * sizeof(uint16_t)); }
+};
+
+// The AVX2 primitives of sparse_adamw.cpp's AVX2 form (each translation unit keeps its own).
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+#pragma GCC optimize("fp-contract=off")
+namespace lean_avx2 {
+using V = __m256;
+using Mask = __m256i;
+using VI = __m256i;
+constexpr int64_t W = 8;
+inline Mask lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V loadu(const float* p, Mask k) { return _mm256_maskload_ps(p, k); }
+inline V vsqrt(V x) { return _mm256_sqrt_ps(x); }
+inline __m256i load_idx(const int32_t* p, Mask k) { return _mm256_maskload_epi32(p, k); }
+inline V gather(const float* base, __m256i q, Mask k) {
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, q, _mm256_castsi256_ps(k), 4);
+}
+// AVX2 has no scatter: the new weights go out one store each.
+inline void scatter(float* base, const int32_t* idx, __m256i, V x, Mask, int64_t n) {
+  alignas(32) float out[W];
+  _mm256_store_ps(out, x);
+  for (int64_t t = 0; t < n; ++t) base[idx[t]] = out[t];
+}
+inline VI load16(const uint16_t* p, int64_t n) {
+  if (n == W) return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const Tail16<W> tail(p, n);
+  return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail.v)));
+}
+inline VI gather16(const uint16_t* base, __m256i q, Mask k) {
+  const VI words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(base), q, k, 2);
+  return _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+}
+// The low 16 bits of each 32-bit lane, packed in order.
+inline __m128i low16(VI x) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
+}
+inline void pack16(uint16_t* out, VI x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), low16(x)); }
+inline V widen_f16(VI x) { return _mm256_cvtph_ps(low16(x)); }
+inline void narrow_f16(uint16_t* out, V x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+inline unsigned nan_lanes(V x) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))); }
+#include "sparse_adamw_lean_simd.h"
+}  // namespace lean_avx2
+#pragma GCC pop_options
+#endif  // SIFT_X86_SIMD
+
+// Best SIMD form of the lean step this CPU runs.
+Isa detect_lean_isa() {
+#ifdef SIFT_X86_SIMD
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
+#endif
+  return Isa::generic;
+}
+
+// Entries [begin, end) of one tensor: flat positions decoded (int32 for the SIMD form), then
+// the update pass.
+template <typename W, typename G, bool COMPACT>
+void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __restrict low,
+                const int32_t* __restrict offsets, int64_t n_windows, c10::BFloat16* __restrict m,
+                c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t numel,
+                uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
+  const int64_t n = end - begin;
+  const bool simd = isa != Isa::generic && numel <= std::numeric_limits<int32_t>::max();
+  // The flat positions of the chunk first (the window walk stays out of the update loop, and
+  // the prefetches use exact addresses).
+  int64_t flat64[LEAN_CHUNK];
+  alignas(64) int32_t flat32[LEAN_CHUNK];
+  int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
+  for (int64_t j = begin; j < end; ++win) {
+    const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
+    const int64_t window_base = win << LEAN_WINDOW_BITS;
+    if (simd) {
+      for (; j < stop; ++j) flat32[j - begin] = static_cast<int32_t>(window_base + static_cast<uint16_t>(low[j]));
+    } else {
+      for (; j < stop; ++j) flat64[j - begin] = window_base + static_cast<uint16_t>(low[j]);
+    }
+  }
+  for (int64_t t = 0; t < std::min<int64_t>(n, LEAN_PREFETCH_DISTANCE); ++t) {
+    const int64_t q = simd ? flat32[t] : flat64[t];
+    if (!COMPACT) __builtin_prefetch(g_src + q, 0, 3);
+    __builtin_prefetch(w + q, 1, 3);
+  }
+#ifdef SIFT_X86_SIMD
+  if (simd) {
+    const int64_t done = lean_avx2::lean_entries_simd<W, G, COMPACT>(w, g_src, flat32, m, v, residual, begin, n, numel,
+                                                                    step, step_size, inv_bc2_sqrt, h);
+    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, done, n, step, step_size,
+                                         inv_bc2_sqrt, h);
+    return;
+  }
+#endif
+  if (simd) {
+    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, 0, n, step, step_size, inv_bc2_sqrt,
+                                         h);
+  } else {
+    lean_entries<W, G, int64_t, COMPACT>(w, g_src, flat64, m, v, residual, begin, 0, n, step, step_size, inv_bc2_sqrt,
+                                         h);
+  }
+}
+
 struct LeanSegment {
   int64_t tensor, begin, end;
 };
@@ -163,19 +282,22 @@ int64_t first_bad_low(const int16_t* low, const int32_t* offsets, int64_t n_wind
 template <typename W>
 void dispatch_lean(W* w, const at::Tensor& grad, bool compact, const int16_t* low, const int32_t* off,
                    int64_t n_windows, c10::BFloat16* m, c10::BFloat16* v, int8_t* res, int64_t begin, int64_t end,
-                   int64_t k, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+                   int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
   if (compact)
-    lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, k, step,
-                               step_size, inv_bc2_sqrt, h);
+    lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, numel, step,
+                               step_size, inv_bc2_sqrt, h, isa);
   else
-    lean_chunk<W, W, false>(w, grad.data_ptr<W>(), low, off, n_windows, m, v, res, begin, end, k, step, step_size,
-                            inv_bc2_sqrt, h);
+    lean_chunk<W, W, false>(w, grad.data_ptr<W>(), low, off, n_windows, m, v, res, begin, end, numel, step,
+                            step_size, inv_bc2_sqrt, h, isa);
 }
 
 void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::TensorList indices_low,
                            at::TensorList window_offsets, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                            at::TensorList residuals, at::TensorList steps, double lr, double beta1, double beta2,
-                           double eps, double weight_decay, bool maximize, bool compact_grads) {
+                           double eps, double weight_decay, bool maximize, bool compact_grads,
+                           c10::string_view isa_request) {
+  static const Isa best = detect_lean_isa();
+  const Isa isa = isa_from_request(std::string(isa_request), best);
   const auto n = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
   TORCH_CHECK(static_cast<int64_t>(indices_low.size()) == n, "indices_low must have one tensor per param");
@@ -254,7 +376,7 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const LeanSegment& s = work[c];
-      const int64_t i = s.tensor, k = indices_low[i].numel(), numel = params[i].numel();
+      const int64_t i = s.tensor, numel = params[i].numel();
       const int64_t n_windows = window_offsets[i].numel() - 1;
       const int16_t* low = indices_low[i].data_ptr<int16_t>();
       const int32_t* off = window_offsets[i].data_ptr<int32_t>();
@@ -266,16 +388,17 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
       switch (dtype) {
         case at::kFloat:
           dispatch_lean<float>(params[i].data_ptr<float>(), grads[i], compact_grads, low, off, n_windows, m, v, res,
-                               s.begin, s.end, k, step_count[i], step_size[i], inv_bc2_sqrt[i], h);
+                               s.begin, s.end, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h, isa);
           break;
         case at::kBFloat16:
           dispatch_lean<c10::BFloat16>(params[i].data_ptr<c10::BFloat16>(), grads[i], compact_grads, low, off,
-                                       n_windows, m, v, res, s.begin, s.end, k, step_count[i], step_size[i],
-                                       inv_bc2_sqrt[i], h);
+                                       n_windows, m, v, res, s.begin, s.end, numel, step_count[i], step_size[i],
+                                       inv_bc2_sqrt[i], h, isa);
           break;
         case at::kHalf:
           dispatch_lean<c10::Half>(params[i].data_ptr<c10::Half>(), grads[i], compact_grads, low, off, n_windows, m,
-                                   v, res, s.begin, s.end, k, step_count[i], step_size[i], inv_bc2_sqrt[i], h);
+                                   v, res, s.begin, s.end, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h,
+                                   isa);
           break;
         default:
           TORCH_CHECK(false, "params must be float32, bfloat16 or float16");
@@ -291,13 +414,17 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   }
 }
 
+std::string sparse_adamw_lean_isa() { return isa_name(detect_lean_isa()); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sift, m) {
   m.def(
       "sparse_adamw_lean_(Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps, float lr, "
-      "float beta1, float beta2, float eps, float weight_decay, bool maximize, bool compact_grads) -> ()");
+      "float beta1, float beta2, float eps, float weight_decay, bool maximize, bool compact_grads, "
+      "str isa=\"auto\") -> ()");
+  m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa);
 }
 
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }

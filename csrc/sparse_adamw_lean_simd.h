@@ -1,0 +1,174 @@
+// SIMD body of the lean SparseAdamW step (csrc/sparse_adamw_lean.cpp): the entries of one
+// chunk, whose flat positions are decoded to int32. Included once per instruction set inside a
+// namespace compiled under that set's `#pragma GCC target` with fp-contract off. The namespace
+// provides V (W floats), VI (W 32-bit integer lanes), lanes(n), set1, loadu, load_idx, gather,
+// scatter, vsqrt, load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane,
+// read as a 4-byte word), pack16 (the low halves of W lanes), widen_f16, narrow_f16 and
+// nan_lanes; the rest is GCC's vector operators. Each line does one operation of the scalar
+// loop (lean_entries), in its order and with no fused multiply-add, so the bits agree with it
+// (only a NaN made from two NaN operands may differ in payload, as in the exact step).
+
+typedef uint32_t U32 __attribute__((vector_size(sizeof(V))));
+typedef int32_t I32 __attribute__((vector_size(sizeof(V))));
+typedef float F32 __attribute__((vector_size(sizeof(V))));
+typedef int8_t I8 __attribute__((vector_size(W)));
+
+// The step's scalars, in every lane.
+struct LeanCoeffs {
+  V sign, beta1, beta2, one_minus_b1, one_minus_b2, neg_decay, vstep, vinv, eps;
+  LeanCoeffs(const LeanHyper& h, float step_size, float inv_bc2_sqrt)
+      : sign(set1(h.maximize ? -1.0f : 1.0f)),
+        beta1(set1(h.beta1)),
+        beta2(set1(h.beta2)),
+        one_minus_b1(set1(h.one_minus_b1)),
+        one_minus_b2(set1(h.one_minus_b2)),
+        neg_decay(set1(-(h.lr * h.weight_decay))),
+        vstep(set1(step_size)),
+        vinv(set1(inv_bc2_sqrt)),
+        eps(set1(h.eps)) {}
+};
+
+template <typename T>
+inline V widen(VI x) {
+  if constexpr (std::is_same_v<T, c10::Half>) return widen_f16(x);
+  else return (V)((U32)x << 16);  // bf16, also the moments
+}
+
+// W values of x rounded to T (bf16 or fp16) into out, as static_cast<T> rounds.
+template <typename T>
+inline void narrow(uint16_t* out, V x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, and NaN -> 0x7FC0.
+    const U32 u = (U32)x, nan = (U32)(x != x);
+    const U32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    pack16(out, (VI)((rounded & ~nan) | (nan & 0x7FC0u)));
+  } else {
+    narrow_f16(out, x);
+    // c10's software conversion writes every NaN as sign | 0x7E00, where the hardware keeps
+    // part of the payload; nothing to mend when c10 itself converts with F16C.
+    const unsigned nan = SIFT_C10_HALF_USES_F16C ? 0u : nan_lanes(x);
+    if (nan) {
+      const U32 u = (U32)x;
+      for (int64_t t = 0; t < W; ++t) {
+        if (nan >> t & 1u) out[t] = static_cast<uint16_t>((u[t] >> 16 & 0x8000u) | 0x7E00u);
+      }
+    }
+  }
+}
+
+// The exponent field E of 16-bit weights w (in 32-bit lanes), clamped as unit(w) clamps it.
+template <typename T>
+inline U32 unit_exponent(U32 w) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const U32 e = (w >> 7) & 0xFFu;
+    return e < 16u ? U32{} + 16u : e;
+  } else {
+    const U32 e = (w >> 10) & 0x1Fu;
+    return e < 1u ? U32{} + 1u : e;
+  }
+}
+
+template <typename T>
+inline V unit(U32 w) {
+  const U32 e = unit_exponent<T>(w);
+  return (V)(std::is_same_v<T, c10::BFloat16> ? (e - 15u) << 23 : (e + 94u) << 23);
+}
+
+template <typename T>
+inline V inv_unit(U32 w) {
+  const U32 e = unit_exponent<T>(w);
+  return (V)(std::is_same_v<T, c10::BFloat16> ? (269u - e) << 23 : (160u - e) << 23);
+}
+
+// random_bits of the scalar loop, W lanes at a time (uint32 arithmetic wraps the same way).
+inline U32 random_bits_v(U32 idx, uint32_t step) {
+  U32 x = idx * 0x9E3779B1u + step * 0x632BE5ABu;
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 bits by stochastic rounding with 16 random bits per lane (NaN -> 0x7FC0).
+inline VI round_bf16_stochastic_v(V x, U32 random16) {
+  const U32 nan = (U32)(x != x);
+  return (VI)((((U32)x + random16) >> 16 & ~nan) | (nan & 0x7FC0u));
+}
+
+// n (<= W) bf16 values of x into out.
+inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
+  alignas(64) uint16_t buf[W];
+  pack16(buf, x);
+  std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(uint16_t));
+}
+
+// Entries [0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`.
+// Returns the first entry not stepped: n, or the start of a last block of 16-bit weights that
+// holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar loop.
+template <typename T, typename G, bool COMPACT>
+int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
+                          c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
+                          int64_t begin, int64_t n, int64_t numel, uint32_t step, float step_size,
+                          float inv_bc2_sqrt, const LeanHyper& h) {
+  constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
+  const LeanCoeffs c(h, step_size, inv_bc2_sqrt);
+  auto* w16 = reinterpret_cast<uint16_t*>(w);
+  const auto* g16 = reinterpret_cast<const uint16_t*>(g_src);
+  const auto* m16 = reinterpret_cast<const uint16_t*>(m + begin);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + begin);
+  for (int64_t t = 0; t < n; t += W) {
+    const int64_t nn = std::min<int64_t>(W, n - t);
+    if (LOW_PRECISION && t + nn == n && flat[n - 1] == numel - 1) return t;
+    for (int64_t a = t + LEAN_PREFETCH_DISTANCE, stop = std::min(n, a + nn); a < stop; ++a) {
+      if (!COMPACT) __builtin_prefetch(g_src + flat[a], 0, 3);
+      __builtin_prefetch(w + flat[a], 1, 3);  // PREFETCHW where the target has it
+    }
+    const auto mask = lanes(nn);
+    const auto q = load_idx(flat + t, mask);
+    V gj;
+    if constexpr (COMPACT) gj = loadu(g_src + begin + t, mask);
+    else if constexpr (LOW_PRECISION) gj = widen<T>(gather16(g16, q, mask));
+    else gj = gather(g_src, q, mask);
+    gj = c.sign * gj;
+    V wj;
+    U32 stored{};
+    if constexpr (LOW_PRECISION) {
+      stored = (U32)gather16(w16, q, mask);
+      I8 r{};
+      std::memcpy(&r, residual + begin + t, static_cast<size_t>(nn));
+      wj = widen<T>((VI)stored) + (V)__builtin_convertvector(r, F32) * unit<T>(stored);
+    } else {
+      wj = gather(w, q, mask);
+    }
+    const V mj = c.beta1 * widen<c10::BFloat16>(load16(m16 + t, nn)) + c.one_minus_b1 * gj;
+    const V vj = c.beta2 * widen<c10::BFloat16>(load16(v16 + t, nn)) + c.one_minus_b2 * gj * gj;
+    const V upd = c.neg_decay * wj - c.vstep * mj / (vsqrt(vj) * c.vinv + c.eps);
+    const V fresh = wj + upd;
+    if constexpr (LOW_PRECISION) {
+      alignas(64) uint16_t out[W];
+      narrow<T>(out, fresh);
+      for (int64_t u = 0; u < nn; ++u) w16[flat[t + u]] = out[u];
+      const VI rounded = load16(out, W);
+      const V back = widen<T>(rounded);
+      V r = (fresh - back) * inv_unit<T>((U32)rounded);
+      // Clamping before rounding to an integer gives the scalar loop's clamp(rint(r)): rint is
+      // monotone and keeps -128 and 127. Adding and taking away 1.5 * 2^23 rounds |r| <= 2^22
+      // to the nearest integer, ties to even, as nearbyint does.
+      r = r < -128.0f ? set1(-128.0f) : r;
+      r = r > 127.0f ? set1(127.0f) : r;
+      const I32 finite = ((U32)back & 0x7F800000u) != 0x7F800000u;
+      r = finite ? r : set1(0.0f);
+      r = (r + 12582912.0f) - 12582912.0f;
+      const I8 r8 = __builtin_convertvector(__builtin_convertvector((F32)r, I32), I8);
+      std::memcpy(residual + begin + t, &r8, static_cast<size_t>(nn));
+    } else {
+      scatter(w, flat + t, q, fresh, mask, nn);
+    }
+    const U32 bits = random_bits_v((U32)q, step);
+    store_bf16(m + begin + t, round_bf16_stochastic_v(mj, bits & 0xFFFFu), nn);
+    store_bf16(v + begin + t, round_bf16_stochastic_v(vj, bits >> 16), nn);
+  }
+  return n;
+}
