@@ -450,3 +450,42 @@ def test_lean_errors_are_clear_and_change_nothing():
     sd = exact.state_dict()
     sd["sift"]["state"] = "lean"
     refused(sd, "indices")
+
+
+
+def _lean_isa_levels() -> list[str]:
+    import sift._ext
+
+    if not sift._ext.load_extension():
+        return ["generic"]
+    return ["generic", "avx2"] if torch.ops.sift.sparse_adamw_lean_isa() == "avx2" else ["generic"]
+
+
+@requires_cpp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
+def test_cpp_every_isa_level_matches_reference(dtype, compact):
+    """The C++ step's SIMD form and its scalar loop give the reference's bits, the param's last element chosen."""
+    gen = torch.Generator().manual_seed(3)
+    ops = [[] for _ in range(8)]
+    for n, k in ((70001, 3501), (150301, 7517), (13, 5)):
+        # The last element chosen: a last block the SIMD form leaves to the scalar loop (16-bit weights).
+        idx = torch.cat([torch.randperm(n - 1, generator=gen)[:k - 1].sort().values, torch.tensor([n - 1])])
+        low, off = _ops.encode_lean_indices(idx, n)
+        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype),
+                               torch.randn(k, generator=gen) if compact else torch.randn(n, generator=gen).to(dtype),
+                               low, off, (torch.randn(k, generator=gen) * 0.1).bfloat16(),
+                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
+                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(7.0))):
+            ops[j].append(t)
+    if dtype == torch.float32:
+        ops[6] = []
+    want = copy.deepcopy(ops)
+    args = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, maximize=True, compact_grads=compact)
+    _ops.sparse_adamw_lean_ref(*want, **args)
+    for isa in _lean_isa_levels():
+        got = copy.deepcopy(ops)
+        torch.ops.sift.sparse_adamw_lean_(*got, *args.values(), isa)
+        for name, j in (("params", 0), ("exp_avgs", 4), ("exp_avg_sqs", 5), ("residuals", 6)):
+            for i, (g, w) in enumerate(zip(got[j], want[j])):
+                assert torch.equal(g, w), f"{isa}: {name}[{i}]"
