@@ -178,7 +178,8 @@ def test_bench_dir_collects_every_microbenchmark():
     ids = [line for line in done.stdout.splitlines() if "::" in line]
     for name in ("test_bench_adamw.py::test_fused_adamw", "test_bench_adamw.py::test_sparse_adamw[fp32-1%-cpp]",
                  "test_bench_delta.py::test_merge[cpp-sum]", "test_bench_delta.py::test_apply[cpp]",
-                 "test_bench_heads.py::test_singular_values"):
+                 "test_bench_heads.py::test_singular_values", "test_bench_backward.py::test_sparse_weight_grad[1%-float32]",
+                 "test_bench_backward.py::test_dense_weight_grad[float32]"):
         assert any(name in i for i in ids), name
 
 

@@ -68,6 +68,21 @@ def _random_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randperm(numel, generator=gen)[:k].sort().values.to(torch.int32 if numel < 2**31 else torch.int64)
 
 
+def op_workload(r: int, c: int, t: int, dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(dY [t, r], X [t, c])`: random layer gradients and inputs in `dtype` on `device`."""
+    dy = torch.randn(t, r, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(t, c, generator=gen).to(device=device, dtype=dtype)
+    return dy, x
+
+
+def op_entries(r: int, c: int, density: float, device: torch.device,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(indices [k], out [k] fp32)`: sorted random entries of a [r, c] weight and a compact buffer."""
+    k = max(1, round(density * r * c))
+    return _random_indices(r * c, k, gen).to(device), torch.zeros(k, device=device)
+
+
 def _op_table(quick: bool) -> tuple[list[dict[str, object]], str]:
     """The op against the dense product; returns the rows and their markdown table."""
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if quick else (SHAPES, TOKENS)
@@ -79,13 +94,11 @@ def _op_table(quick: bool) -> tuple[list[dict[str, object]], str]:
     for (r, c) in shapes:
         for t in tokens:
             for dtype_name, dtype in DTYPES.items():
-                dy = torch.randn(t, r, generator=gen).to(device=device, dtype=dtype)
-                x = torch.randn(t, c, generator=gen).to(device=device, dtype=dtype)
+                dy, x = op_workload(r, c, t, dtype, device, gen)
                 dense = timer(lambda: dy.T @ x)
                 for density in DENSITIES:
-                    k = max(1, round(density * r * c))
-                    idx = _random_indices(r * c, k, gen).to(device)
-                    out = torch.zeros(k, device=device)
+                    idx, out = op_entries(r, c, density, device, gen)
+                    k = idx.numel()
                     backend, _ = _ops.resolve("sparse_weight_grad", dy.device)
                     sparse = timer(lambda: _ops.sparse_weight_grad(dy, x, idx, out))
                     target = TARGET_SPEEDUP.get(density)
