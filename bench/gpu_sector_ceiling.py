@@ -162,9 +162,11 @@ def main() -> None:
         m, s2, d = (torch.zeros(k, device=device) for _ in range(3))
         step = torch.ones((), device=device)
 
+        table_cache: dict = {}  # kept across calls, as an optimizer keeps it
+
         def sparse_step():
             sparse_adamw_([w], [g], [idx], [m], [s2], [d], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                          eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False)
+                          eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=False, table_cache=table_cache)
 
         sparse_step()
         for setting in settings:
