@@ -6,8 +6,9 @@
 // very different sizes. A chunk finds its first window by binary search over the window
 // offsets and then walks the windows it spans; within a window the flat index is the
 // window's base plus the 16-bit low half. Each entry is gathered, updated and scattered in one
-// pass, the weight and gradient lines prefetched PREFETCH_DISTANCE entries ahead within the
-// chunk, whose flat positions are decoded first into a small local array.
+// pass, the weight and gradient lines prefetched PREFETCH_DISTANCE entries ahead, across the
+// chunk's end: the flat positions of the chunk and of the next PREFETCH_DISTANCE entries are
+// decoded first into a small local array.
 // The scalar loop is compiled with fp-contract off and does the reference's operations in
 // its order, so results match the torch reference bit for bit.
 //
@@ -106,17 +107,18 @@ inline c10::BFloat16 round_bf16_stochastic(float x, uint32_t random16) {
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-// Entries [t0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`.
-// W: weight dtype, G: gathered grad dtype, I: the decoded position's type.
+// Entries [t0, n) of a chunk starting at entry `begin` of its tensor, flat positions in
+// `flat` (n_ahead >= n of them, the rest only prefetched). W: weight dtype, G: gathered grad
+// dtype, I: the decoded position's type.
 template <typename W, typename G, typename I, bool COMPACT>
 void lean_entries(W* __restrict w, const G* __restrict g_src, const I* __restrict flat, c10::BFloat16* __restrict m,
                   c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t t0, int64_t n,
-                  uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+                  int64_t n_ahead, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
   constexpr bool LOW_PRECISION = !std::is_same_v<W, float>;
   const float sign = h.maximize ? -1.0f : 1.0f;
   const float decay = h.lr * h.weight_decay;
   for (int64_t t = t0; t < n; ++t) {
-    if (t + LEAN_PREFETCH_DISTANCE < n) {
+    if (t + LEAN_PREFETCH_DISTANCE < n_ahead) {
       const int64_t ahead = flat[t + LEAN_PREFETCH_DISTANCE];
       if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
       __builtin_prefetch(w + ahead, 1, 3);
@@ -217,17 +219,21 @@ Isa detect_lean_isa() {
 template <typename W, typename G, bool COMPACT>
 void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __restrict low,
                 const int32_t* __restrict offsets, int64_t n_windows, c10::BFloat16* __restrict m,
-                c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t numel,
-                uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
+                c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t k,
+                int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
   const int64_t n = end - begin;
+  // The next chunk's first entries are decoded too, for the prefetches (their low halves are
+  // checked with that chunk; a prefetch never faults).
+  const int64_t decode_end = std::min(k, end + LEAN_PREFETCH_DISTANCE);
+  const int64_t n_ahead = decode_end - begin;
   const bool simd = isa != Isa::generic && numel <= std::numeric_limits<int32_t>::max();
   // The flat positions of the chunk first (the window walk stays out of the update loop, and
   // the prefetches use exact addresses).
-  int64_t flat64[LEAN_CHUNK];
-  alignas(64) int32_t flat32[LEAN_CHUNK];
+  int64_t flat64[LEAN_CHUNK + LEAN_PREFETCH_DISTANCE];
+  alignas(64) int32_t flat32[LEAN_CHUNK + LEAN_PREFETCH_DISTANCE];
   int64_t win = std::upper_bound(offsets, offsets + n_windows + 1, static_cast<int32_t>(begin)) - offsets - 1;
-  for (int64_t j = begin; j < end; ++win) {
-    const int64_t stop = std::min<int64_t>(end, offsets[win + 1]);
+  for (int64_t j = begin; j < decode_end; ++win) {
+    const int64_t stop = std::min<int64_t>(decode_end, offsets[win + 1]);
     const int64_t window_base = win << LEAN_WINDOW_BITS;
     if (simd) {
       for (; j < stop; ++j) flat32[j - begin] = static_cast<int32_t>(window_base + static_cast<uint16_t>(low[j]));
@@ -242,19 +248,19 @@ void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __res
   }
 #ifdef SIFT_X86_SIMD
   if (simd) {
-    const int64_t done = lean_avx2::lean_entries_simd<W, G, COMPACT>(w, g_src, flat32, m, v, residual, begin, n, numel,
-                                                                    step, step_size, inv_bc2_sqrt, h);
-    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, done, n, step, step_size,
+    const int64_t done = lean_avx2::lean_entries_simd<W, G, COMPACT>(w, g_src, flat32, m, v, residual, begin, n,
+                                                                    n_ahead, numel, step, step_size, inv_bc2_sqrt, h);
+    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, done, n, n_ahead, step, step_size,
                                          inv_bc2_sqrt, h);
     return;
   }
 #endif
   if (simd) {
-    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, 0, n, step, step_size, inv_bc2_sqrt,
-                                         h);
+    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, 0, n, n_ahead, step, step_size,
+                                         inv_bc2_sqrt, h);
   } else {
-    lean_entries<W, G, int64_t, COMPACT>(w, g_src, flat64, m, v, residual, begin, 0, n, step, step_size, inv_bc2_sqrt,
-                                         h);
+    lean_entries<W, G, int64_t, COMPACT>(w, g_src, flat64, m, v, residual, begin, 0, n, n_ahead, step, step_size,
+                                         inv_bc2_sqrt, h);
   }
 }
 
@@ -282,12 +288,13 @@ int64_t first_bad_low(const int16_t* low, const int32_t* offsets, int64_t n_wind
 template <typename W>
 void dispatch_lean(W* w, const at::Tensor& grad, bool compact, const int16_t* low, const int32_t* off,
                    int64_t n_windows, c10::BFloat16* m, c10::BFloat16* v, int8_t* res, int64_t begin, int64_t end,
-                   int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
+                   int64_t k, int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h,
+                   Isa isa) {
   if (compact)
-    lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, numel, step,
+    lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, k, numel, step,
                                step_size, inv_bc2_sqrt, h, isa);
   else
-    lean_chunk<W, W, false>(w, grad.data_ptr<W>(), low, off, n_windows, m, v, res, begin, end, numel, step,
+    lean_chunk<W, W, false>(w, grad.data_ptr<W>(), low, off, n_windows, m, v, res, begin, end, k, numel, step,
                             step_size, inv_bc2_sqrt, h, isa);
 }
 
@@ -376,7 +383,7 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const LeanSegment& s = work[c];
-      const int64_t i = s.tensor, numel = params[i].numel();
+      const int64_t i = s.tensor, k = indices_low[i].numel(), numel = params[i].numel();
       const int64_t n_windows = window_offsets[i].numel() - 1;
       const int16_t* low = indices_low[i].data_ptr<int16_t>();
       const int32_t* off = window_offsets[i].data_ptr<int32_t>();
@@ -388,16 +395,16 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
       switch (dtype) {
         case at::kFloat:
           dispatch_lean<float>(params[i].data_ptr<float>(), grads[i], compact_grads, low, off, n_windows, m, v, res,
-                               s.begin, s.end, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h, isa);
+                               s.begin, s.end, k, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h, isa);
           break;
         case at::kBFloat16:
           dispatch_lean<c10::BFloat16>(params[i].data_ptr<c10::BFloat16>(), grads[i], compact_grads, low, off,
-                                       n_windows, m, v, res, s.begin, s.end, numel, step_count[i], step_size[i],
+                                       n_windows, m, v, res, s.begin, s.end, k, numel, step_count[i], step_size[i],
                                        inv_bc2_sqrt[i], h, isa);
           break;
         case at::kHalf:
           dispatch_lean<c10::Half>(params[i].data_ptr<c10::Half>(), grads[i], compact_grads, low, off, n_windows, m,
-                                   v, res, s.begin, s.end, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h,
+                                   v, res, s.begin, s.end, k, numel, step_count[i], step_size[i], inv_bc2_sqrt[i], h,
                                    isa);
           break;
         default:
