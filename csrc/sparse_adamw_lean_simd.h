@@ -97,8 +97,16 @@ inline VI round_bf16_stochastic_v(V x, U32 random16) {
   return (VI)((((U32)x + random16) >> 16 & ~nan) | (nan & 0x7FC0u));
 }
 
+// n (<= W) bytes from src to dst; a full block as one fixed-size copy, which compiles to a
+// move where a variable size would call memcpy.
+inline void copy_block(void* dst, const void* src, int64_t n) {
+  if (n == W) std::memcpy(dst, src, W);
+  else std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
 // n (<= W) bf16 values of x into out.
 inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
+  if (n == W) return pack16(reinterpret_cast<uint16_t*>(out), x);
   alignas(64) uint16_t buf[W];
   pack16(buf, x);
   std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(uint16_t));
@@ -136,9 +144,13 @@ int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int3
     V wj;
     U32 stored{};
     if constexpr (LOW_PRECISION) {
-      stored = (U32)gather16(w16, q, mask);
+      // Scalar loads: the weight is stored one value at a time below anyway, and a second
+      // 16-bit gather cost more than these loads on the AVX2 machine measured.
+      alignas(64) uint32_t words[W] = {};
+      for (int64_t u = 0; u < nn; ++u) words[u] = w16[flat[t + u]];
+      std::memcpy(&stored, words, sizeof stored);
       I8 r{};
-      std::memcpy(&r, residual + begin + t, static_cast<size_t>(nn));
+      copy_block(&r, residual + begin + t, nn);
       wj = widen<T>((VI)stored) + (V)__builtin_convertvector(r, F32) * unit<T>(stored);
     } else {
       wj = gather(w, q, mask);
@@ -163,7 +175,7 @@ int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int3
       r = finite ? r : set1(0.0f);
       r = (r + 12582912.0f) - 12582912.0f;
       const I8 r8 = __builtin_convertvector(__builtin_convertvector((F32)r, I32), I8);
-      std::memcpy(residual + begin + t, &r8, static_cast<size_t>(nn));
+      copy_block(residual + begin + t, &r8, nn);
     } else {
       scatter(w, flat + t, q, fresh, mask, nn);
     }
