@@ -35,6 +35,7 @@ deduplicated by storage), and the process's peak RSS rise over the step (reset t
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -129,8 +130,10 @@ class _Trainer:
 def llama_config(kind: str, quick: bool) -> dict[str, Any]:
     """Model and batch sizes, and the full model the figures are projected to.
 
-    CUDA: Llama-7B itself. CPU: Llama-7B's layer shapes, 1 layer, seq 16 (projected to 32 layers,
-    seq 2048). `quick`: a tiny Llama, projected to twice its layers and sequence.
+    CUDA: Llama-7B itself. CPU: a small Llama (hidden 512, 4 layers, seq 256), projected to twice
+    its layers and sequence; with `SIFT_BENCH_MEMORY_7B=1`, Llama-7B's layer shapes, 1 layer, seq 16,
+    projected to 32 layers and seq 2048 (about 45 minutes on a 2-core CPU without bf16 GEMM).
+    `quick`: a tiny Llama, projected to twice its layers and sequence.
     """
     if quick:
         return dict(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4,
@@ -139,9 +142,13 @@ def llama_config(kind: str, quick: bool) -> dict[str, Any]:
                     vocab_size=32000, target_layers=32, target_seq=2048)
     if kind == "cuda":
         return dict(llama_7b, num_hidden_layers=32, seq=2048)
-    # bf16 matmuls at this width take about a minute per layer's backward on the 2-core CI CPU
-    # (no bf16 GEMM there): one layer, 16 tokens, measured; the rest projected.
-    return dict(llama_7b, num_hidden_layers=1, seq=16)
+    if os.environ.get("SIFT_BENCH_MEMORY_7B", "0") == "1":
+        # bf16 matmuls at this width take about a minute per layer's backward on a CPU without
+        # bf16 GEMM: one layer, 16 tokens, measured; the rest projected.
+        return dict(llama_7b, num_hidden_layers=1, seq=16)
+    # The main job must finish in minutes: a small Llama by default.
+    return dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8,
+                num_key_value_heads=8, vocab_size=32000, seq=256, target_layers=8, target_seq=512)
 
 
 def _freeze_all_but_layers(model: torch.nn.Module) -> None:
