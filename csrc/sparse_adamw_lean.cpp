@@ -13,9 +13,10 @@
 // its order, so results match the torch reference bit for bit.
 //
 // With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), chosen at run
-// time (cpu_isa.h) for params below 2^31 elements: 8 entries per step, grads and weights
-// gathered, the hash and both stochastic roundings in vector registers, the same operations
-// in the same order, so the bits agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
+// time (cpu_isa.h) for params below 2^31 elements: 8 entries per step, grads gathered (and
+// fp32 weights; 16-bit weights are loaded one at a time, as they are stored), the hash and both
+// stochastic roundings in vector registers, the same operations in the same order, so the bits
+// agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
 
 // Whether c10::Half(float) converts with F16C (as in sparse_adamw.cpp): read before any
 // `#pragma GCC target`, which would define __F16C__ for the code that follows it.

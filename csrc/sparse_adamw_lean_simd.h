@@ -114,8 +114,9 @@ inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
 
 // Entries [0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`
 // (n_ahead >= n of them, the rest only prefetched).
-// Returns the first entry not stepped: n, or the start of a last block of 16-bit weights that
-// holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar loop.
+// Returns the first entry not stepped: n, or, for 16-bit dense grads, the start of a last block
+// that holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar
+// loop.
 template <typename T, typename G, bool COMPACT>
 int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
                           c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
@@ -129,7 +130,7 @@ int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int3
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + begin);
   for (int64_t t = 0; t < n; t += W) {
     const int64_t nn = std::min<int64_t>(W, n - t);
-    if (LOW_PRECISION && t + nn == n && flat[n - 1] == numel - 1) return t;
+    if (LOW_PRECISION && !COMPACT && t + nn == n && flat[n - 1] == numel - 1) return t;
     for (int64_t a = t + LEAN_PREFETCH_DISTANCE, stop = std::min(n_ahead, a + nn); a < stop; ++a) {
       if (!COMPACT) __builtin_prefetch(g_src + flat[a], 0, 3);
       __builtin_prefetch(w + flat[a], 1, 3);  // PREFETCHW where the target has it
