@@ -19,7 +19,7 @@ import json, re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sift.triton_kernels import delta, singular_values, sparse_adamw
+from sift.triton_kernels import delta, singular_values, sparse_adamw, sparse_adamw_lean, sparse_weight_grad
 
 target = GPUTarget("cuda", 90, 32)
 out = {}
@@ -34,7 +34,8 @@ def build(name, fn, signature, constexprs, num_warps):
     out[name] = {"local_bytes": sum(local), "ptx_chars": len(ptx)}
 
 adamw_sig = {"table_ptr": "*i64", "blocks_ptr": "*i64", "lr_ptr": "*fp32", "lr": "fp32", "beta1": "fp32",
-             "beta2": "fp32", "log2_beta1": "fp32", "log2_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+             "beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "log2_beta1": "fp32",
+             "log2_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
 for name, w, g, base, compact, lr_dev in [("adamw fp32", tl.float32, tl.float32, False, False, False),
                                           ("adamw fp32 base compact", tl.float32, tl.float32, True, True, False),
                                           ("adamw bf16 lr-tensor", tl.bfloat16, tl.bfloat16, True, False, True)]:
@@ -48,6 +49,15 @@ for n, dot in [(16, True), (64, True), (64, False)]:
     build(f"singular_values N={n} {'dot' if dot else 'fma'}", singular_values._gram_tridiag_singular_values_kernel,
           sv_sig, {"N": n, "BLOCK_R": 32, "GRAM_BY_DOT": dot, "BISECT_STEPS": singular_values.BISECT_STEPS},
           4 if n <= 32 else 8)
+for name, w, compact in [("lean fp32", tl.float32, False), ("lean bf16 compact", tl.bfloat16, True)]:
+    build(name, sparse_adamw_lean._sparse_adamw_lean_kernel, adamw_sig,
+          {"W_DTYPE": w, "G_DTYPE": tl.float32 if compact else w, "COMPACT_GRAD": compact, "LR_ON_DEVICE": False,
+           "MAXIMIZE": False, "BLOCK": sparse_adamw_lean._BLOCK}, sparse_adamw_lean._NUM_WARPS)
+for name, dt in [("sparse weight grad fp32", "*fp32"), ("sparse weight grad bf16", "*bf16")]:
+    build(name, sparse_weight_grad._sparse_weight_grad_kernel,
+          {"dy_ptr": dt, "x_ptr": dt, "idx_ptr": "*i32", "out_ptr": "*fp32", "T": "i64", "C": "i64", "k": "i64",
+           "stride_dy_t": "i64", "stride_dy_r": "i64", "stride_x_t": "i64", "stride_x_c": "i64"},
+          {"BLOCK_K": 64, "BLOCK_T": 32}, 4)
 build("delta apply bf16", delta._sparse_delta_apply_kernel,
       {"w_ptr": "*bf16", "idx_ptr": "*i64", "val_ptr": "*fp32", "saved_ptr": "*bf16", "scale": "fp32", "k": "i64"},
       {"SAVE": True, "IS_BF16": True, "BLOCK": 1024}, 4)
@@ -64,7 +74,7 @@ def test_triton_kernels_compile_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 8, built
+    assert len(built) == 12, built
     # The fused step is a streaming kernel: any spill to local memory would cost bandwidth.
-    for name in ("adamw fp32", "adamw fp32 base compact", "adamw bf16 lr-tensor"):
+    for name in ("adamw fp32", "adamw fp32 base compact", "adamw bf16 lr-tensor", "lean fp32", "lean bf16 compact"):
         assert built[name]["local_bytes"] == 0, (name, built[name])
