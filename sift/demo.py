@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from sift.bench._harness import reset_peak_rss, rss_kib
+
 # Steps and batch of the default run, chosen to fit 15 minutes on the shared 2-core CPU. The learning
 # rates were tuned once with one seed: the frozen-body probe needs a large one to leave the majority class.
 DEFAULT_STEPS = 50
@@ -335,22 +337,10 @@ def train_once(method: str, base: torch.nn.Module, train: Encoded, test: Encoded
     }
 
 
-def _reset_peak_rss() -> bool:
-    # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so the peak excludes model loading.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_mib(reset: bool) -> float:
-    if reset:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
+    hwm = rss_kib("VmHWM") if reset else None
+    if hwm is not None:
+        return hwm / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -377,7 +367,7 @@ def run_method(method: str, seeds: Sequence[int], steps: int, batch_size: int, t
     base, tokenizer = load_model()
     train_rows, test_rows = split(load_afinn())
     train, test = Encoded.of(train_rows, tokenizer), Encoded.of(test_rows[:eval_limit], tokenizer)
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()  # the peak then excludes model loading
     bar = None
     if progress:
         from tqdm import tqdm

@@ -166,3 +166,25 @@ def save_results(name: str, rows: Sequence[dict[str, object]], markdown: str, ex
     with open(os.path.join(out, f"{name}-{tag}.md"), "w") as f:
         f.write(markdown + "\n")
     return path
+
+
+def rss_kib(field: str = "VmRSS") -> int | None:
+    """A memory field of this process from /proc/self/status in KiB (VmRSS, VmHWM, ...), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

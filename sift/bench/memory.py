@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from sift.bench._harness import markdown_table, save_results
+from sift.bench._harness import markdown_table, reset_peak_rss, rss_kib, save_results
 from sift.optim import SparseAdamW
 
 DENSITY = 0.05
@@ -130,7 +130,7 @@ class _Trainer:
 def llama_config(kind: str, quick: bool) -> dict[str, Any]:
     """Model and batch sizes, and the full model the figures are projected to.
 
-    CUDA: Llama-7B itself. CPU: a small Llama (hidden 512, 4 layers, seq 256), projected to twice
+    CUDA: Llama-7B itself. CPU: a small Llama (hidden 256, 2 layers, seq 128), projected to twice
     its layers and sequence; with `SIFT_BENCH_MEMORY_7B=1`, Llama-7B's layer shapes, 1 layer, seq 16,
     projected to 32 layers and seq 2048 (about 45 minutes on a 2-core CPU without bf16 GEMM).
     `quick`: a tiny Llama, projected to twice its layers and sequence.
@@ -147,8 +147,8 @@ def llama_config(kind: str, quick: bool) -> dict[str, Any]:
         # bf16 GEMM: one layer, 16 tokens, measured; the rest projected.
         return dict(llama_7b, num_hidden_layers=1, seq=16)
     # The main job must finish in minutes: a small Llama by default.
-    return dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1376, num_attention_heads=8,
-                num_key_value_heads=8, vocab_size=32000, seq=256, target_layers=8, target_seq=512)
+    return dict(hidden_size=256, num_hidden_layers=2, intermediate_size=688, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=8000, seq=128, target_layers=4, target_seq=256)
 
 
 def _freeze_all_but_layers(model: torch.nn.Module) -> None:
@@ -209,29 +209,8 @@ def _param_bytes(model: torch.nn.Module) -> int:
 # ------------------------------------------------------------------ CPU accounting
 
 
-def _rss_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_bytes() -> int:
-    hwm = _rss_kib("VmHWM")
+    hwm = rss_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -326,8 +305,8 @@ def measure_cpu(trainer: _Trainer, batch: torch.Tensor, params_bytes: int) -> di
     def backward_done() -> None:
         marks["grad"] = _grad_bytes(trainable)
 
-    rss_reset = _reset_peak_rss()
-    rss_before = (_rss_kib("VmRSS") or 0) * 1024
+    rss_reset = reset_peak_rss()
+    rss_before = (rss_kib("VmRSS") or 0) * 1024
     t0 = time.perf_counter()
     with _count_saved_tensors(exclude) as saved:
         _train_step(model, opt, batch, on_backward_done=backward_done)

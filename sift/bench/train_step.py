@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from sift.bench._harness import reset_peak_rss, rss_kib
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("full AdamW", "SIFT dense backward", "SIFT sparse backward", "LoRA r=16")
 LORA_RANK = 16
@@ -31,23 +33,6 @@ def model_config(quick: bool) -> dict[str, int]:
                     num_attention_heads=4, num_key_value_heads=2, seq=32, batch=2)
     return dict(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=4, seq=256, batch=2)
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
 
 
 def _one_method(method: str, quick: bool, density: float, steps: int, seed: int, threads: int) -> dict[str, object]:
@@ -95,8 +80,8 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        rss_before = _rss_kib("VmRSS")
-        peak_ok = _reset_peak()
+        rss_before = rss_kib("VmRSS") or 0
+        peak_ok = reset_peak_rss()
     times = []
     for ids in batches[2:]:
         t0 = time.perf_counter()
@@ -107,7 +92,7 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
     if cuda:  # the caching allocator's own count: what the step allocated on top of weights and state
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
     else:
-        peak = (_rss_kib("VmHWM") - rss_before) / 1024 if peak_ok else float("nan")
+        peak = ((rss_kib("VmHWM") or 0) - rss_before) / 1024 if peak_ok else float("nan")
     return {"method": method, "times": times, "peak_mib": peak, "trainable": trainable}
 
 
