@@ -98,6 +98,20 @@ def _assert_same(model_a, opt_a, model_b, opt_b, tol: dict[str, float] = EXACT) 
                 torch.testing.assert_close(value.float(), sb[key].float(), **tol, msg=f"{name}.{key}")
 
 
+def _step_side_by_side(model, opt, ref_model, ref, backward, steps, clip, tol):
+    """Update in backward (`opt`) against the step()-time update (`ref`, clipped by hand), compared every step."""
+    for step in range(steps):
+        backward(model, step)
+        backward(ref_model, step)
+        if clip is not None:
+            _clip_by_hand(ref, clip)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        _assert_same(model, opt, ref_model, ref, tol)
+
+
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip-per-tensor"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("state", STATES)
@@ -105,16 +119,7 @@ def test_hook_mode_equals_the_plain_step(state, dtype, clip):
     model, ref_model = _mlp(dtype), _mlp(dtype)
     opt = _mlp_optimizer(model, state=state, compact_grads=True, update_in_backward=True, max_grad_norm=clip)
     ref = _mlp_optimizer(ref_model, state=state)
-    for step in range(4):
-        _mlp_backward(model, step)
-        _mlp_backward(ref_model, step)
-        if clip is not None:
-            _clip_by_hand(ref, clip)
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        _assert_same(model, opt, ref_model, ref, EXACT if clip is None else CLIPPED[dtype])
+    _step_side_by_side(model, opt, ref_model, ref, _mlp_backward, 4, clip, EXACT if clip is None else CLIPPED[dtype])
     assert all(float(opt.state[p]["step"]) == 4 for p in (model[0].weight, model[2].weight))
 
 
@@ -130,16 +135,7 @@ def test_sparse_backward_equals_its_step_time_update(state, dtype, clip, checkpo
     if checkpointing:
         for m in (model, ref_model):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for step in range(3):
-        _llama_backward(model, step)
-        _llama_backward(ref_model, step)
-        if clip is not None:
-            _clip_by_hand(ref, clip)
-        opt.step()
-        ref.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        _assert_same(model, opt, ref_model, ref, EXACT if clip is None else CLIPPED[dtype])
+    _step_side_by_side(model, opt, ref_model, ref, _llama_backward, 3, clip, EXACT if clip is None else CLIPPED[dtype])
 
 
 def test_weights_change_inside_backward_and_no_compact_buffer_survives():
