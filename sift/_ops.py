@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sift.triton_kernels._checks import check_lengths
+from sift.triton_kernels._step_args import AdamWHyper, ExactState, LeanState, check_step, takes_step_lists
 
 log = logging.getLogger("sift")
 
@@ -201,73 +202,74 @@ def ops() -> dict[str, Op]:
 # ---------------------------------------------------------------------------------------
 
 
-def sparse_adamw_ref(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    deltas: list[torch.Tensor],
-    bases: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    compact_grads: bool,
-    table_cache: dict | None = None,
-) -> None:
+@takes_step_lists(ExactState)
+def sparse_adamw_ref(state: ExactState, hyper: AdamWHyper, *, table_cache: dict | None = None) -> None:
     """Plain-torch reference of one fused SparseAdamW step (see the contract above).
 
+    Takes `(state, hyper)` through `.structured`, or the eight lists of `ExactState` and the
+    keywords of `AdamWHyper` plus `compact_grads`, as every backend's entry does.
     `table_cache` (the caller's dict for a backend's launch tables) is accepted and unused.
     """
-    check_lengths(len(params), grads=grads, indices=indices, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                  deltas=deltas, steps=steps, **({"bases": bases} if bases else {}))
-    for i, p in enumerate(params):
+    check_step(state, hyper)
+    for i, p in enumerate(state.params):
         flat = p.view(-1)
-        idx = indices[i].long()
-        g = grads[i] if compact_grads else grads[i].reshape(-1)[idx]
-        g = g.float()
-        if maximize:
-            g = -g
-        m, v, d = exp_avgs[i], exp_avg_sqs[i], deltas[i]
-        m.mul_(beta1).add_(g, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        t = steps[i].double()
-        bc1 = 1 - beta1**t
-        bc2 = 1 - beta2**t
-        lr_f = lr.double() if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float64)
+        idx = state.indices[i].long()
+        g = _step_grad(state, hyper, i, idx)
+        m, v, d = state.exp_avgs[i], state.exp_avg_sqs[i], state.deltas[i]
+        m.mul_(hyper.beta1).add_(g, alpha=1 - hyper.beta1)
+        v.mul_(hyper.beta2).addcmul_(g, g, value=1 - hyper.beta2)
+        bc1, bc2 = _bias_corrections(hyper, state.steps[i])
+        lr_f = hyper.lr.double() if hyper.lr_on_device else torch.tensor(float(hyper.lr), dtype=torch.float64)
         step_size = (lr_f / bc1).float().to(p.device)
         bc2_sqrt = bc2.sqrt().float().to(p.device)
         lr32 = lr_f.float().to(p.device)
-        w = flat[idx].float() if not bases else bases[i].float() + d
-        upd = -lr32 * weight_decay * w - step_size * m / (v.sqrt() / bc2_sqrt + eps)
+        base = state.bases[i].float() if state.bases else None
+        w = flat[idx].float() if base is None else base + d
+        upd = -lr32 * hyper.weight_decay * w - step_size * m / (v.sqrt() / bc2_sqrt + hyper.eps)
         d.add_(upd)
-        if bases:
-            flat[idx] = (bases[i].float() + d).to(p.dtype)
-        else:
-            flat[idx] = w + upd
+        flat[idx] = w + upd if base is None else (base + d).to(p.dtype)
+
+
+def _step_grad(state: ExactState | LeanState, hyper: AdamWHyper, i: int, idx: torch.Tensor) -> torch.Tensor:
+    """Tensor i's gradient at its chosen entries, fp32, negated under `maximize`."""
+    g = state.grads[i] if state.compact_grads else state.grads[i].reshape(-1)[idx]
+    g = g.float()
+    return -g if hyper.maximize else g
+
+
+def _bias_corrections(hyper: AdamWHyper, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - beta1^t, 1 - beta2^t) in fp64 for the one-element step `t`."""
+    t = step.double()
+    return 1 - hyper.beta1**t, 1 - hyper.beta2**t
+
+
+def _cpp_step(op_name: str, state_type: type) -> Callable:
+    """The C++ entry of a step op: the shared check, then `torch.ops.sift.<op_name>` on the flat lists."""
+
+    @takes_step_lists(state_type)
+    def run(state: ExactState | LeanState, hyper: AdamWHyper, *, table_cache: dict | None = None) -> None:
+        check_step(state, hyper)
+        lr = float(hyper.lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
+        getattr(torch.ops.sift, op_name)(*state.lists(), lr, hyper.beta1, hyper.beta2, hyper.eps,
+                                         hyper.weight_decay, hyper.maximize, state.compact_grads)
+
+    return run
+
+
+def _triton_step(module: str, fn_name: str) -> Callable:
+    """The Triton entry of a step op: imports the launcher on first use (triton may be missing)."""
+
+    def run(*args, **kwargs):
+        import importlib
+
+        return getattr(importlib.import_module(f"sift.triton_kernels.{module}"), fn_name)(*args, **kwargs)
+
+    return run
 
 
 define("sparse_adamw_", sparse_adamw_ref)
-
-
-@register("sparse_adamw_", "cpp")
-def _sparse_adamw_cpp(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, *, lr, beta1, beta2,
-                      eps, weight_decay, maximize, compact_grads, table_cache=None):
-    lr = float(lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
-    torch.ops.sift.sparse_adamw_(params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps, lr, beta1,
-                                 beta2, eps, weight_decay, maximize, compact_grads)
-
-
-@register("sparse_adamw_", "triton")
-def _sparse_adamw_triton(*args, **kwargs):
-    from sift.triton_kernels.sparse_adamw import sparse_adamw_
-
-    sparse_adamw_(*args, **kwargs)
+register("sparse_adamw_", "cpp")(_cpp_step("sparse_adamw_", ExactState))
+register("sparse_adamw_", "triton")(_triton_step("sparse_adamw", "sparse_adamw_"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -616,119 +618,51 @@ def lean_round_bf16(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
     return (((out ^ 0x8000) - 0x8000).to(torch.int16)).view(torch.bfloat16)
 
 
-def sparse_adamw_lean_ref(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices_low: list[torch.Tensor],
-    window_offsets: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    residuals: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    compact_grads: bool,
-    table_cache: dict | None = None,
-) -> None:
+@takes_step_lists(LeanState)
+def sparse_adamw_lean_ref(state: LeanState, hyper: AdamWHyper, *, table_cache: dict | None = None) -> None:
     """Plain-torch reference of one SparseAdamW step on the lean state (see the contract above).
 
-    `table_cache` is accepted and unused.
+    Takes `(state, hyper)` through `.structured`, or the eight lists of `LeanState` and the
+    keywords of `AdamWHyper` plus `compact_grads`. `table_cache` is accepted and unused.
     """
-    check_lengths(len(params), grads=grads, indices_low=indices_low, window_offsets=window_offsets,
-                  exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
-    low_precision = bool(params) and params[0].dtype != torch.float32
-    if low_precision:
-        check_lengths(len(params), residuals=residuals)
-    elif residuals:
-        raise ValueError("residuals must be empty for float32 params")
-    for i, p in enumerate(params):
-        _check_lean_tensors(i, p, grads[i], indices_low[i], window_offsets[i], exp_avgs[i], exp_avg_sqs[i],
-                            residuals[i] if low_precision else None, steps[i], compact_grads)
-    for i, p in enumerate(params):
+    check_step(state, hyper)
+    beta1, beta2 = hyper.beta1, hyper.beta2
+    for i, p in enumerate(state.params):
         flat = p.view(-1)
-        idx = decode_lean_indices(indices_low[i], window_offsets[i])
-        g = grads[i] if compact_grads else grads[i].reshape(-1)[idx]
-        g = g.float()
-        if maximize:
-            g = -g
+        idx = decode_lean_indices(state.indices_low[i], state.window_offsets[i])
+        g = _step_grad(state, hyper, i, idx)
         # Separate roundings, no fused multiply-add (torch's add_ with alpha fuses), so the
         # kernels, compiled with fp-contract off, give the same bits.
-        m = exp_avgs[i].float() * beta1 + g * (1 - beta1)
-        v = exp_avg_sqs[i].float() * beta2 + g * (1 - beta2) * g
-        t = steps[i].double()
-        bc1 = 1 - beta1**t
-        bc2 = 1 - beta2**t
+        m = state.exp_avgs[i].float() * beta1 + g * (1 - beta1)
+        v = state.exp_avg_sqs[i].float() * beta2 + g * (1 - beta2) * g
+        bc1, bc2 = _bias_corrections(hyper, state.steps[i])
         # lr is taken in fp32 (as a device tensor lr is), then lr / bc1 in fp64.
-        lr32 = lr.float() if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), dtype=torch.float32)
+        lr32 = hyper.lr.float() if hyper.lr_on_device else torch.tensor(float(hyper.lr), dtype=torch.float32)
         step_size = (lr32.double() / bc1).float().to(p.device)
         inv_bc2_sqrt = (1 / bc2.sqrt()).float().to(p.device)
         lr32 = lr32.to(p.device)
         stored = flat[idx]
         w = stored.float()
-        if low_precision:
-            w = w + residuals[i].float() * lean_unit(stored)
+        residual = state.residuals[i] if state.residuals else None
+        if residual is not None:
+            w = w + residual.float() * lean_unit(stored)
         # torch's fp32 sqrt on CPU is not always correctly rounded; through fp64 it is.
         sqrt_v = v.double().sqrt().float()
-        upd = -lr32 * weight_decay * w - step_size * m / (sqrt_v * inv_bc2_sqrt + eps)
+        upd = -lr32 * hyper.weight_decay * w - step_size * m / (sqrt_v * inv_bc2_sqrt + hyper.eps)
         new = w + upd
         rounded = new.to(p.dtype)
         flat[idx] = rounded
-        if low_precision:
+        if residual is not None:
             r = torch.round((new - rounded.float()) * _lean_inv_unit(rounded)).clamp_(-128, 127)
-            residuals[i].copy_(torch.where(torch.isfinite(rounded), r, 0.0).to(torch.int8))
-        bits = lean_random_bits(idx, steps[i])
-        exp_avgs[i].copy_(lean_round_bf16(m, bits & 0xFFFF))
-        exp_avg_sqs[i].copy_(lean_round_bf16(v, bits >> 16))
-
-
-def _check_lean_tensors(i: int, p: torch.Tensor, grad: torch.Tensor, low: torch.Tensor, offsets: torch.Tensor,
-                        m: torch.Tensor, v: torch.Tensor, residual: torch.Tensor | None, step: torch.Tensor,
-                        compact_grads: bool) -> None:
-    """Shapes and dtypes of tensor i's lean operands (values are trusted: the optimizer builds them)."""
-    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not p.is_contiguous():
-        raise ValueError(f"params[{i}] must be a contiguous float32, bfloat16 or float16 tensor")
-    if low.dtype != torch.int16 or low.dim() != 1:
-        raise ValueError(f"indices_low[{i}] must be a 1-D int16 tensor, got {low.dtype} {tuple(low.shape)}")
-    k = low.numel()
-    windows = lean_num_windows(p.numel())
-    if offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
-        raise ValueError(f"window_offsets[{i}] must be int32 of shape ({windows + 1},) for a param of "
-                         f"{p.numel()} elements, got {offsets.dtype} {tuple(offsets.shape)}")
-    if compact_grads:
-        if grad.dtype != torch.float32 or grad.numel() != k:
-            raise ValueError(f"grads[{i}] must be float32 with one entry per index (compact_grads)")
-    elif grad.dtype != p.dtype or grad.numel() != p.numel():
-        raise ValueError(f"grads[{i}] must have the shape and dtype of params[{i}]")
-    for name, t in (("exp_avgs", m), ("exp_avg_sqs", v)):
-        if t.dtype != torch.bfloat16 or t.shape != (k,):
-            raise ValueError(f"{name}[{i}] must be bfloat16 of shape ({k},), got {t.dtype} {tuple(t.shape)}")
-    if residual is not None and (residual.dtype != torch.int8 or residual.shape != (k,)):
-        raise ValueError(f"residuals[{i}] must be int8 of shape ({k},), got {residual.dtype} {tuple(residual.shape)}")
-    if step.dtype != torch.float32 or step.numel() != 1:
-        raise ValueError(f"steps[{i}] must be a one-element float32 tensor")
+            residual.copy_(torch.where(torch.isfinite(rounded), r, 0.0).to(torch.int8))
+        bits = lean_random_bits(idx, state.steps[i])
+        state.exp_avgs[i].copy_(lean_round_bf16(m, bits & 0xFFFF))
+        state.exp_avg_sqs[i].copy_(lean_round_bf16(v, bits >> 16))
 
 
 define("sparse_adamw_lean_", sparse_adamw_lean_ref)
-
-
-@register("sparse_adamw_lean_", "cpp")
-def _sparse_adamw_lean_cpp(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals, steps, *,
-                           lr, beta1, beta2, eps, weight_decay, maximize, compact_grads, table_cache=None):
-    lr = float(lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
-    torch.ops.sift.sparse_adamw_lean_(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals,
-                                      steps, lr, beta1, beta2, eps, weight_decay, maximize, compact_grads)
-
-
-@register("sparse_adamw_lean_", "triton")
-def _sparse_adamw_lean_triton(*args, **kwargs):
-    from sift.triton_kernels.sparse_adamw_lean import sparse_adamw_lean_
-
-    sparse_adamw_lean_(*args, **kwargs)
+register("sparse_adamw_lean_", "cpp")(_cpp_step("sparse_adamw_lean_", LeanState))
+register("sparse_adamw_lean_", "triton")(_triton_step("sparse_adamw_lean", "sparse_adamw_lean_"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ Each entry finds its window by binary search over the window offsets (ceil(log2(
 probes of a table that stays in cache); a program covers BLOCK consecutive entries of one
 tensor. A segment table `[n_tensors, N_COLS]` (int64) holds per tensor `k_i`, the search depth
 and the addresses of the operands (residual 0 for fp32); a block table `[n_blocks, 2]` maps
-each program to (tensor, first entry). The caller's `table_cache` keeps the tables of one param
-set between steps (and every table a CUDA graph captured), as `sparse_adamw.py` does.
+each program to (tensor, first entry). The tables are built and kept in the caller's
+`table_cache` by `_segments.py`, as for `sparse_adamw.py`.
 
 Hyper-parameters are runtime scalars; 1 - beta is taken in fp64 on the host. The launch turns
 off fp fusion, so the kernel rounds every operation as the reference does.
@@ -27,14 +27,14 @@ off fp fusion, so the kernel rounds every operation as the reference does.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_lengths
+from . import _segments
+from ._adam import adam_update, load_grad, program_segment
 from ._rounding import round_to_bf16
+from ._step_args import LEAN_WINDOW_BITS, AdamWHyper, LeanState, check_state_lengths, check_step, takes_step_lists
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -50,14 +50,12 @@ COL_EXP_AVG_SQ = tl.constexpr(8)
 COL_RESIDUAL = tl.constexpr(9)  # 0 for fp32 params
 COL_STEP = tl.constexpr(10)
 N_COLS = tl.constexpr(11)
-BLOCK_COL_TENSOR = tl.constexpr(0)
-BLOCK_COL_START = tl.constexpr(1)
-N_BLOCK_COLS = tl.constexpr(2)
 
-_WINDOW_BITS = 16
 _BLOCK = 512
 _NUM_WARPS = 8
 _CACHE_KEY = "sparse_adamw_lean_"
+# Looked up at every launch, so a test can wrap it and watch the tables it builds.
+_build_tables = _segments.build_tables
 
 
 @triton.jit
@@ -90,11 +88,7 @@ def _sparse_adamw_lean_kernel(
     MAXIMIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + N_BLOCK_COLS * pid + BLOCK_COL_TENSOR)
-    start = tl.load(blocks_ptr + N_BLOCK_COLS * pid + BLOCK_COL_START)
-    row = table_ptr + tensor * N_COLS
-    n = tl.load(row + COL_NUMEL)
+    row, offs, mask = program_segment(table_ptr, blocks_ptr, N_COLS, BLOCK)
     search_steps = tl.load(row + COL_SEARCH_STEPS).to(tl.int32)
     w_ptr = tl.load(row + COL_PARAM).to(tl.pointer_type(W_DTYPE))
     g_ptr = tl.load(row + COL_GRAD).to(tl.pointer_type(G_DTYPE))
@@ -104,8 +98,6 @@ def _sparse_adamw_lean_kernel(
     v_ptr = tl.load(row + COL_EXP_AVG_SQ).to(tl.pointer_type(tl.bfloat16))
     step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
 
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int64) & 0xFFFF
     # The window of each entry: the last w with offsets[w] <= position (offsets[0] = 0 and
     # offsets[windows] = k bracket every position).
@@ -118,28 +110,13 @@ def _sparse_adamw_lean_kernel(
         hi = tl.where(below, hi, mid)
     idx = (lo.to(tl.int64) << 16) + low
 
-    if COMPACT_GRAD:
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(g_ptr, idx, offs, mask, COMPACT_GRAD, MAXIMIZE)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + one_minus_beta2 * g * g
-
-    # Bias corrections in fp64 (scalars, once per program), from the device step count.
     step = tl.load(step_ptr)
-    step64 = step.to(tl.float64)
-    bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
-    bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
-    if LR_ON_DEVICE:
-        lr_value = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr_value = lr
-    step_size = (lr_value / bias_correction1).to(tl.float32)
-    inv_bc2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)
+    m, v, lr_value, step_size, inv_bc2_sqrt = adam_update(
+        g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+        LR_ON_DEVICE)
 
     stored = tl.load(w_ptr + idx, mask=mask, other=0.0)
     w = stored.to(tl.float32)
@@ -195,81 +172,25 @@ def _unit(w, W_DTYPE: tl.constexpr, INVERSE: tl.constexpr):
     return out.to(tl.float32, bitcast=True)
 
 
-class _Tables:
-    """The device tables of one launch and the host rows they were built from."""
-
-    __slots__ = ("columns", "table", "blocks")
-
-    def __init__(self, columns: tuple[tuple[int, ...], ...], block: int, device: torch.device) -> None:
-        self.columns = columns
-        host = torch.tensor(columns, dtype=torch.int64).reshape(-1, int(N_COLS))
-        self.table = host.to(device, non_blocking=True) if device.type == "cuda" else host
-        rows = [(t, s) for t, row in enumerate(columns) for s in range(0, row[COL_NUMEL], block)]
-        self.blocks = torch.tensor(rows, dtype=torch.int64).reshape(-1, int(N_BLOCK_COLS)).to(device)
-
-
-def _check_tensors(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals, steps,
-                   compact_grads, device) -> None:
-    # The kernel reads every tensor through a raw address: a strided view, a short or
-    # wrong-dtype tensor or one on another device would be read and written out of bounds.
-    for i, (p, g, low, off) in enumerate(zip(params, grads, indices_low, window_offsets)):
-        k = low.numel()
-        windows = -(-p.numel() // (1 << _WINDOW_BITS))
-        if not p.is_contiguous() or p.device != device:
-            raise ValueError(f"params[{i}] must be contiguous and on {device}")
-        if low.dtype != torch.int16 or low.dim() != 1 or not low.is_contiguous() or low.device != device:
-            raise ValueError(f"indices_low[{i}] must be a contiguous 1-D int16 tensor on {device}")
-        if off.dtype != torch.int32 or off.shape != (windows + 1,) or not off.is_contiguous() or off.device != device:
-            raise ValueError(f"window_offsets[{i}] must be a contiguous int32 tensor of shape ({windows + 1},) on {device}")
-        if compact_grads:
-            if g.dtype != torch.float32 or g.numel() != k or not g.is_contiguous() or g.device != device:
-                raise ValueError(f"grads[{i}] must be float32 with one entry per index on {device} (compact_grads)")
-        elif g.dtype != p.dtype or g.numel() != p.numel() or not g.is_contiguous() or g.device != device:
-            raise ValueError(f"grads[{i}] must have the shape and dtype of params[{i}] and be on {device}")
-        state = [("exp_avgs", exp_avgs[i], torch.bfloat16), ("exp_avg_sqs", exp_avg_sqs[i], torch.bfloat16)]
-        if residuals:
-            state.append(("residuals", residuals[i], torch.int8))
-        for name, t, dtype in state:
-            if t.dtype != dtype or t.numel() != k or not t.is_contiguous() or t.device != device:
-                raise ValueError(f"{name}[{i}] must be a contiguous {dtype} tensor with one entry per index on {device}")
-        if steps[i].dtype != torch.float32 or steps[i].numel() != 1 or steps[i].device != device:
-            raise ValueError(f"steps[{i}] must be a one-element float32 tensor on {device}")
-
-
+@takes_step_lists(LeanState)
 def sparse_adamw_lean_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    indices_low: list[torch.Tensor],
-    window_offsets: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    residuals: list[torch.Tensor],
-    steps: list[torch.Tensor],
+    state: LeanState,
+    hyper: AdamWHyper,
     *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    compact_grads: bool,
     block: int | None = None,
     num_warps: int | None = None,
     table_cache: dict | None = None,
 ) -> None:
     """One SparseAdamW step on the lean state over tensors sharing one device and dtype.
 
+    Called as `sparse_adamw_lean_(state, hyper)` through `.structured`, or with the eight
+    tensor lists of `LeanState` (shapes and dtypes there) and the keywords of `AdamWHyper`
+    plus `compact_grads`.
+
     Args:
-        params: weights, any shape, contiguous; written only at their entries.
-        grads: dense grads (param shape and dtype) or, with `compact_grads`, [k_i] fp32.
-        indices_low: [k_i] int16, the low 16 bits of the sorted flat positions.
-        window_offsets: [ceil(numel_i / 65536) + 1] int32, the entries of each 65536-element window.
-        exp_avgs, exp_avg_sqs: [k_i] bf16, updated in place.
-        residuals: [k_i] int8 per bf16/fp16 param, updated in place; empty for fp32 params.
-        steps: 0-d fp32 device tensors, already incremented for this step.
-        lr: float, or a 0-d device tensor read inside the kernel.
-        beta1, beta2, eps, weight_decay, maximize: AdamW hyper-parameters.
-        compact_grads: whether `grads` are already gathered.
+        state: the operands.
+        hyper: lr (a float, or a one-element device tensor read inside the kernel), betas,
+            eps, weight decay, maximize.
         block, num_warps: launch configuration; None takes the defaults.
         table_cache: the caller's dict for this launcher's tables (kept per param set while it
             lives, and every table a CUDA graph captured); None builds them for this call only.
@@ -278,79 +199,36 @@ def sparse_adamw_lean_(
         >>> sparse_adamw_lean_([w], [w.grad], [low], [off], [m], [v], [], [step], lr=1e-3, beta1=0.9,
         ...                    beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False, compact_grads=False)
     """
+    params = state.params
     if not params:
         return
-    check_lengths(len(params), grads=grads, indices_low=indices_low, window_offsets=window_offsets,
-                  exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    check_state_lengths(state)
     device, w_dtype = params[0].device, params[0].dtype
-    if len({(p.device, p.dtype) for p in params}) != 1:
-        raise ValueError("params must share one device and dtype")
-    if w_dtype not in _TL_DTYPES:
-        raise ValueError(f"params must be float32, bfloat16 or float16, got {w_dtype}")
-    if w_dtype == torch.float32:
-        if residuals:
-            raise ValueError("residuals must be empty for float32 params")
-    else:
-        check_lengths(len(params), residuals=residuals)
-    lr_on_device = isinstance(lr, torch.Tensor)
-    if lr_on_device and (lr.device != device or lr.numel() != 1):
-        raise ValueError(f"lr must be a float or a one-element tensor on {device}, got {lr.device} with {lr.numel()}")
     ptr = torch.Tensor.data_ptr
-    windows = [-(-p.numel() // (1 << _WINDOW_BITS)) for p in params]
+    windows = [-(-p.numel() >> LEAN_WINDOW_BITS) for p in params]
     param_ptrs = tuple(map(ptr, params))
     columns = tuple(zip(
-        map(torch.Tensor.numel, indices_low), windows, [max(0, (n - 1).bit_length()) for n in windows], param_ptrs,
-        map(ptr, grads), map(ptr, indices_low), map(ptr, window_offsets), map(ptr, exp_avgs), map(ptr, exp_avg_sqs),
-        map(ptr, residuals) if residuals else [0] * len(params), map(ptr, steps)))
-    block = block or _BLOCK
-
-    def build() -> _Tables:
-        _check_tensors(params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs, residuals, steps,
-                       compact_grads, device)
-        return _Tables(columns, block, device)
-
-    if table_cache is None:
-        tables = build()
-    else:
-        owner = table_cache.setdefault(_CACHE_KEY, {"slots": {}, "captured": []})
-        slot = (str(device), w_dtype, compact_grads, block, param_ptrs)
-        tables = owner["slots"].get(slot)
-        if tables is None or tables.columns != columns:
-            tables = build()
-            if slot not in owner["slots"]:  # a new param set: drop the slots it overlaps
-                for stale in [key for key in owner["slots"] if not set(param_ptrs).isdisjoint(key[-1])]:
-                    del owner["slots"][stale]
-            owner["slots"][slot] = tables
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            owner["captured"].append(tables)  # a replay reads them after the slot moved on
+        map(torch.Tensor.numel, state.indices_low), windows, [max(0, (n - 1).bit_length()) for n in windows],
+        param_ptrs, map(ptr, state.grads), map(ptr, state.indices_low), map(ptr, state.window_offsets),
+        map(ptr, state.exp_avgs), map(ptr, state.exp_avg_sqs),
+        map(ptr, state.residuals) if state.residuals else [0] * len(params), map(ptr, state.steps)))
+    tables = _segments.launch_tables(
+        table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), columns, int(N_COLS),
+        block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
     n_blocks = tables.blocks.shape[0]
     if n_blocks == 0:
         return
-    g_dtype = torch.float32 if compact_grads else w_dtype
+    g_dtype = torch.float32 if state.compact_grads else w_dtype
     _sparse_adamw_lean_kernel[(n_blocks,)](
         tables.table,
         tables.blocks,
-        lr if lr_on_device else tables.table,
-        0.0 if lr_on_device else float(lr),
-        float(beta1),
-        float(beta2),
-        1.0 - float(beta1),
-        1.0 - float(beta2),
-        _log2(beta1),
-        _log2(beta2),
-        float(eps),
-        float(weight_decay),
+        *hyper.kernel_args(tables.table),
         W_DTYPE=_TL_DTYPES[w_dtype],
         G_DTYPE=_TL_DTYPES[g_dtype],
-        COMPACT_GRAD=compact_grads,
-        LR_ON_DEVICE=lr_on_device,
-        MAXIMIZE=bool(maximize),
-        BLOCK=block,
+        COMPACT_GRAD=state.compact_grads,
+        LR_ON_DEVICE=hyper.lr_on_device,
+        MAXIMIZE=bool(hyper.maximize),
+        BLOCK=tables.block,
         num_warps=num_warps or _NUM_WARPS,
         enable_fp_fusion=False,
     )
-
-
-def _log2(beta: float) -> float:
-    # beta == 0 gives bias correction 1 at every step: exp2(-inf) == 0.
-    return math.log2(beta) if beta > 0 else float("-inf")

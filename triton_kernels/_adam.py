@@ -1,0 +1,61 @@
+"""The AdamW arithmetic both step kernels (`sparse_adamw.py`, `sparse_adamw_lean.py`) share:
+finding a program's segment, the gradient load, the moment update and the bias corrections.
+Inlined into each kernel, so each keeps its own fp-fusion setting."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import _segments
+
+_COL_NUMEL = tl.constexpr(_segments.COL_NUMEL)
+_BLOCK_COL_TENSOR = tl.constexpr(_segments.BLOCK_COL_TENSOR)
+_BLOCK_COL_START = tl.constexpr(_segments.BLOCK_COL_START)
+_N_BLOCK_COLS = tl.constexpr(_segments.N_BLOCK_COLS)
+
+
+@triton.jit
+def program_segment(table_ptr, blocks_ptr, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """(row pointer of this program's tensor in the segment table, [BLOCK] entry offsets, mask)."""
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_TENSOR)
+    start = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_START)
+    row = table_ptr + tensor * N_COLS
+    offs = start + tl.arange(0, BLOCK)
+    return row, offs, offs < tl.load(row + _COL_NUMEL)
+
+
+@triton.jit
+def load_grad(g_ptr, idx, offs, mask, COMPACT_GRAD: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """[BLOCK] fp32 gradient at the chosen entries (compact: at `offs`; dense: at `idx`)."""
+    if COMPACT_GRAD:
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def adam_update(g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,
+                LR_ON_DEVICE: tl.constexpr):
+    """New moments and the step's scales: (m, v, lr, lr / bc1, 1 / sqrt(bc2)), the scales fp32."""
+    # 1 - beta comes from the host in double precision, as torch's AdamW takes it: in fp32,
+    # 1 - 0.999 is 5e-5 off and would bias every second moment.
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    # Bias corrections in fp64 (scalars, once per program), from the device step count: in
+    # fp32, 1 - beta^t cancels for beta near 1 (beta2 = 0.99999 at t = 1 leaves 1e-5 with an
+    # absolute error of ~6e-8).
+    step64 = step.to(tl.float64)
+    bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
+    bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
+    if LR_ON_DEVICE:
+        lr_value = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr_value = lr
+    step_size = (lr_value / bias_correction1).to(tl.float32)
+    inv_bc2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)
+    return m, v, lr_value, step_size, inv_bc2_sqrt
