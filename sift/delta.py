@@ -43,9 +43,8 @@ from torch import nn
 from sift import _ops
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
-from sift._index import merge_disjoint as _merge_disjoint
 from sift._index import top_k_positions
-from sift.optim import _is_dtensor
+from sift.optim.state import increments, is_dense_stepped, is_dtensor
 
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
@@ -371,21 +370,22 @@ class SparseDelta:
                 if name is None:
                     problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
                     continue
-                if _is_dtensor(p):
+                if is_dtensor(p):
                     # Its optimizer state holds rank-local positions of one shard, not of the weight.
                     problems.append(f"{name}: a sharded DTensor (FSDP2) parameter; gather a full state dict and "
                                     f"use SparseDelta.from_diff(base, full_state_dict, ...)")
                     continue
                 st = optimizer.state.get(p, {})
                 numel = p.numel()
-                if "indices" in st:
-                    idx, values, base_values = _optimizer_increments(st, _index_dtype(numel))
+                exact = increments(st, numel)
+                if exact is not None:
+                    idx, values, base_values = exact
                     entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
                     if base_values is not None:
                         known[name] = (idx, base_values)
                     else:
                         unknown[name] = idx
-                elif "exp_avg" in st and group.get("density", 1.0) >= 1.0:
+                elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
                     if base_state is None:
                         skipped.append(name)
                         unknown[name] = None
@@ -866,26 +866,6 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
 
 
 # -------------------------------------------------------------------- helpers
-
-
-def _optimizer_increments(st: Mapping[str, torch.Tensor], index_dtype: torch.dtype
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A SparseAdamW param state's increments on the CPU, active and retired entries merged.
-
-    Returns:
-        [n] sorted positions (`index_dtype`), [n] fp32 increments, and [n] base values
-        (None when the state keeps none: fp32 weights without `keep_base`).
-    """
-    idx = st["indices"].detach().to("cpu", index_dtype, copy=True)
-    values = st["delta"].detach().to("cpu", torch.float32, copy=True)
-    base = st["base"].detach().to("cpu", copy=True) if "base" in st else None
-    if "retired_indices" in st:
-        pairs = [(values, st["retired_delta"].detach().to("cpu", torch.float32))]
-        if base is not None:
-            pairs.append((base, st["retired_base"].detach().cpu()))
-        idx, merged = _merge_disjoint(idx, st["retired_indices"].detach().to("cpu", index_dtype), *pairs)
-        values, base = merged[0], (merged[1] if base is not None else None)
-    return idx, values, base
 
 
 def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:

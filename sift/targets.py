@@ -26,7 +26,10 @@ import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.optim import SparseAdamW, _local, _num_entries, _selected
+from sift.optim import SparseAdamW
+from sift.optim.state import is_selected as _selected
+from sift.optim.state import local_tensor as _local
+from sift.optim.state import num_entries as _num_entries
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,286 @@
+"""Checking and saving `SparseAdamW`: hyper-parameter checks, `state_dict` / `load_state_dict`
+(every saved tensor validated before anything changes), pickling and copying."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from sift import _ops
+from sift._index import check_indices as _check_indices
+from sift._index import index_dtype as _index_dtype
+from sift._index import lookup as _lookup
+from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_selected, local_tensor, needs_base, num_entries
+
+
+def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
+    lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr must be a float or a 1-element tensor, got shape {tuple(lr.shape)}")
+    if not isinstance(lr_value, (int, float)) or not lr_value >= 0.0:
+        raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+
+
+
+class CheckpointMixin:
+    """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
+
+    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "state_layout", "backend", "max_grad_norm",
+                "_compact", "_grad_ready", "update_in_backward")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
+
+        Not carried: the process group (a handle to this process's communicator, which cannot
+        be pickled; the copy has none and warns), the grad hooks (the copy hooks its own params)
+        and the kernels' launch tables (built again for the copy's tensors).
+        """
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._PICKLED})
+        state["had_process_group"] = self.process_group is not None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        had_process_group = state.pop("had_process_group", False)
+        state.pop("process_group", None)  # pickled by earlier versions (always None there)
+        super().__setstate__(state)
+        self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
+        self.__dict__.setdefault("state_layout", "exact")
+        self.__dict__.setdefault("update_in_backward", False)
+        self._scratch = {}
+        self._backward_seen = set()
+        self.process_group = None
+        if had_process_group:
+            warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
+                          "pickled); set `optimizer.process_group` to average gradients across ranks again",
+                          stacklevel=2)
+        self._kernel_cache = {}
+        self._init_step_caches()
+        self._pending = None
+        self._hook_handles = {}
+        self._unhooked = []
+        # Hooks are not copied with the params: the copy hooks its own.
+        self._hooks_ready = self.compact_grads
+        if self.compact_grads:
+            self._sync_hooks()
+
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, plus this optimizer's selection settings under "sift"."""
+        sd = super().state_dict()
+        sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
+                      "keep_base": self.keep_base, "state": self.state_layout, "format": 1}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by `state_dict()`; validates everything before changing anything.
+
+        Raises:
+            ValueError: groups, param counts, or any sparse state do not fit the params.
+        """
+        state_dict = state_dict.copy()  # torch's order: a shallow copy, then the pre-hooks
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        # A deep copy, as torch takes: a saved lr tensor must not be shared with the source
+        # optimizer, whose scheduler would otherwise drive this one too.
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
+            )
+        id_map: dict[int, tuple[torch.Tensor, float]] = {}  # saved id -> (param, its density once loaded)
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {gi}: state_dict has {len(saved['params'])} params, the optimizer "
+                    f"{len(group['params'])}"
+                )
+            # The saved hyper-parameters replace the group's (as in torch), so they are checked
+            # and the state is validated against the saved density, not the constructed one.
+            merged = {**group, **saved}
+            try:
+                check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+            except ValueError as exc:
+                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
+            id_map.update((pid, (p, float(merged["density"]))) for pid, p in zip(saved["params"], group["params"]))
+        meta = state_dict.get("sift", {})
+        keep_base = meta.get("keep_base", False)  # states saved before the option kept no fp32 base
+        if not isinstance(keep_base, bool):
+            raise ValueError(f"state_dict['sift']['keep_base'] must be a bool, got {keep_base!r}")
+        layout = meta.get("state", "exact")  # states saved before the option are exact
+        if layout not in ("exact", "lean"):
+            raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
+        if layout == "lean" and keep_base:
+            raise ValueError("state_dict['sift'] has keep_base=True with state='lean', which keeps no base")
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_map:
+                raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
+            p, density = id_map[pid]
+            new_state[p] = _load_param_state(p, saved_state, density, needs_base(p, keep_base),
+                                                  f"state of param {pid}", lean=layout == "lean")
+        # Everything validated: install.
+        self.state = defaultdict(dict, new_state)
+        self._pending = None
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = value
+            group["betas"] = tuple(group["betas"])
+            group["density"] = float(group["density"])
+        self.keep_base = keep_base
+        self.state_layout = layout
+        self.select_steps = meta.get("select_steps", self.select_steps)
+        self.selection = meta.get("selection", self.selection)
+        self.seed = meta.get("seed", self.seed)
+        self._compact.clear()
+        self._grad_ready.clear()
+        self._backward_seen.clear()
+        if self.compact_grads and not self.update_in_backward:
+            for p, state in self.state.items():
+                if is_selected(state):
+                    self._compact[p] = torch.zeros(num_entries(state), dtype=torch.float32, device=p.device)
+        if self._hooks_ready:  # a group may have turned sparse or dense
+            self._sync_hooks()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
+                      what: str, lean: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if density < 1.0 and (lean or "indices_low" in saved) and is_selected(saved):
+        return _load_lean_state(p, saved, lean, what)
+    stray = [k for k in RETIRED_KEYS if k in saved and "indices" not in saved]
+    if stray:
+        raise ValueError(f"{what}: {', '.join(stray)} without indices (a retired record needs a selection)")
+    if density >= 1.0 or "indices" not in saved:
+        for key, value in saved.items():
+            if isinstance(value, torch.Tensor):
+                if key in ("exp_avg", "exp_avg_sq") and value.shape != p.shape:
+                    raise ValueError(f"{what}: {key} has shape {tuple(value.shape)}, param {tuple(p.shape)}")
+                if key == "score" and value.numel() != local_tensor(p).numel():
+                    raise ValueError(f"{what}: score has {value.numel()} entries, param {local_tensor(p).numel()}")
+                if key == "step":
+                    value = value.detach().clone().float().cpu() if density >= 1.0 else \
+                        value.detach().clone().float().to(p.device)
+                elif key == "score":
+                    value = value.detach().to(device=p.device, dtype=torch.float32).clone()
+                else:
+                    value = value.detach().to(device=p.device, dtype=p.dtype).clone()
+            out[key] = value
+        return out
+    missing = [k for k in SPARSE_KEYS if k not in saved]
+    if has_base and "base" not in saved:
+        missing.append("base")
+    stray_base = [k for k in ("base", "retired_base") if k in saved and not has_base]
+    if stray_base:
+        # Installing it would be harmless, dropping it silent: the state and its settings disagree.
+        raise ValueError(f"{what}: has {' and '.join(stray_base)} for an fp32 weight, but the state_dict's "
+                         "keep_base is False (or absent)")
+    if missing:
+        raise ValueError(f"{what}: missing {', '.join(missing)}")
+    indices = saved["indices"]
+    _check_indices(indices, local_tensor(p).numel(), f"{what}: indices")
+    k = indices.numel()
+    for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if has_base else ()):
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != (k,):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{what}: {key} must have shape ({k},) to match indices, got {shape}")
+    out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(local_tensor(p).numel())).clone()
+    for key in ("exp_avg", "exp_avg_sq", "delta"):
+        out[key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
+    if has_base:
+        out["base"] = saved["base"].detach().to(device=p.device, dtype=p.dtype).clone()
+    out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
+    if "selection_calls" in saved:
+        out["selection_calls"] = int(saved["selection_calls"])
+    out.update(_load_retired(p, saved, out["indices"], has_base, what))
+    return out
+
+def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: str) -> dict[str, Any]:
+    """The validated lean state of a selected sparse param."""
+    if not lean:
+        raise ValueError(f"{what}: a lean state (indices_low), but the state_dict's state is 'exact' (or absent)")
+    low_precision = p.dtype != torch.float32
+    stray = [key for key in ("indices", "delta", "base", *RETIRED_KEYS) + (() if low_precision else ("residual",))
+             if key in saved]
+    if stray:
+        raise ValueError(f"{what}: {', '.join(stray)} in a lean state (state='lean' keeps "
+                         f"{'a residual' if low_precision else 'no residual'} and no exact-state keys)")
+    keys = ("indices_low", "window_offsets", "exp_avg", "exp_avg_sq", "step") + (("residual",) if low_precision else ())
+    missing = [key for key in keys if key not in saved]
+    if missing:
+        raise ValueError(f"{what}: missing {', '.join(missing)}")
+    low, offsets = saved["indices_low"], saved["window_offsets"]
+    numel = local_tensor(p).numel()
+    windows = _ops.lean_num_windows(numel)
+    if not isinstance(low, torch.Tensor) or low.dtype != torch.int16 or low.dim() != 1:
+        raise ValueError(f"{what}: indices_low must be a 1-D int16 tensor")
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
+        raise ValueError(f"{what}: window_offsets must be int32 of shape ({windows + 1},) for a param of "
+                         f"{numel} elements")
+    k = low.numel()
+    if int(offsets[0]) != 0 or int(offsets[-1]) != k or bool((offsets.diff() < 0).any()):
+        raise ValueError(f"{what}: window_offsets must rise from 0 to k = {k}")
+    _check_indices(_ops.decode_lean_indices(low.cpu(), offsets.cpu()), numel, f"{what}: decoded indices")
+    dtypes = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "residual": torch.int8}
+    for key in keys[2:4] + keys[5:]:
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != (k,) or value.dtype != dtypes[key]:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{what}: {key} must be {dtypes[key]} of shape ({k},), got {got}")
+    out = {key: saved[key].detach().to(p.device).clone() for key in keys if key != "step"}
+    out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
+    if "selection_calls" in saved:
+        out["selection_calls"] = int(saved["selection_calls"])
+    return out
+
+def _load_retired(p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, has_base: bool,
+                  what: str) -> dict[str, torch.Tensor]:
+    """The validated retired record of a saved sparse state ({} when it has none)."""
+    keys = RETIRED_KEYS if has_base else RETIRED_KEYS[:2]
+    if not any(k in saved for k in keys):
+        return {}
+    missing = [k for k in keys if k not in saved]
+    if missing:
+        raise ValueError(f"{what}: missing {', '.join(missing)} (the retired record is incomplete)")
+    retired = saved["retired_indices"]
+    _check_indices(retired, local_tensor(p).numel(), f"{what}: retired_indices", allow_empty=True)
+    r = retired.numel()
+    for key in keys[1:]:
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != (r,):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{what}: {key} must have shape ({r},) to match retired_indices, got {shape}")
+    retired = retired.detach().to(device=p.device, dtype=indices.dtype)
+    overlap = _lookup(indices, retired)[0]
+    if bool(overlap.any()):
+        raise ValueError(f"{what}: retired_indices must be disjoint from indices; "
+                         f"{int(overlap.sum())} are in both (first: {int(retired[overlap][0])})")
+    if r == 0:  # the record is kept only while it holds something
+        return {}
+    out = {"retired_indices": retired.clone(),
+           "retired_delta": saved["retired_delta"].detach().to(device=p.device, dtype=torch.float32).clone()}
+    if has_base:
+        out["retired_base"] = saved["retired_base"].detach().to(device=p.device, dtype=p.dtype).clone()
+    return out

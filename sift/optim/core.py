@@ -1,0 +1,434 @@
+"""`SparseAdamW`: the optimizer class, its param groups, and `step()` (the fused sparse step
+and torch's functional AdamW for dense groups). Selection, the state layout, the gradient
+hooks and checkpoints live in the sibling modules it mixes in."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from sift import _ops
+from sift.optim.checkpoint import CheckpointMixin, check_hyper
+from sift.optim.clip import clip_each_, clip_grad_norm_
+from sift.optim.hooks import HooksMixin
+from sift.optim.selection import SelectionMixin
+from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
+
+
+class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin, torch.optim.Optimizer):
+    """AdamW over a fixed sparse subset of each weight's entries (SIFT).
+
+    Args:
+        params: tensors or param-group dicts, as for any torch optimizer. Groups may set
+            their own `lr`, `betas`, `eps`, `weight_decay` and `density`.
+        lr: learning rate (a float, or a 1-element tensor for CUDA-graph capture).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay, applied to the chosen entries only.
+        density: fraction of each weight's entries to train, in (0, 1]; the top
+            `ceil(density * numel)` (at least 1) are kept. `1.0` makes the group dense AdamW.
+        select_steps: how many `step()` calls accumulate the selection score before the
+            entries are chosen. The last of them also applies the first update; earlier ones
+            update nothing. Only a `step()` that runs counts: a step GradScaler skips (inf/NaN
+            gradients) leaves the selection pending and the state unchanged.
+        selection: "magnitude" (SIFT's top-|grad|, summed over the selection steps),
+            "saliency" (first-order saliency `-theta * grad` averaged over the selection
+            steps, the entries of largest magnitude kept; NAS-PEFT), or "random" (seeded
+            baseline). Equal scores go to the lower flat index on every device.
+        seed: seed of `selection="random"`.
+        maximize: maximise the objective instead.
+        compact_grads: memory-efficient mode (SIFT Fig. 4). A post-accumulate-grad hook on
+            each sparse weight gathers `grad[indices]` into a compact fp32 buffer and frees
+            the dense gradient at once, so at most one dense weight gradient exists at a
+            time. Micro-batch accumulation adds into the compact buffers. Until a weight's
+            entries are chosen its dense gradient is kept as in plain mode (the selection
+            steps hold every sparse weight's dense gradient), so the entries equal plain
+            mode's in every case: accumulation over micro-batches, several selection steps,
+            every rule.
+        max_grad_norm: if set, `step()` first clips the gradients it uses to this global
+            norm with `sift.clip_grad_norm_` (for loops that cannot call it themselves).
+        process_group: data parallelism without DDP, for `compact_grads` mode (whose hooks
+            free the dense gradients DDP would reduce). With a process group, the dense
+            gradient is averaged across ranks before selection (so every rank chooses the
+            same entries), and `step()` averages the compact buffers and the dense groups'
+            gradients. Plain mode needs none of this: wrap the model in DDP as usual.
+        backend: force a kernel backend ("torch", "cpp", "triton"); default: automatic
+            (see `python -m sift.env`).
+        keep_base: fp32 weights also keep their chosen entries' values at selection (`base`,
+            4 more bytes per entry, 20 in all). The step then writes each weight as
+            base + delta and never reads it: one random read fewer per entry, which may pay
+            on a GPU and does not on a CPU, where writing a line reads it
+            anyway. Values written into the chosen entries by anything but the optimizer are
+            overwritten at the next step (as for bf16/fp16 weights, which always keep a base).
+            `load_state_dict` adopts the saved setting, like `select_steps`.
+        state: "exact" (the default: int32 indices, fp32 moments, the exact increment `delta`
+            and, for bf16/fp16 weights, `base`; 16 bytes per entry for fp32 weights, 18 for
+            bf16/fp16) or "lean" (at most 8 bytes per entry: 16-bit index halves under a window
+            table, bf16 moments by stochastic rounding, an int8 sub-ulp residual for bf16/fp16
+            weights; no `delta`, see the module docstring for what is exact). Not with
+            `keep_base`. `load_state_dict` adopts the saved setting.
+        update_in_backward: with `compact_grads=True`, step each selected sparse weight as soon
+            as its gradient is complete: inside its gradient hook (after the gather), or, with
+            the sparse backward, right after the layer wrote its compact gradient. Its [k]
+            gradient lives in one scratch buffer per device, sized to the largest k and reused
+            by every weight, so no per-weight compact gradient buffer outlives its layer's
+            backward (`state_bytes()["compact_grad_bytes"]` counts the scratch). The selection
+            step(s) still run in `step()` on dense gradients (and apply the first update there);
+            afterwards `step()` only steps dense groups and keeps the books. One backward per
+            `step()`: a second backward reaching a weight before `step()` raises RuntimeError
+            (no micro-batch accumulation). `max_grad_norm` clips per tensor: each weight's
+            compact gradient (and each dense group's gradient) is scaled to norm at most
+            `max_grad_norm` on its own, since no global norm exists while layers are still
+            being stepped; `sift.clip_grad_norm_` raises in this mode. Not with a
+            `process_group` (the ranks' gradients would have to be averaged inside backward)
+            nor with fp16 GradScaler (it reads `.grad`, which these weights no longer have).
+
+    Example:
+        >>> model = torch.nn.Linear(64, 32)
+        >>> opt = SparseAdamW(model.parameters(), lr=1e-3, density=0.05)
+        >>> model(torch.randn(8, 64)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state[model.weight]["indices"].shape
+        torch.Size([103])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        density: float = 0.01,
+        *,
+        select_steps: int = 1,
+        selection: str = "magnitude",
+        seed: int = 0,
+        maximize: bool = False,
+        compact_grads: bool = False,
+        max_grad_norm: float | None = None,
+        process_group: Any = None,
+        backend: str | None = None,
+        keep_base: bool = False,
+        state: str = "exact",
+        update_in_backward: bool = False,
+    ) -> None:
+        check_hyper(lr, betas, eps, weight_decay, density)
+        if not isinstance(update_in_backward, bool):
+            raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
+        if update_in_backward and not compact_grads:
+            raise ValueError("update_in_backward=True needs compact_grads=True (the update runs in the gradient "
+                             "hooks of compact_grads mode)")
+        if update_in_backward and process_group is not None:
+            raise ValueError("update_in_backward=True does not support a process_group: each weight is stepped "
+                             "inside backward, before its gradient could be averaged across ranks")
+        if state not in ("exact", "lean"):
+            raise ValueError(f"state must be 'exact' or 'lean', got {state!r}")
+        if state == "lean" and keep_base is True:
+            raise ValueError("keep_base=True keeps a base next to the exact increment; the lean state has "
+                             "neither (use state='exact')")
+        if not isinstance(keep_base, bool):
+            raise TypeError(f"keep_base must be a bool, got {keep_base!r}")
+        if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
+            raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
+        if selection not in ("magnitude", "saliency", "random"):
+            raise ValueError(f"selection must be 'magnitude', 'saliency' or 'random', got {selection!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
+        if process_group is not None and not compact_grads:
+            raise ValueError("process_group is for compact_grads mode; in plain mode wrap the model in DDP")
+        if backend is not None and backend not in _ops.BACKENDS:
+            raise ValueError(f"backend must be one of {_ops.BACKENDS} or None, got {backend!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
+                        maximize=maximize)
+        self.select_steps = select_steps
+        self.selection = selection
+        self.seed = seed
+        self.compact_grads = compact_grads
+        self.keep_base = keep_base
+        self.state_layout = state
+        self.backend = backend
+        self.max_grad_norm = max_grad_norm
+        self.process_group = process_group
+        self.update_in_backward = update_in_backward
+        self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
+        # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
+        # the sparse params a backward reached since the last step() (a second backward raises).
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._backward_seen: set[torch.Tensor] = set()
+        # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
+        # as long as this optimizer (never in state_dict, pickles or copies).
+        self._kernel_cache: dict = {}
+        self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
+        self._init_step_caches()
+        # Sparse params still waiting for their selection (None: scan all of them). Frozen
+        # and gradless params stay on it, so a layer unfrozen later is still selected.
+        self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
+        self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
+        self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
+        super().__init__(params, defaults)
+        self._hooks_ready = compact_grads
+        if compact_grads:
+            self._sync_hooks()
+
+    def _init_step_caches(self) -> None:
+        """What lives for one step only: the entries a selecting step will choose (computed by
+        `clip_grad_norm_` or the step, committed only by the step), the clipped [k] gradients
+        `clip_grad_norm_` gathered for the step, and which pending dense grads were averaged
+        across ranks. Keyed by the gradient they came from, so a stale entry is never used."""
+        self._tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self._clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self._averaged: set[torch.Tensor] = set()
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        density: float = 0.01,
+        lr: float | torch.Tensor = 1e-3,
+        *,
+        target_modules: str | list[str] | None = None,
+        dense_modules: str | list[str] | None = None,
+        selection: str = "magnitude",
+        sparse_backward: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> SparseAdamW:
+        """Train `model`'s attention projections sparsely and its task head densely; freeze the rest.
+
+        See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
+        With `sparse_backward=True` (which implies `compact_grads=True`) each sparse linear weight's
+        gradient is computed only at its chosen entries after selection (`sift.sparse_backward`);
+        the handle that undoes it is `optimizer.sparse_backward_handle`.
+
+        Example:
+            >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
+        """
+        from sift.targets import for_model  # sift.targets imports this package
+
+        if sparse_backward:
+            if optimizer_kwargs.get("compact_grads") is False:
+                raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
+                                 "buffers); leave compact_grads unset or True")
+            optimizer_kwargs["compact_grads"] = True
+        opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
+                        selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+        if sparse_backward:
+            from sift.sparse_backward import enable_sparse_backward
+
+            opt.sparse_backward_handle = enable_sparse_backward(model, opt)
+        return opt
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after validating all of it (nothing is added on error)."""
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("params must be an ordered collection (list or tuple), not a set: a set's order "
+                            "changes between runs, and state_dict() identifies params by position")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        merged = {**self.defaults, **param_group} if hasattr(self, "defaults") else param_group
+        check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+        seen: dict[int, int] = {}
+        for j, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must be tensors, got {type(p).__name__} at position {j}")
+            if id(p) in seen:
+                # torch steps such a param twice (and warns); the fused kernels would race on it.
+                raise ValueError(f"params lists the same tensor twice (positions {seen[id(p)]} and {j}); "
+                                 "list tied weights once")
+            seen[id(p)] = j
+            if not p.is_floating_point():
+                raise ValueError(f"params must be floating point; param {j} of the new group has dtype {p.dtype}")
+            if merged["density"] < 1.0 and p.dtype not in SPARSE_DTYPES:
+                raise ValueError(
+                    f"sparse groups support float32, bfloat16 and float16 params; param {j} has dtype {p.dtype}"
+                )
+            if merged["density"] < 1.0 and not local_tensor(p).is_contiguous():
+                raise ValueError(f"sparse groups need contiguous params; param {j} is not contiguous")
+            if getattr(self, "compact_grads", False) and is_dtensor(p):
+                raise ValueError(
+                    "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
+                    "hooks; use plain mode with FSDP2"
+                )
+        self._pending = None
+        group = dict(param_group)
+        group["params"] = params
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        if "density" in group:
+            group["density"] = float(group["density"])
+        super().add_param_group(group)
+        if getattr(self, "_hooks_ready", False):  # a group added after construction
+            self._sync_hooks()
+
+    def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
+        for group in self.param_groups:
+            if group["density"] < 1.0:
+                for p in group["params"]:
+                    yield group, p
+
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(param is p for p in group["params"]):
+                return group
+        raise ValueError("param is not managed by this optimizer")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero dense grads as torch does, and drop gathered compact grads (and what a clip or a
+        skipped step left for the next step)."""
+        super().zero_grad(set_to_none)
+        self._grad_ready.clear()
+        self._init_step_caches()
+
+    # -------------------------------------------------------------------- step
+
+    def _validate_grads(self) -> None:
+        """Check what this step will read, before anything (selection included) changes."""
+        devices = set()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if not uses_grad(p):
+                    continue
+                g = p.grad
+                if group["density"] < 1.0:
+                    devices.add(p.device)
+                if g.is_sparse:
+                    raise ValueError(f"sparse-layout gradients are not supported (group {gi}, param {pi})")
+                if g.shape != p.shape or g.dtype != p.dtype:
+                    raise ValueError(
+                        f"grad of group {gi}, param {pi} has shape {tuple(g.shape)} and dtype {g.dtype}; "
+                        f"expected {tuple(p.shape)} and {p.dtype}"
+                    )
+        for device in devices:  # a forced backend that cannot run raises here, not mid-step
+            _ops.resolve("sparse_adamw_lean_" if self.state_layout == "lean" else "sparse_adamw_", device,
+                         self.backend)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step (selection first, on the steps that select).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._validate_grads()
+        self._hook_new_params()
+        self._sync_grads()
+        # The only place entries are chosen: a step GradScaler skips never gets here.
+        self._select()
+        if self.max_grad_norm is not None and self.update_in_backward:
+            # No global norm exists once layers were stepped in backward: each dense grad on its own.
+            clip_each_([local_tensor(p.grad) for group in self.param_groups if group["density"] >= 1.0
+                        for p in group["params"] if uses_grad(p)], self.max_grad_norm)
+        elif self.max_grad_norm is not None:
+            clip_grad_norm_(self, self.max_grad_norm)
+        try:
+            for group in self.param_groups:
+                if group["density"] >= 1.0:
+                    self._dense_step(group)
+                else:
+                    self._sparse_step(group)
+        finally:
+            self._init_step_caches()
+            self._grad_ready.clear()
+            self._backward_seen.clear()
+        return loss
+
+    def _sparse_step(self, group: dict[str, Any]) -> None:
+        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or not is_selected(state):
+                continue
+            if self.compact_grads:
+                # The hook gathered a gradient this step (and freed .grad).
+                if not (p.requires_grad and p in self._grad_ready):
+                    continue
+                grad, compact = self._compact[p], True
+            else:
+                if not uses_grad(p):
+                    continue
+                # clip_grad_norm_ gathered and scaled the chosen entries: the dense grad stays as it was.
+                grad = self._clipped_grad(p)
+                compact = grad is not None
+                if grad is None:
+                    grad = local_tensor(p.grad).contiguous()
+            layout = state["indices"].dtype if "indices" in state else "lean"
+            buckets[(p.device, p.dtype, layout, compact)].append((p, grad))
+        for (device, dtype, layout, compact), members in buckets.items():
+            self._fused_step(group, device, dtype, layout, compact, members)
+
+    def _fused_step(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, layout: Any,
+                    compact: bool, members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One fused sparse step over `members` [(param, grad)], all on `device` in `dtype`, one layout."""
+        beta1, beta2 = group["betas"]
+        params = [p for p, _ in members]
+        grads = [g for _, g in members]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states]
+        lean = layout == "lean"
+        _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.backend)
+        if lean:
+            state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
+                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                          [s["residual"] for s in states] if dtype != torch.float32 else [])
+        else:
+            state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
+                          [s["base"] for s in states] if "base" in states[0] else [])
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device != device:
+            lr = lr.to(device)
+        # The kernels read the incremented count; it is taken back if a kernel raises.
+        torch._foreach_add_(steps, 1.0)
+        try:
+            fn(
+                [local_tensor(p.detach()) for p in params],
+                grads,
+                *state_args,
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+                compact_grads=compact,
+                table_cache=self._kernel_cache,
+            )
+        except BaseException:
+            torch._foreach_sub_(steps, 1.0)
+            raise
+
+    def _dense_step(self, group: dict[str, Any]) -> None:
+        """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
+        counts on the device, no host read), so a CUDA graph can capture the whole step."""
+        from torch.optim.adamw import adamw
+
+        params = [p for p in group["params"] if uses_grad(p)]
+        if not params:
+            return
+        lr = group["lr"]
+        capturable = isinstance(lr, torch.Tensor) and any(p.is_cuda for p in params)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif capturable and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+              [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
+              capturable=capturable, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+

@@ -1,0 +1,214 @@
+"""Gradient hooks of `SparseAdamW`: `compact_grads` mode, `update_in_backward`, and averaging
+across the ranks of a `process_group`.
+
+In `compact_grads` mode a post-accumulate-grad hook on each selected sparse weight gathers
+`grad[indices]` into a [k] fp32 buffer and frees the dense gradient; a sparse backward
+(`sift.sparse_backward`) writes those buffers directly through `compact_grad_target`. With
+`update_in_backward` the weight is stepped as soon as its [k] gradient is complete, from one
+scratch buffer per device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sift.optim.clip import clip_each_
+from sift.optim.state import is_selected, local_tensor, num_entries, uses_grad
+
+
+class HooksMixin:
+    """`SparseAdamW`'s gradient hooks, compact gradient buffers and cross-rank averaging."""
+
+    def _average_pending(self) -> None:
+        """With a process group: average the pending params' dense grads across ranks (once a
+        step) before anything selects from them, so every rank chooses the same entries."""
+        if self.process_group is None:
+            return
+        for _, p in self._pending_with_grad():
+            if p not in self._averaged:
+                self._average_across_ranks(p.grad)
+                self._averaged.add(p)
+
+    # ---------------------------------------------------------- gradient hooks
+
+    def _sync_hooks(self) -> None:
+        """Give every sparse param one grad hook, and dense ones none (groups may change)."""
+        sparse = [p for _, p in self._sparse_params()]
+        sparse_ids = {id(p) for p in sparse}
+        for p in [q for q in self._hook_handles if id(q) not in sparse_ids]:
+            self._hook_handles.pop(p).remove()
+        # torch refuses hooks on tensors that do not require grad: those get theirs when unfrozen.
+        self._unhooked = []
+        for p in sparse:
+            if p in self._hook_handles:
+                continue
+            if p.requires_grad:
+                self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+            else:
+                self._unhooked.append(p)
+
+    def _hook_unfrozen(self) -> None:
+        """compact_grads: hook the sparse params unfrozen since the last step."""
+        for p in [q for q in self._unhooked if q.requires_grad]:
+            self._unhooked.remove(p)
+            self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+            # This step's gradient arrived before the hook existed: gather (and free) it now.
+            self._grad_hook(p)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
+        for handle in self._hook_handles.values():
+            handle.remove()
+        self._hook_handles.clear()
+        self._unhooked = []
+        self._hooks_ready = False
+
+    @torch.no_grad()
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise ValueError("sparse-layout gradients are not supported; use dense gradients")
+        if self.update_in_backward:
+            self._mark_backward(p)
+        state = self.state[p]
+        if not is_selected(state):
+            # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
+            # selects from it, so micro-batches and skipped steps count exactly as there.
+            return
+        if self.update_in_backward:
+            compact = self._gather_scratch(p, grad)
+            p.grad = None  # freed before the step, so at most one dense weight gradient exists
+            self._update_now(p, compact)
+            return
+        compact = self._compact[p]
+        flat = grad.reshape(-1)
+        indices = self.indices_of(p)
+        if p in self._grad_ready:
+            compact.add_(torch.index_select(flat, 0, indices))
+        elif flat.dtype == torch.float32:
+            torch.index_select(flat, 0, indices, out=compact)
+            self._grad_ready.add(p)
+        else:
+            compact.copy_(torch.index_select(flat, 0, indices))
+            self._grad_ready.add(p)
+        p.grad = None
+
+    def _average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.process_group)
+        if world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+            tensor.div_(world)
+        return tensor
+
+    def _sync_grads(self) -> None:
+        """compact_grads + process_group: average what this step uses across ranks, once a step.
+
+        Every rank must have run backward over the same params (as with DDP).
+        """
+        if self.process_group is None:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self._averaged:
+                    continue
+                if group["density"] >= 1.0:
+                    if uses_grad(p):
+                        self._average_across_ranks(p.grad)
+                        self._averaged.add(p)
+                elif p in self._grad_ready:
+                    self._average_across_ranks(self._compact[p])
+                    self._averaged.add(p)
+
+    def _hook_new_params(self) -> None:
+        """compact_grads: hook sparse params unfrozen since the last step."""
+        if self._unhooked:
+            self._hook_unfrozen()
+
+    def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a sparse backward adds this step's gradient of `param`: ([k] indices, [k] fp32
+        buffer), or None while its entries are not chosen (the dense gradient is needed then).
+
+        The first call of a step zeroes the buffer; later ones (micro-batches) add to it.
+        """
+        state = self.state.get(param, {})
+        if not self.compact_grads or not is_selected(state):
+            return None
+        if self.update_in_backward:
+            self._mark_backward(param)
+            indices = self.indices_of(param)
+            return indices, self._scratch_for(param, indices.numel()).zero_()
+        buffer = self._compact[param]
+        if param not in self._grad_ready:
+            buffer.zero_()
+            self._grad_ready.add(param)
+        return self.indices_of(param), buffer
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        """A sparse backward finished writing `param`'s compact gradient (into `compact_grad_target`'s
+        buffer); with update_in_backward, step `param` now."""
+        if self.update_in_backward and is_selected(self.state.get(param, {})):
+            self._update_now(param, self._scratch_for(param, num_entries(self.state[param])))
+
+    # ----------------------------------------------------- update in backward
+
+    def _mark_backward(self, p: torch.Tensor) -> None:
+        """update_in_backward: record that a backward reached `p`; a second one before step() raises."""
+        if p in self._backward_seen:
+            raise RuntimeError("update_in_backward=True takes one backward per step(): a second backward reached a "
+                               "weight before step() (gradient accumulation is not supported in this mode; use "
+                               "update_in_backward=False to accumulate micro-batches)")
+        self._backward_seen.add(p)
+
+    def _scratch_for(self, p: torch.Tensor, k: int) -> torch.Tensor:
+        """A [k] fp32 view of p's device's scratch gradient, grown to the largest k selected there."""
+        buffer = self._scratch.get(p.device)
+        if buffer is None or buffer.numel() < k:
+            largest = max((num_entries(s) for q, s in self.state.items() if q.device == p.device and is_selected(s)),
+                          default=k)
+            buffer = torch.empty(max(k, largest), dtype=torch.float32, device=p.device)
+            self._scratch[p.device] = buffer
+        return buffer[:k]
+
+    def _gather_scratch(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """grad[indices] of selected p, in fp32, into the scratch buffer."""
+        indices = self.indices_of(p)
+        compact = self._scratch_for(p, indices.numel())
+        flat = local_tensor(grad).reshape(-1)
+        if flat.dtype == torch.float32:
+            torch.index_select(flat, 0, indices, out=compact)
+        else:
+            compact.copy_(torch.index_select(flat, 0, indices))
+        return compact
+
+    def _update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
+        """Clip p's [k] compact gradient on its own (max_grad_norm) and run p's fused step at once."""
+        if not p.requires_grad:
+            return
+        if self.max_grad_norm is not None:
+            clip_each_([compact], self.max_grad_norm)
+        layout = "lean" if "indices_low" in self.state[p] else self.state[p]["indices"].dtype
+        self._fused_step(self._group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
+
+    def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this step will use for a selected sparse param, as [k] values.
+
+        In `compact_grads` mode, the gathered buffer (None before any backward); otherwise
+        `param.grad.view(-1)[indices]` (a new tensor).
+        """
+        state = self.state.get(param, {})
+        if not is_selected(state):
+            return None
+        if self.compact_grads:
+            return self._compact[param] if param in self._grad_ready else None
+        if param.grad is None:
+            return None
+        clipped = self._clipped_grad(param)
+        if clipped is not None:
+            return clipped
+        # index_select takes the int32 indices as they are: no int64 copy on every clip.
+        return torch.index_select(local_tensor(param.grad).reshape(-1), 0, self.indices_of(param))
+
