@@ -514,16 +514,8 @@ void sparse_delta_restore_cpu(at::TensorList params, at::TensorList indices, at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(sift, m) {
-  m.def(
-      "merge_sorted_deltas(Tensor[] indices, Tensor[] values, float[] weights, int[] group_sizes, bool ties) "
-      "-> (Tensor[], Tensor[])");
-  m.def(
-      "sparse_delta_apply_(Tensor(a!)[] params, Tensor[] indices, Tensor[] values, float scale, "
-      "bool save_originals) -> Tensor[]");
-  m.def("sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, Tensor[] originals) -> ()");
-}
-
+// The ops' schemas, argument checks and fake kernels are defined once in sift/_ops.py; these are their
+// CPU kernels. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
 TORCH_LIBRARY_IMPL(sift, CPU, m) {
   m.impl("merge_sorted_deltas", &merge_sorted_deltas_cpu);
   m.impl("sparse_delta_apply_", &sparse_delta_apply_cpu);

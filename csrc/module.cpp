@@ -1,5 +1,5 @@
-// Python module entry of the ahead-of-time build (`import sift._C`). The ops themselves are
-// registered into torch.ops.sift by TORCH_LIBRARY_FRAGMENT blocks in the other sources, so
+// Python module entry of the ahead-of-time build (`import sift._C`). The ops are defined in
+// sift/_ops.py; the other sources register their CPU kernels (TORCH_LIBRARY_IMPL blocks), so
 // the same files also load through torch.ops.load_library / the JIT build.
 #include <Python.h>
 

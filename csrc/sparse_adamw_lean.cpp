@@ -426,15 +426,11 @@ std::string sparse_adamw_lean_isa() { return isa_name(detect_lean_isa()); }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(sift, m) {
-  m.def(
-      "sparse_adamw_lean_(Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
-      "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps, float lr, "
-      "float beta1, float beta2, float eps, float weight_decay, bool maximize, bool compact_grads, "
-      "str isa=\"auto\") -> ()");
-  m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa);
-}
+// Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
+TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa); }
 
+// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
+// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }
 
 }  // namespace sift

@@ -337,19 +337,11 @@ std::string sparse_weight_grad_isa() {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(sift, m) {
-  m.def(
-      "sparse_weight_grad_(Tensor grad_output, Tensor input, Tensor indices, Tensor(a!) out, str isa=\"auto\", "
-      "int token_block=0) -> ()");
-  m.def("sparse_weight_grad_isa() -> str", &sparse_weight_grad_isa);
-}
+// Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
+TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_weight_grad_isa() -> str", &sparse_weight_grad_isa); }
 
+// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
+// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_weight_grad_", &sparse_weight_grad_cpu); }
-
-// Shapes only (FakeTensor / torch.compile tracing): the op writes into `out` and returns nothing.
-TORCH_LIBRARY_IMPL(sift, Meta, m) {
-  m.impl("sparse_weight_grad_", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                   c10::string_view, int64_t) {});
-}
 
 }  // namespace sift

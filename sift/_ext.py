@@ -1,4 +1,4 @@
-"""Loading of the C++ extension (`torch.ops.sift.*`).
+"""Loading of the C++ extension: the CPU kernels of the ops `sift._ops` defines (`torch.ops.sift.*`).
 
 The extension is built ahead of time as `sift._C` when torch was importable at build time.
 Otherwise it is compiled from `csrc/*.cpp` with ninja on first use and cached by torch
@@ -117,44 +117,6 @@ def _jit_build() -> None:
     )
 
 
-def _register_fake_kernels() -> None:
-    """Shape-only kernels of the C++ ops, so code that calls them traces under torch.compile
-    (FakeTensor mode). The ops themselves are defined by the extension."""
-
-    def singular_values(x, isa="auto"):
-        n = min(x.shape[1], x.shape[2])
-        return x.new_empty((x.shape[0], n), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-
-    def sparse_adamw_(*args, **kwargs):
-        return None
-
-    def sparse_delta_apply_(params, indices, values, scale, save_originals):
-        if not save_originals:
-            return []
-        return [p.new_empty(ix.shape) for p, ix in zip(params, indices)]
-
-    def sparse_delta_restore_(params, indices, originals):
-        return None
-
-    def merge_sorted_deltas(indices, values, weights, group_sizes, ties):
-        # The merged length depends on how many indices coincide: a data-dependent size.
-        ctx = torch.library.get_ctx()
-        out_idx, out_val, start = [], [], 0
-        for size in group_sizes:
-            n = ctx.new_dynamic_size()
-            out_idx.append(indices[start].new_empty((n,)))
-            out_val.append(values[start].new_empty((n,)))
-            start += size
-        return out_idx, out_val
-
-    fakes = {"singular_values": singular_values, "sparse_adamw_": sparse_adamw_,
-             "sparse_delta_apply_": sparse_delta_apply_, "sparse_delta_restore_": sparse_delta_restore_,
-             "merge_sorted_deltas": merge_sorted_deltas}
-    for name, fn in fakes.items():
-        if hasattr(torch.ops.sift, name):
-            torch.library.register_fake(f"sift::{name}", fn)
-
-
 def load_extension() -> bool:
     """Load the C++ ops once; returns whether `torch.ops.sift` has them.
 
@@ -169,20 +131,21 @@ def load_extension() -> bool:
         if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
             _state["why"] = "SIFT_SKIP_EXT=1"
             return False
+        # The schemas the C++ kernels register into are defined by sift._ops.
+        import sift._ops  # noqa: F401
+
         prebuilt_error = _prebuilt_stale_reason()
         if prebuilt_error is None:
             try:
                 from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
 
                 _state.update(ok=True, how="prebuilt sift._C")
-                _register_fake_kernels()
                 return True
             except ImportError as exc:
                 prebuilt_error = str(exc)
         try:
             _jit_build()
             _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
-            _register_fake_kernels()
         except Exception as exc:  # compiler missing, headers missing, ...
             errors = compiler_error_lines(str(exc)) or [type(exc).__name__]
             _state["compiler_errors"] = errors

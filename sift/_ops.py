@@ -15,6 +15,7 @@ automatically chosen one that fails to load falls back with one log line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -181,6 +182,47 @@ def ops() -> dict[str, Op]:
     return dict(_OPS)
 
 
+# `torch.ops.sift.*`: each op's schema and fake (shape-only) kernel are defined here, once, so
+# code calling the ops traces under torch.compile. The C++ extension registers the CPU kernels
+# of these schemas (TORCH_LIBRARY_IMPL); on CUDA tensors an op runs its registry entry
+# (Triton, else the reference) through `resolve`.
+_LIB = torch.library.Library("sift", "FRAGMENT")
+
+
+def define_schema(name: str, schema: str, fake: Callable, cuda: Callable) -> None:
+    """Define `torch.ops.sift.<name>` with `schema`, its fake kernel and its CUDA kernel.
+
+    Args:
+        name: the op's name (the schema's).
+        schema: the full schema, e.g. `"singular_values(Tensor x, str isa=\"auto\") -> Tensor"`.
+        fake: the shape-only kernel (FakeTensor mode).
+        cuda: the kernel for CUDA tensors, taking the schema's arguments.
+    """
+    _LIB.define(schema)
+    torch.library.register_fake(f"sift::{name}", fake, lib=_LIB)
+    _LIB.impl(name, cuda, "CUDA")
+
+
+def _step_schema(name: str, lists: str) -> str:
+    return (f"{name}({lists}, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, "
+            f"bool compact_grads, str isa=\"auto\") -> ()")
+
+
+def _step_on_device(name: str) -> Callable:
+    """The CUDA kernel of a step op: its schema's flat arguments to the registry's entry."""
+
+    def run(*args) -> None:
+        *lists, lr, beta1, beta2, eps, weight_decay, maximize, compact_grads, _isa = args
+        call(name, *lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+             compact_grads=compact_grads)
+
+    return run
+
+
+def _no_output(*args) -> None:
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # sparse_adamw_: one fused SparseAdamW step over a list of tensors of one device and dtype.
 #
@@ -244,14 +286,23 @@ def _bias_corrections(hyper: AdamWHyper, step: torch.Tensor) -> tuple[torch.Tens
 
 
 def _cpp_step(op_name: str, state_type: type) -> Callable:
-    """The C++ entry of a step op: the shared check, then `torch.ops.sift.<op_name>` on the flat lists."""
+    """The C++ entry of a step op: `torch.ops.sift.<op_name>` on the flat lists.
+
+    The kernel refuses bad operands before writing anything (its checks guard memory, as it
+    can be called directly); a refusal is then re-checked by `check_step`, so a bad operand is
+    named as on every other backend. Checking first instead would cost a Python pass over
+    every tensor in every step, more than a small C++ step takes.
+    """
 
     @takes_step_lists(state_type)
     def run(state: ExactState | LeanState, hyper: AdamWHyper, *, table_cache: dict | None = None) -> None:
-        check_step(state, hyper)
         lr = float(hyper.lr)  # CPU: a 0-d tensor lr is read here, no device sync involved
-        getattr(torch.ops.sift, op_name)(*state.lists(), lr, hyper.beta1, hyper.beta2, hyper.eps,
-                                         hyper.weight_decay, hyper.maximize, state.compact_grads)
+        try:
+            getattr(torch.ops.sift, op_name)(*state.lists(), lr, hyper.beta1, hyper.beta2, hyper.eps,
+                                             hyper.weight_decay, hyper.maximize, state.compact_grads)
+        except RuntimeError:
+            check_step(state, hyper)
+            raise
 
     return run
 
@@ -268,6 +319,10 @@ def _triton_step(module: str, fn_name: str) -> Callable:
 
 
 define("sparse_adamw_", sparse_adamw_ref)
+define_schema("sparse_adamw_", _step_schema(
+    "sparse_adamw_", "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] deltas, Tensor[] bases, Tensor[] steps"),
+    _no_output, _step_on_device("sparse_adamw_"))
 register("sparse_adamw_", "cpp")(_cpp_step("sparse_adamw_", ExactState))
 register("sparse_adamw_", "triton")(_triton_step("sparse_adamw", "sparse_adamw_"))
 
@@ -362,9 +417,33 @@ def sparse_delta_restore_ref(params: list[torch.Tensor], indices: list[torch.Ten
         p.view(-1)[idx.long()] = old
 
 
+def _merge_sorted_deltas_fake(indices, values, weights, group_sizes, ties):
+    # The merged length depends on how many indices coincide: a data-dependent size.
+    ctx = torch.library.get_ctx()
+    out_idx, out_val, start = [], [], 0
+    for size in group_sizes:
+        n = ctx.new_dynamic_size()
+        out_idx.append(indices[start].new_empty((n,)))
+        out_val.append(values[start].new_empty((n,)))
+        start += size
+    return out_idx, out_val
+
+
+def _sparse_delta_apply_fake(params, indices, values, scale, save_originals):
+    return [p.new_empty(ix.shape) for p, ix in zip(params, indices)] if save_originals else []
+
+
 define("merge_sorted_deltas", merge_sorted_deltas_ref)
 define("sparse_delta_apply_", sparse_delta_apply_ref)
 define("sparse_delta_restore_", sparse_delta_restore_ref)
+define_schema("merge_sorted_deltas", "merge_sorted_deltas(Tensor[] indices, Tensor[] values, float[] weights, "
+              "int[] group_sizes, bool ties) -> (Tensor[], Tensor[])",
+              _merge_sorted_deltas_fake, functools.partial(call, "merge_sorted_deltas"))
+define_schema("sparse_delta_apply_", "sparse_delta_apply_(Tensor(a!)[] params, Tensor[] indices, Tensor[] values, "
+              "float scale, bool save_originals) -> Tensor[]",
+              _sparse_delta_apply_fake, functools.partial(call, "sparse_delta_apply_"))
+define_schema("sparse_delta_restore_", "sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, "
+              "Tensor[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_restore_"))
 
 
 @register("merge_sorted_deltas", "cpp")
@@ -435,7 +514,13 @@ def singular_values_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(x.to(torch.float64)).to(_singular_values_dtype(x))
 
 
+def _singular_values_fake(x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    return x.new_empty((*x.shape[:-2], min(x.shape[-2:])), dtype=_singular_values_dtype(x))
+
+
 define("singular_values", singular_values_ref)
+define_schema("singular_values", 'singular_values(Tensor x, str isa="auto") -> Tensor', _singular_values_fake,
+              lambda x, isa="auto": call("singular_values", x))
 
 _eigvalsh_pool = None
 
@@ -661,6 +746,10 @@ def sparse_adamw_lean_ref(state: LeanState, hyper: AdamWHyper, *, table_cache: d
 
 
 define("sparse_adamw_lean_", sparse_adamw_lean_ref)
+define_schema("sparse_adamw_lean_", _step_schema(
+    "sparse_adamw_lean_", "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
+    "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps"),
+    _no_output, _step_on_device("sparse_adamw_lean_"))
 register("sparse_adamw_lean_", "cpp")(_cpp_step("sparse_adamw_lean_", LeanState))
 register("sparse_adamw_lean_", "triton")(_triton_step("sparse_adamw_lean", "sparse_adamw_lean_"))
 
@@ -761,6 +850,10 @@ def sparse_weight_grad_ref(
 
 
 define("sparse_weight_grad", sparse_weight_grad_ref)
+# The raw kernel op: 2-D operands, `out` given (sparse_weight_grad above is the checked entry).
+define_schema("sparse_weight_grad_", 'sparse_weight_grad_(Tensor grad_output, Tensor input, Tensor indices, '
+              'Tensor(a!) out, str isa="auto", int token_block=0) -> ()', _no_output,
+              lambda dy, x, indices, out, isa="auto", token_block=0: call("sparse_weight_grad", dy, x, indices, out))
 
 
 @register("sparse_weight_grad", "cpp")

@@ -1,0 +1,149 @@
+"""Every op defined in sift/_ops.py (schema and fake kernel there, CPU kernel in C++) traces
+under torch.compile with fullgraph=True and gives the eager result, mutations included; the
+step's named operands give the flat call's result; one check names a bad operand the same
+way on every backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import requires_cpp
+from sift import _ops
+from sift.triton_kernels._step_args import AdamWHyper, ExactState, LeanState
+
+pytestmark = requires_cpp
+
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, maximize=False)
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
+def _exact_lists(dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 29), (513,)]
+    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    indices = [torch.randperm(p.numel(), generator=gen)[: p.numel() // 3].sort().values.int() for p in params]
+    moments = [[torch.rand(i.numel(), generator=gen) * 0.01 for i in indices] for _ in range(3)]
+    bases = [p.reshape(-1)[i.long()].clone() for p, i in zip(params, indices)] if dtype != torch.float32 else []
+    return [params, [torch.randn(p.shape, generator=gen).to(dtype) for p in params], indices, *moments, bases,
+            [torch.tensor(3.0) for _ in params]]
+
+
+def _lean_lists(dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    lists = [[] for _ in range(8)]
+    for n, k in ((70001, 301), (13, 5)):
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        low, off = _ops.encode_lean_indices(idx, n)
+        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype), low,
+                               off, (torch.randn(k, generator=gen) * 0.1).bfloat16(),
+                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
+                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(5.0))):
+            lists[j].append(t)
+    if dtype == torch.float32:
+        lists[6] = []
+    return lists
+
+
+def _assert_lists_equal(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for j, (gl, wl) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(gl, wl)):
+            assert torch.equal(g, w), f"list {j}, tensor {i}"
+
+
+@pytest.mark.parametrize("op, make", [pytest.param("sparse_adamw_", _exact_lists, id="exact"),
+                                      pytest.param("sparse_adamw_lean_", _lean_lists, id="lean")])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+def test_step_ops_compile_with_their_mutations(op, make, dtype):
+    eager = make(dtype, seed=1)
+    compiled = copy.deepcopy(eager)
+    scalars = [*HYPER.values(), False]
+
+    def run(lists):
+        getattr(torch.ops.sift, op)(*lists, *scalars)
+
+    _compiled(run)(compiled)
+    run(eager)
+    _assert_lists_equal(compiled, eager)
+    assert not torch.equal(compiled[0][0], make(dtype, seed=1)[0][0]), "the step wrote nothing"
+
+
+def test_sparse_weight_grad_op_compiles():
+    gen = torch.Generator().manual_seed(2)
+    dy, x = torch.randn(9, 6, generator=gen), torch.randn(9, 10, generator=gen)
+    idx = torch.tensor([0, 7, 13, 59], dtype=torch.int64)
+    out = torch.ones(idx.numel())
+
+    def run(dy, x, out):
+        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out)
+        return out * 2
+
+    got = _compiled(run)(dy, x, out.clone())
+    torch.testing.assert_close(got, 2 * (1 + (dy.T @ x).view(-1)[idx]), rtol=1e-5, atol=1e-5)
+
+
+def _delta_case():
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(50, generator=gen), torch.randn(7, 3, generator=gen).bfloat16()]
+    indices = [torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([0, 20])]
+    return params, indices, [torch.randn(3, generator=gen), torch.randn(2, generator=gen)]
+
+
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
+                   reason="torch cannot functionalize a mutating op that returns Tensor[] (auto_functionalize: "
+                          "'Not yet supported: List[Tensor] return')")
+def test_delta_apply_compiles():
+    params, indices, values = _delta_case()
+    _compiled(lambda ps: torch.ops.sift.sparse_delta_apply_(ps, indices, values, 0.5, True))(params)
+
+
+def test_delta_restore_and_merge_compile():
+    params, indices, values = _delta_case()
+    eager = copy.deepcopy(params)
+    saved = torch.ops.sift.sparse_delta_apply_(params, indices, values, 0.5, True)
+    want_saved = _ops.sparse_delta_apply_ref(eager, indices, values, 0.5, True)
+    _assert_lists_equal([params, saved], [eager, want_saved])
+    _compiled(lambda ps, olds: torch.ops.sift.sparse_delta_restore_(ps, indices, olds))(params, saved)
+    _ops.sparse_delta_restore_ref(eager, indices, want_saved)
+    _assert_lists_equal([params], [eager])
+
+    a, b = torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([2, 5, 10], dtype=torch.int32)
+    va, vb = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])
+    merged = _compiled(lambda x, y: torch.ops.sift.merge_sorted_deltas([x, y], [va, vb], [1.0, 0.5], [2], True))(a, b)
+    want = _ops.merge_sorted_deltas_ref([a, b], [va, vb], [1.0, 0.5], [2], True)
+    _assert_lists_equal([list(merged[0]), list(merged[1])], [want[0], want[1]])
+
+
+@pytest.mark.parametrize("shape", [(10, 20, 7), (3, 5, 9)], ids=["tall", "wide"])
+def test_singular_values_op_compiles(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    got = _compiled(lambda t: torch.ops.sift.singular_values(t) * 2)(x)
+    torch.testing.assert_close(got, 2 * _ops.singular_values_ref(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["exact", "lean"])
+def test_named_operands_give_the_flat_calls_result(layout):
+    make, ref, state_type = ((_exact_lists, _ops.sparse_adamw_ref, ExactState) if layout == "exact"
+                             else (_lean_lists, _ops.sparse_adamw_lean_ref, LeanState))
+    flat, named = make(torch.bfloat16, seed=5), make(torch.bfloat16, seed=5)
+    ref(*flat, **HYPER, compact_grads=False)
+    ref.structured(state_type(*named), AdamWHyper(**HYPER))
+    _assert_lists_equal(named, flat)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_step_check_names_the_operand_on_every_backend(backend):
+    """Each backend validated the step's operands with its own code and its own words."""
+    lists = _exact_lists(torch.float32, seed=6)
+    lists[4][1] = lists[4][1][:-1]
+    before = copy.deepcopy(lists)
+    _, fn = _ops.resolve("sparse_adamw_", "cpu", backend)
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[1\] must be a contiguous torch.float32 tensor with one entry"):
+        fn(*lists, **HYPER, compact_grads=False)
+    _assert_lists_equal(lists, before)
