@@ -20,10 +20,11 @@ Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, au
 fp16 compute; the op reads dY and X in the autocast dtype and accumulates in fp32), gradient
 checkpointing, several processes through the optimizer's `process_group` (k entries on the wire
 per weight), and the optimizer's `update_in_backward` (each weight is stepped as soon as its
-compact gradient is written, through `optimizer._gradient_ready`). Not supported: wrapping the
-model in DDP (there is no weight gradient for it to reduce: pass `process_group` instead) and
-fp16 `GradScaler` (its unscale and inf check read `.grad`, which these weights no longer have;
-bf16 autocast needs no scaler).
+compact gradient is written, through `optimizer._gradient_ready`), and fp16 weights with
+`GradScaler` (the optimizer unscales and checks the compact gradients itself; after an explicit
+`scaler.unscale_(optimizer)` it needs `optimizer.grad_scaler = scaler`, see `sift.optim.amp`).
+Not supported: wrapping the model in DDP (there is no weight gradient for it to reduce: pass
+`process_group` instead).
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ class CheckpointMixin:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
 
         Not carried: the process group (a handle to this process's communicator, which cannot
-        be pickled; the copy has none and warns), the grad hooks (the copy hooks its own params)
-        and the kernels' launch tables (built again for the copy's tensors).
+        be pickled; the copy has none and warns), the grad scaler (the copy has none), the grad
+        hooks (the copy hooks its own params) and the kernels' launch tables (built again for the
+        copy's tensors).
         """
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED})
@@ -66,6 +67,7 @@ class CheckpointMixin:
         self._scratch = {}
         self._backward_seen = set()
         self.process_group = None
+        self.grad_scaler = None
         if had_process_group:
             warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
                           "pickled); set `optimizer.process_group` to average gradients across ranks again",

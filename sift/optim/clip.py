@@ -74,6 +74,10 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     optimizer._hook_new_params()
     optimizer._sync_grads()
     optimizer._average_pending()
+    inv_scale = optimizer._scaler_inverse_scale()
+    if inv_scale is not None:
+        # `scaler.unscale_` could not see the compact buffers: unscale them here, once.
+        optimizer._unscale_compact(inv_scale)
     mesh_group = None
     used: list[torch.Tensor] = []  # what the step reads, scaled in place below
     for group in optimizer.param_groups:
@@ -102,9 +106,7 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                 continue  # an earlier selection step: the step updates nothing
             # The entries the step uses, gathered once in fp32: the step then reads these
             # instead of the dense gradient, which is neither read again nor written.
-            gathered = torch.index_select(local_tensor(p.grad).reshape(-1), 0, indices).float()
-            optimizer._clipped[p] = (optimizer._grad_key(p), gathered)
-            used.append(gathered)
+            used.append(optimizer._gathered_grad(p, indices))
     if not used and mesh_group is None:
         return torch.zeros(())
     device = used[0].device if used else torch.device("cpu")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from sift import _ops
+from sift.optim.amp import AmpMixin
 from sift.optim.checkpoint import CheckpointMixin, check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import HooksMixin
@@ -18,7 +19,7 @@ from sift.optim.selection import SelectionMixin
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
 
 
-class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin, torch.optim.Optimizer):
+class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, CheckpointMixin, torch.optim.Optimizer):
     """AdamW over a fixed sparse subset of each weight's entries (SIFT).
 
     Args:
@@ -84,7 +85,14 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
             `max_grad_norm` on its own, since no global norm exists while layers are still
             being stepped; `sift.clip_grad_norm_` raises in this mode. Not with a
             `process_group` (the ranks' gradients would have to be averaged inside backward)
-            nor with fp16 GradScaler (it reads `.grad`, which these weights no longer have).
+            nor with GradScaler (a weight stepped in backward cannot be unstepped when the
+            scaler finds inf/NaN afterwards).
+        grad_scaler: the `torch.amp.GradScaler` that scales this optimizer's loss, needed only
+            when `scaler.unscale_(optimizer)` is called in `compact_grads` mode (or with the sparse
+            backward): the unscale reaches `.grad` alone, and `clip_grad_norm_` or `step()`
+            unscale the compact buffers with this scaler's scale. `scaler.step(optimizer)` needs
+            no link: it hands `step()` the scale and the inf flag itself (see `sift.optim.amp`).
+            May be set later as `optimizer.grad_scaler`; not pickled or copied.
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -115,6 +123,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
         keep_base: bool = False,
         state: str = "exact",
         update_in_backward: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay, density)
         if not isinstance(update_in_backward, bool):
@@ -154,6 +163,12 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
         self.update_in_backward = update_in_backward
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        if grad_scaler is not None and update_in_backward:
+            raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
+                             "backward cannot be unstepped when the scaler finds inf/NaN")
+        self.grad_scaler = grad_scaler
         self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
         # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
         # the sparse params a backward reached since the last step() (a second backward raises).
@@ -177,11 +192,16 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
     def _init_step_caches(self) -> None:
         """What lives for one step only: the entries a selecting step will choose (computed by
         `clip_grad_norm_` or the step, committed only by the step), the clipped [k] gradients
-        `clip_grad_norm_` gathered for the step, and which pending dense grads were averaged
-        across ranks. Keyed by the gradient they came from, so a stale entry is never used."""
+        `clip_grad_norm_` (or the unscale) gathered for the step, and which pending dense grads were
+        averaged across ranks. Keyed by the gradient they came from, so a stale entry is never used.
+        For GradScaler: the compact buffers still holding scaled gradients, the inf/NaN flags of
+        those unscaled so far (per device), and the inverse `grad_scale` of the running step."""
         self._tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
         self._clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
         self._averaged: set[torch.Tensor] = set()
+        self._scaled_compact: set[torch.Tensor] = set()
+        self._compact_found_inf: dict[torch.device, torch.Tensor] = {}
+        self._grad_inv_scale: torch.Tensor | None = None
 
     @classmethod
     def for_model(
@@ -311,6 +331,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
     def step(self, closure=None):
         """One optimizer step (selection first, on the steps that select).
 
+        Under `scaler.step(optimizer)` it reads GradScaler's `grad_scale` and `found_inf`: the
+        scale is divided out of what the step reads (never by a pass over a sparse weight's
+        `.grad`), and inf/NaN there or in a compact gradient skips the step, changing nothing.
+
         Args:
             closure: re-evaluates the model and returns the loss (optional).
         """
@@ -321,8 +345,14 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
         self._validate_grads()
         self._hook_new_params()
         self._sync_grads()
+        if self._amp_begin():
+            # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
+            # step's gradients are used up as by a step that ran.
+            self._end_step()
+            return loss
         # The only place entries are chosen: a step GradScaler skips never gets here.
         self._select()
+        self._amp_unscale_after_selection()
         if self.max_grad_norm is not None and self.update_in_backward:
             # No global norm exists once layers were stepped in backward: each dense grad on its own.
             clip_each_([local_tensor(p.grad) for group in self.param_groups if group["density"] >= 1.0
@@ -336,10 +366,14 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, CheckpointMixin,
                 else:
                     self._sparse_step(group)
         finally:
-            self._init_step_caches()
-            self._grad_ready.clear()
-            self._backward_seen.clear()
+            self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        """Drop what lived for this step: caches, gathered compact gradients, the backward marks."""
+        self._init_step_caches()
+        self._grad_ready.clear()
+        self._backward_seen.clear()
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)

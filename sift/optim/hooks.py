@@ -54,6 +54,8 @@ class HooksMixin:
             self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
             # This step's gradient arrived before the hook existed: gather (and free) it now.
             self._grad_hook(p)
+            if self._dense_grads_unscaled():  # scaler.unscale_ saw it as a `.grad`
+                self._scaled_compact.discard(p)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
@@ -93,6 +95,7 @@ class HooksMixin:
         else:
             compact.copy_(torch.index_select(flat, 0, indices))
             self._grad_ready.add(p)
+        self._scaled_compact.add(p)  # as GradScaler scaled the loss; unscaled once, before the step
         p.grad = None
 
     def _average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -145,6 +148,7 @@ class HooksMixin:
         if param not in self._grad_ready:
             buffer.zero_()
             self._grad_ready.add(param)
+        self._scaled_compact.add(param)
         return self.indices_of(param), buffer
 
     def _gradient_ready(self, param: torch.Tensor) -> None:

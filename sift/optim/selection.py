@@ -39,12 +39,17 @@ class SelectionMixin:
         """This step's contribution to p's selection score (fp32, p's local shape); None for "random"."""
         grad = local_tensor(p.grad.detach())
         if self.selection == "magnitude":
-            return grad.abs().float()
-        if self.selection == "saliency":
+            score = grad.abs().float()
+        elif self.selection == "saliency":
             # First-order saliency: the loss change predicted for zeroing the entry. Summed
             # signed over the selection steps; the magnitude of the sum ranks (the average's order).
-            return -(local_tensor(p.detach()).float() * grad.float())
-        return None
+            score = -(local_tensor(p.detach()).float() * grad.float())
+        else:
+            return None
+        if self._grad_inv_scale is not None:
+            # GradScaler's scale may change between selection steps: scores add unscaled.
+            score.mul_(self._grad_inv_scale.to(score.device))
+        return score
 
     @staticmethod
     def _grad_key(p: torch.Tensor) -> tuple:
@@ -106,9 +111,20 @@ class SelectionMixin:
                          and local_tensor(p).numel() > 0]
 
     def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The [k] gradient `clip_grad_norm_` gathered and scaled for this step, if still current."""
+        """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""
         hit = self._clipped.get(p)
         return hit[1] if hit is not None and hit[0] == self._grad_key(p) else None
+
+    def _gathered_grad(self, p: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """p's [k] fp32 gradient at `indices` (default: its chosen entries), gathered once a step from
+        its dense `.grad`: the step then reads these instead of `.grad`, which is never written."""
+        gathered = self._clipped_grad(p)
+        if gathered is None:
+            indices = self.indices_of(p) if indices is None else indices
+            # index_select takes the int32 indices as they are: no int64 copy on every step.
+            gathered = torch.index_select(local_tensor(p.grad).reshape(-1), 0, indices).float()
+            self._clipped[p] = (self._grad_key(p), gathered)
+        return gathered
 
     def _gather_compact(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
         """compact_grads, at selection: fill p's compact buffer from its dense grad (or the clipped gather)."""
@@ -118,4 +134,6 @@ class SelectionMixin:
         else:
             compact.copy_(torch.index_select(local_tensor(p.grad).reshape(-1), 0, self.indices_of(p)))
         self._grad_ready.add(p)
+        if self._grad_inv_scale is not None:  # gathered from a `.grad` GradScaler has not unscaled
+            self._scaled_compact.add(p)
 
