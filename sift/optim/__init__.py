@@ -52,8 +52,9 @@ reference anywhere).
 
 The package, by responsibility: `core` (the class and `step()`), `selection` (the rules that
 choose the entries), `state` (the layouts above, `set_indices`, `indices_of`, `increments`),
-`hooks` (`compact_grads`, `update_in_backward`, process groups), `checkpoint` (`state_dict`
-validation, pickling) and `clip` (`clip_grad_norm_`).
+`hooks` (`compact_grads`, `update_in_backward`, process groups), `amp` (GradScaler's scale and
+inf flag in the step), `checkpoint` (`state_dict` validation, pickling) and `clip`
+(`clip_grad_norm_`).
 """
 
 from sift.optim.clip import clip_grad_norm_
