@@ -23,46 +23,14 @@
 // same operations in the same order: every form gives bit-identical results, rounding ties
 // included (tested); only a NaN made from two NaN operands may differ in payload.
 
-// Whether c10::Half(float) converts with F16C (when the build's own flags enable it): then it
-// keeps NaN payloads as the SIMD forms' hardware conversion does. Read before any `#pragma
-// GCC target`, which would define __F16C__ for the code that follows it.
-#ifdef __F16C__
-#define SIFT_C10_HALF_USES_F16C 1
-#else
-#define SIFT_C10_HALF_USES_F16C 0
-#endif
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include "cpu_isa.h"
+#include "sparse_adamw_common.h"
 #include "index_check.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-#ifdef SIFT_X86_SIMD
-#include <immintrin.h>
-#endif
 
 namespace sift {
 namespace {
 
 constexpr int64_t CHUNK = 512;
 constexpr int64_t PREFETCH_DISTANCE = 32;
-
-// 1 - beta is taken in double on the host, as torch's AdamW does: in fp32, 1 - 0.999f is off
-// by 5e-5 relative, a bias every second moment would carry.
-struct Hyper {
-  float lr, beta1, beta2, one_minus_b1, one_minus_b2, eps, weight_decay;
-  bool maximize;
-};
 
 // fp-contract off: with -march flags that enable FMA, GCC would otherwise fuse a multiply
 // and an add here and no longer agree with the SIMD forms (or with the operation order the
@@ -297,60 +265,31 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   static const Isa best = detect_adamw_isa();
   const Isa isa = isa_from_request(std::string(isa_request), best);
   const auto n = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(exp_avgs.size()) == n, "exp_avgs must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(exp_avg_sqs.size()) == n, "exp_avg_sqs must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(deltas.size()) == n, "deltas must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(steps.size()) == n, "steps must have one tensor per param");
+  check_one_per_param(n, {{"grads", grads.size()}, {"indices", indices.size()}, {"exp_avgs", exp_avgs.size()},
+                          {"exp_avg_sqs", exp_avg_sqs.size()}, {"deltas", deltas.size()}, {"steps", steps.size()}});
   TORCH_CHECK(bases.empty() || static_cast<int64_t>(bases.size()) == n, "bases must be empty or one tensor per param");
   std::vector<float> step_size(n), inv_bc2_sqrt(n);
   std::vector<Segment> work;
+  const auto dtype = n ? params[0].scalar_type() : at::kFloat;
   for (int64_t i = 0; i < n; ++i) {
-    const auto& p = params[i];
     const int64_t k = indices[i].numel();
-    TORCH_CHECK(p.device().is_cpu(), "params must be CPU tensors");
-    for (const auto* t : {&grads[i], &indices[i], &exp_avgs[i], &exp_avg_sqs[i], &deltas[i], &steps[i]}) {
-      TORCH_CHECK(t->device().is_cpu(), "grads, indices, exp_avgs, exp_avg_sqs, deltas and steps must be CPU tensors");
-    }
-    if (!bases.empty()) TORCH_CHECK(bases[i].device().is_cpu(), "bases must be CPU tensors");
-    TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
-    TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), "params must share one dtype");
-    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
-                "params must be float32, bfloat16 or float16");
-    TORCH_CHECK(indices[i].dim() == 1 && indices[i].is_contiguous(), "indices must be contiguous 1-D tensors");
+    const double t = check_param_grad_step(params[i], grads[i], steps[i], dtype, compact_grads, k, i);
+    TORCH_CHECK(indices[i].device().is_cpu() && indices[i].dim() == 1 && indices[i].is_contiguous(),
+                "indices must be contiguous 1-D CPU tensors");
     TORCH_CHECK(indices[i].scalar_type() == at::kInt || indices[i].scalar_type() == at::kLong,
                 "indices must be int32 or int64");
-    TORCH_CHECK(grads[i].is_contiguous(), "grads must be contiguous");
-    if (compact_grads) {
-      TORCH_CHECK(grads[i].scalar_type() == at::kFloat && grads[i].numel() == k,
-                  "grads must be fp32 with one entry per index when compact_grads=True");
-    } else {
-      TORCH_CHECK(grads[i].scalar_type() == p.scalar_type() && grads[i].numel() == p.numel(),
-                  "grads must match their params in dtype and numel");
-    }
-    for (const auto* t : {&exp_avgs[i], &exp_avg_sqs[i], &deltas[i]}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == k,
-                  "exp_avgs, exp_avg_sqs and deltas must be contiguous fp32 with one entry per index");
-    }
+    check_compact({&exp_avgs[i], &exp_avg_sqs[i], &deltas[i]}, at::kFloat, k, "exp_avgs, exp_avg_sqs and deltas");
     if (!bases.empty()) {
-      TORCH_CHECK(bases[i].scalar_type() == p.scalar_type() && bases[i].numel() == k && bases[i].is_contiguous(),
-                  "bases must be contiguous, in the param dtype, with one entry per index");
+      check_compact({&bases[i]}, dtype, k, "bases");
     } else {
-      TORCH_CHECK(p.scalar_type() == at::kFloat, "bases are required for non-fp32 params");
+      TORCH_CHECK(dtype == at::kFloat, "bases are required for non-fp32 params");
     }
-    TORCH_CHECK(steps[i].numel() == 1, "steps must hold one value per param, got ", steps[i].numel(), " in steps[", i,
-                "]");
-    const double t = steps[i].item<double>();
-    TORCH_CHECK(t >= 1, "steps must be >= 1 (incremented before the update)");
-    step_size[i] = static_cast<float>(lr / (1.0 - std::pow(beta1, t)));
-    inv_bc2_sqrt[i] = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, t)));
+    const StepScales scales = step_scales(lr, beta1, beta2, t);
+    step_size[i] = scales.step_size;
+    inv_bc2_sqrt[i] = scales.inv_bc2_sqrt;
     for (int64_t b = 0; b < k; b += CHUNK) work.push_back({i, b, std::min(k, b + CHUNK)});
   }
-  const Hyper h{static_cast<float>(lr),          static_cast<float>(beta1), static_cast<float>(beta2),
-                static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(eps),
-                static_cast<float>(weight_decay), maximize};
-  const auto dtype = n ? params[0].scalar_type() : at::kFloat;
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, maximize);
   // A grain of 16 chunks (8192 entries) keeps small steps on the calling thread, where
   // waking the pool would cost more than the work.
   std::vector<int64_t> found(work.size(), -1);

@@ -18,32 +18,9 @@
 // stochastic roundings in vector registers, the same operations in the same order, so the bits
 // agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
 
-// Whether c10::Half(float) converts with F16C (as in sparse_adamw.cpp): read before any
-// `#pragma GCC target`, which would define __F16C__ for the code that follows it.
-#ifdef __F16C__
-#define SIFT_C10_HALF_USES_F16C 1
-#else
-#define SIFT_C10_HALF_USES_F16C 0
-#endif
+#include "sparse_adamw_common.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include "cpu_isa.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <limits>
-#include <string>
-#include <vector>
-
-#ifdef SIFT_X86_SIMD
-#include <immintrin.h>
-#endif
 
 namespace sift {
 namespace {
@@ -51,12 +28,6 @@ namespace {
 constexpr int64_t LEAN_CHUNK = 512;
 constexpr int64_t LEAN_PREFETCH_DISTANCE = 32;
 constexpr int LEAN_WINDOW_BITS = 16;
-
-// 1 - beta is taken in double on the host, as torch's AdamW does.
-struct LeanHyper {
-  float lr, beta1, beta2, one_minus_b1, one_minus_b2, eps, weight_decay;
-  bool maximize;
-};
 
 inline float bits_to_float(uint32_t b) {
   float f;
@@ -114,7 +85,7 @@ inline c10::BFloat16 round_bf16_stochastic(float x, uint32_t random16) {
 template <typename W, typename G, typename I, bool COMPACT>
 void lean_entries(W* __restrict w, const G* __restrict g_src, const I* __restrict flat, c10::BFloat16* __restrict m,
                   c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t t0, int64_t n,
-                  int64_t n_ahead, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h) {
+                  int64_t n_ahead, uint32_t step, float step_size, float inv_bc2_sqrt, const Hyper& h) {
   constexpr bool LOW_PRECISION = !std::is_same_v<W, float>;
   const float sign = h.maximize ? -1.0f : 1.0f;
   const float decay = h.lr * h.weight_decay;
@@ -221,7 +192,7 @@ template <typename W, typename G, bool COMPACT>
 void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __restrict low,
                 const int32_t* __restrict offsets, int64_t n_windows, c10::BFloat16* __restrict m,
                 c10::BFloat16* __restrict v, int8_t* __restrict residual, int64_t begin, int64_t end, int64_t k,
-                int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h, Isa isa) {
+                int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const Hyper& h, Isa isa) {
   const int64_t n = end - begin;
   // The next chunk's first entries are decoded too, for the prefetches (their low halves are
   // checked with that chunk; a prefetch never faults).
@@ -289,7 +260,7 @@ int64_t first_bad_low(const int16_t* low, const int32_t* offsets, int64_t n_wind
 template <typename W>
 void dispatch_lean(W* w, const at::Tensor& grad, bool compact, const int16_t* low, const int32_t* off,
                    int64_t n_windows, c10::BFloat16* m, c10::BFloat16* v, int8_t* res, int64_t begin, int64_t end,
-                   int64_t k, int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const LeanHyper& h,
+                   int64_t k, int64_t numel, uint32_t step, float step_size, float inv_bc2_sqrt, const Hyper& h,
                    Isa isa) {
   if (compact)
     lean_chunk<W, float, true>(w, grad.data_ptr<float>(), low, off, n_windows, m, v, res, begin, end, k, numel, step,
@@ -307,12 +278,9 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   static const Isa best = detect_lean_isa();
   const Isa isa = isa_from_request(std::string(isa_request), best);
   const auto n = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "grads must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(indices_low.size()) == n, "indices_low must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(window_offsets.size()) == n, "window_offsets must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(exp_avgs.size()) == n, "exp_avgs must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(exp_avg_sqs.size()) == n, "exp_avg_sqs must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(steps.size()) == n, "steps must have one tensor per param");
+  check_one_per_param(n, {{"grads", grads.size()}, {"indices_low", indices_low.size()},
+                          {"window_offsets", window_offsets.size()}, {"exp_avgs", exp_avgs.size()},
+                          {"exp_avg_sqs", exp_avg_sqs.size()}, {"steps", steps.size()}});
   const auto dtype = n ? params[0].scalar_type() : at::kFloat;
   const bool low_precision = dtype != at::kFloat;
   if (low_precision) {
@@ -328,20 +296,12 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
     const int64_t k = indices_low[i].numel();
     const int64_t numel = p.numel();
     const int64_t n_windows = (numel + (int64_t{1} << LEAN_WINDOW_BITS) - 1) >> LEAN_WINDOW_BITS;
-    for (const auto* t : {&p, &grads[i], &indices_low[i], &window_offsets[i], &exp_avgs[i], &exp_avg_sqs[i],
-                          &steps[i]}) {
-      TORCH_CHECK(t->device().is_cpu(),
-                  "params, grads, indices_low, window_offsets, exp_avgs, exp_avg_sqs and steps must be CPU tensors");
-    }
-    TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
-    TORCH_CHECK(p.scalar_type() == dtype, "params must share one dtype");
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "params must be float32, bfloat16 or float16");
-    TORCH_CHECK(indices_low[i].scalar_type() == at::kShort && indices_low[i].dim() == 1 &&
-                    indices_low[i].is_contiguous(),
-                "indices_low must be contiguous 1-D int16 tensors");
-    TORCH_CHECK(window_offsets[i].scalar_type() == at::kInt && window_offsets[i].is_contiguous() &&
-                    window_offsets[i].numel() == n_windows + 1,
+    const double t = check_param_grad_step(p, grads[i], steps[i], dtype, compact_grads, k, i);
+    TORCH_CHECK(indices_low[i].device().is_cpu() && indices_low[i].scalar_type() == at::kShort &&
+                    indices_low[i].dim() == 1 && indices_low[i].is_contiguous(),
+                "indices_low must be contiguous 1-D int16 CPU tensors");
+    TORCH_CHECK(window_offsets[i].device().is_cpu() && window_offsets[i].scalar_type() == at::kInt &&
+                    window_offsets[i].is_contiguous() && window_offsets[i].numel() == n_windows + 1,
                 "window_offsets[", i, "] must be contiguous int32 with ceil(numel / 65536) + 1 = ", n_windows + 1,
                 " entries, got ", window_offsets[i].numel());
     const int32_t* off = window_offsets[i].data_ptr<int32_t>();
@@ -349,36 +309,16 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
     for (int64_t w = 0; w < n_windows; ++w) {
       TORCH_CHECK(off[w + 1] >= off[w], "window_offsets[", i, "] must be non-decreasing (position ", w + 1, ")");
     }
-    TORCH_CHECK(grads[i].is_contiguous(), "grads must be contiguous");
-    if (compact_grads) {
-      TORCH_CHECK(grads[i].scalar_type() == at::kFloat && grads[i].numel() == k,
-                  "grads must be fp32 with one entry per index when compact_grads=True");
-    } else {
-      TORCH_CHECK(grads[i].scalar_type() == dtype && grads[i].numel() == numel,
-                  "grads must match their params in dtype and numel");
-    }
-    for (const auto* t : {&exp_avgs[i], &exp_avg_sqs[i]}) {
-      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == k,
-                  "exp_avgs and exp_avg_sqs must be contiguous bf16 with one entry per index");
-    }
-    if (low_precision) {
-      TORCH_CHECK(residuals[i].device().is_cpu(), "residuals must be CPU tensors");
-      TORCH_CHECK(residuals[i].scalar_type() == at::kChar && residuals[i].is_contiguous() && residuals[i].numel() == k,
-                  "residuals must be contiguous int8 with one entry per index");
-    }
-    TORCH_CHECK(steps[i].numel() == 1, "steps must hold one value per param, got ", steps[i].numel(), " in steps[", i,
-                "]");
-    const double t = steps[i].item<double>();
-    TORCH_CHECK(t >= 1, "steps must be >= 1 (incremented before the update)");
+    check_compact({&exp_avgs[i], &exp_avg_sqs[i]}, at::kBFloat16, k, "exp_avgs and exp_avg_sqs");
+    if (low_precision) check_compact({&residuals[i]}, at::kChar, k, "residuals");
     step_count[i] = static_cast<uint32_t>(static_cast<uint64_t>(t));
     // lr is taken in fp32 (as a device tensor lr is), then lr / bc1 in double.
-    step_size[i] = static_cast<float>(static_cast<double>(static_cast<float>(lr)) / (1.0 - std::pow(beta1, t)));
-    inv_bc2_sqrt[i] = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, t)));
+    const StepScales scales = step_scales(static_cast<double>(static_cast<float>(lr)), beta1, beta2, t);
+    step_size[i] = scales.step_size;
+    inv_bc2_sqrt[i] = scales.inv_bc2_sqrt;
     for (int64_t b = 0; b < k; b += LEAN_CHUNK) work.push_back({i, b, std::min(k, b + LEAN_CHUNK)});
   }
-  const LeanHyper h{static_cast<float>(lr),          static_cast<float>(beta1), static_cast<float>(beta2),
-                    static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(eps),
-                    static_cast<float>(weight_decay), maximize};
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, maximize);
   std::vector<int64_t> found(work.size(), -1);
   // A grain of 16 chunks keeps small steps on the calling thread.
   at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {

@@ -16,7 +16,7 @@ typedef int8_t I8 __attribute__((vector_size(W)));
 // The step's scalars, in every lane.
 struct LeanCoeffs {
   V sign, beta1, beta2, one_minus_b1, one_minus_b2, neg_decay, vstep, vinv, eps;
-  LeanCoeffs(const LeanHyper& h, float step_size, float inv_bc2_sqrt)
+  LeanCoeffs(const Hyper& h, float step_size, float inv_bc2_sqrt)
       : sign(set1(h.maximize ? -1.0f : 1.0f)),
         beta1(set1(h.beta1)),
         beta2(set1(h.beta2)),
@@ -121,7 +121,7 @@ template <typename T, typename G, bool COMPACT>
 int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
                           c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
                           int64_t begin, int64_t n, int64_t n_ahead, int64_t numel, uint32_t step, float step_size,
-                          float inv_bc2_sqrt, const LeanHyper& h) {
+                          float inv_bc2_sqrt, const Hyper& h) {
   constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
   const LeanCoeffs c(h, step_size, inv_bc2_sqrt);
   auto* w16 = reinterpret_cast<uint16_t*>(w);

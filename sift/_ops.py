@@ -11,6 +11,12 @@ the oracle in tests), and zero or more faster implementations registered per bac
 CUDA -> triton, torch; CPU -> cpp, torch. `SIFT_BACKEND=torch|cpp|triton` (or the
 `backend=` argument of `resolve`) forces one; a forced backend that cannot run raises, an
 automatically chosen one that fails to load falls back with one log line.
+
+Each op is also `torch.ops.sift.<name>`, defined here once (`define_schema`): its schema and
+fake kernel (so calls trace under torch.compile), its CPU kernel registered by the C++
+extension, its CUDA kernel the registry's entry. The step ops take their operands as one
+structure (`ExactState` / `LeanState`, `AdamWHyper` in `sift.triton_kernels._step_args`) and
+validate them with one function (`check_step`), whichever backend runs.
 """
 
 from __future__ import annotations

@@ -147,3 +147,19 @@ def test_step_check_names_the_operand_on_every_backend(backend):
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[1\] must be a contiguous torch.float32 tensor with one entry"):
         fn(*lists, **HYPER, compact_grads=False)
     _assert_lists_equal(lists, before)
+
+
+@pytest.mark.parametrize("op, make, ref", [
+    pytest.param("sparse_adamw_", _exact_lists, _ops.sparse_adamw_ref, id="exact"),
+    pytest.param("sparse_adamw_lean_", _lean_lists, _ops.sparse_adamw_lean_ref, id="lean")])
+def test_device_kernel_of_a_step_op_runs_the_registry_entry(op, make, ref, monkeypatch):
+    """The CUDA kernel of torch.ops.sift.<step> maps the schema's flat arguments onto the registry's entry
+    (run here on CPU tensors with the Triton entry forced, under TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SIFT_BACKEND", "triton")
+    got, want = make(torch.float32, seed=7), make(torch.float32, seed=7)
+    _ops._step_on_device(op)(*got, *HYPER.values(), False, "auto")
+    ref(*want, **HYPER, compact_grads=False)
+    for j, (gl, wl) in enumerate(zip(got, want)):
+        for g, w in zip(gl, wl):
+            torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6, msg=f"list {j}")
