@@ -219,14 +219,34 @@ def test_trainer_clips_unscaled_gradients_under_fp16_loss_scaling(tmp_path):
     torch.testing.assert_close(torch.tensor(norms[True]), torch.tensor(norms[False]), rtol=2e-2, atol=0)
 
 
+def test_trainer_compact_grads_under_fp16_loss_scaling_equals_plain_mode(tmp_path):
+    """compact_grads with fp16 loss scaling: the scaler's unscale_ sees only .grad, so the trainer links its
+    scaler to the optimizer, which unscales the compact buffers itself; grad norms and weights equal plain mode."""
+    from sift.integrations.hf import SparseTrainer
+
+    norms, weights = {}, {}
+    for compact in (False, True):
+        torch.manual_seed(0)
+        model = _tiny_bert_classifier()
+        trainer = SparseTrainer(model=model, args=_train_args(tmp_path / str(compact), max_steps=3, fp16=True),
+                                train_dataset=_tiny_train_data(), density=0.05, compact_grads=compact)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what a GPU run gets
+        trainer.accelerator.native_amp = True
+        trainer.train()
+        norms[compact] = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        weights[compact] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert len(norms[True]) == 3
+    # A missed unscale of the compact buffers would be off by 1024x.
+    torch.testing.assert_close(torch.tensor(norms[True]), torch.tensor(norms[False]), rtol=1e-4, atol=0)
+    for name, w in weights[False].items():
+        torch.testing.assert_close(weights[True][name], w, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_trainer_compact_grads_misuse_errors_before_touching_the_model(tmp_path, monkeypatch):
-    """compact_grads with fp16 loss scaling or several processes trained silently wrong (the hooks free the .grad
-    the scaler and DDP work on)."""
+    """compact_grads with several processes trained silently wrong (the hooks free the .grad DDP reduces)."""
     from sift.integrations.hf import SparseTrainer
 
     model = _tiny_bert_classifier()
-    with pytest.raises(ValueError, match="compact_grads=True cannot be combined with fp16=True"):
-        SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=1, fp16=True), compact_grads=True)
     monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(ValueError, match=r"compact_grads=True is single-process only \(world_size is 2\)"):
         SparseTrainer(model, _train_args(tmp_path, max_steps=1), compact_grads=True)

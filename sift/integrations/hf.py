@@ -31,8 +31,9 @@ class SparseTrainer(Trainer):
         *args: passed to `transformers.Trainer`.
         density: fraction of each weight's entries to train, in (0, 1].
         compact_grads: gradient-hook mode of `SparseAdamW` (single process only: with
-            several processes use plain mode, which the Trainer's DDP handles; not with
-            fp16 loss scaling, whose scaler never sees the compact gradients).
+            several processes use plain mode, which the Trainer's DDP handles). Under fp16
+            loss scaling the optimizer is given the Trainer's scaler (`grad_scaler`), so the
+            compact gradients are unscaled and checked for inf/NaN like `.grad`.
         select_steps: `SparseAdamW(select_steps=...)`.
         dense_1d: train one-dimensional params densely.
         indices: {param name: [k] sorted flat positions (or a bool mask of the param's shape)}
@@ -51,17 +52,18 @@ class SparseTrainer(Trainer):
         **kwargs: passed to `transformers.Trainer`.
 
     Raises:
-        ValueError: density outside (0, 1], compact_grads with several processes or fp16,
+        ValueError: density outside (0, 1], compact_grads with several processes,
             `indices` naming a param the model does not have (or a frozen one, or with
             `target_modules` one that is not a target weight), or `target_modules` /
             `dense_modules` that do not fit the model (see `sift.targets.plan_targets`).
 
-    Example:
-        >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
-        ...                         density=0.01)
-        >>> trainer.train()
-        >>> trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
-        ...                         density=0.01, target_modules=["query", "key", "value"])
+    Example (`model` a transformers model, `ds` its training dataset)::
+
+        trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
+                                density=0.01)
+        trainer.train()
+        trainer = SparseTrainer(model=model, args=TrainingArguments("out"), train_dataset=ds,
+                                density=0.01, target_modules=["query", "key", "value"])
     """
 
     def __init__(self, *args: Any, density: float = 0.01, compact_grads: bool = False, select_steps: int = 1,
@@ -94,11 +96,6 @@ class SparseTrainer(Trainer):
                 raise ValueError(
                     f"compact_grads=True is single-process only (world_size is {training_args.world_size}): its hooks "
                     "free the dense gradients that DDP reduces; use compact_grads=False with several processes"
-                )
-            if training_args.fp16:
-                raise ValueError(
-                    "compact_grads=True cannot be combined with fp16=True: the loss scaler unscales and checks for "
-                    "inf only the dense .grad tensors, which the hooks free; use bf16=True or compact_grads=False"
                 )
         self.sift_density = density
         self.sift_compact_grads = compact_grads
@@ -164,6 +161,14 @@ class SparseTrainer(Trainer):
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
         # scaler remembers the unscale and does not repeat it in step().
-        self.accelerator.unscale_gradients()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        self._link_scaler(optimizer)
+        self.accelerator.unscale_gradients()
         return clip_grad_norm_(optimizer, self.args.max_grad_norm)
+
+    def _link_scaler(self, optimizer: torch.optim.Optimizer) -> None:
+        # The scaler's unscale_ sees only .grad: the optimizer unscales its compact buffers itself
+        # by this scaler's scale (see sift.optim.amp).
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and isinstance(optimizer, SparseAdamW):
+            optimizer.grad_scaler = scaler

@@ -55,6 +55,7 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         The global norm before clipping (0-d fp32 tensor).
 
     Example:
+        >>> from sift import SparseAdamW
         >>> model = torch.nn.Linear(8, 8)
         >>> opt = SparseAdamW(model.parameters(), density=0.25)
         >>> model(torch.randn(4, 8)).sum().backward()

@@ -142,6 +142,7 @@ class SparseStateMixin:
                 `param`'s shape.
 
         Example:
+            >>> from sift import SparseAdamW
             >>> w = torch.nn.Parameter(torch.randn(4, 4))
             >>> opt = SparseAdamW([w], density=0.5)
             >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
@@ -223,6 +224,7 @@ class SparseStateMixin:
             ValueError: `param`'s entries are not chosen yet.
 
         Example:
+            >>> from sift import SparseAdamW
             >>> w = torch.nn.Parameter(torch.randn(4, 4))
             >>> opt = SparseAdamW([w], density=0.5, state="lean")
             >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
