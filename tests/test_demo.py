@@ -77,6 +77,7 @@ def test_tiny_demo_end_to_end(tmp_path, monkeypatch):
     assert {"probe", "full", "sift-1%", "sift-1% lean", "hifi", "lora"} <= {r["method"] for r in available}
     for r in available:
         assert 0.0 <= r["accuracy_mean"] <= 1.0 and r["sec_per_step"] > 0 and r["peak_rss_mib"] > 0
+        assert 0 < r["cpu_s"] and 0 < r["wall_s"]
     n_params = 22_713_986
     assert by["full"]["trainable"] == n_params
     assert by["full"]["state_bytes"] == 2 * 4 * n_params + 4 * len(list(demo.load_model()[0].parameters()))
