@@ -248,6 +248,25 @@ def test_cpp_token_ranges_per_thread(threads):
     _assert_close(out - before, dy, x, idx)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2], ids=lambda n: f"threads{n}")
+@pytest.mark.parametrize("isa", _cpp_isas())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cpp_several_column_blocks(dtype, isa, threads):
+    """A wide X is packed in L2-sized column blocks whose entries are summed out of idx order."""
+    _require("cpp")
+    dy, x, gen = _inputs(150, 7, 3001, dtype, seed=8)  # 64-token blocks: X in 1024-column blocks
+    idx = _random_indices(7 * 3001, 2000, gen, torch.int32)
+    before = torch.randn(2000, generator=gen)
+    out = before.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out, isa, 64)
+    finally:
+        torch.set_num_threads(saved)
+    _assert_close(out - before, dy, x, idx)
+
 def test_cpp_op_refuses_bad_indices():
     """The public torch.ops op checks indices itself: a wild read or a race otherwise."""
     _require("cpp")
