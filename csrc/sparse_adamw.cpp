@@ -71,12 +71,6 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
 // prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_adamw_isa
 // checks); the AVX2 form, which also serves Haswell (no PREFETCHW), with PREFETCHT0.
 
-// n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
-template <int64_t W>
-struct Tail16 {
-  alignas(64) uint16_t v[W] = {};
-  Tail16(const uint16_t* p, int64_t n) { std::memcpy(v, p, static_cast<size_t>(n) * sizeof(uint16_t)); }
-};
 #pragma GCC push_options
 #pragma GCC target("avx512f,prfchw")
 #pragma GCC optimize("fp-contract=off")
@@ -120,46 +114,7 @@ inline unsigned nan_lanes(V x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); 
 #pragma GCC target("avx2,f16c")
 #pragma GCC optimize("fp-contract=off")
 namespace adamw_avx2 {
-using V = __m256;
-using Mask = __m256i;
-constexpr int64_t W = 8;
-inline Mask lanes(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-inline V set1(float x) { return _mm256_set1_ps(x); }
-inline V loadu(const float* p, Mask k) { return _mm256_maskload_ps(p, k); }
-inline void storeu(float* p, V x, Mask k) { _mm256_maskstore_ps(p, k, x); }
-inline V vsqrt(V x) { return _mm256_sqrt_ps(x); }
-inline __m256i load_idx(const int32_t* p, Mask k) { return _mm256_maskload_epi32(p, k); }
-inline V gather(const float* base, __m256i q, Mask k) {
-  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, q, _mm256_castsi256_ps(k), 4);
-}
-// AVX2 has no scatter: the new weights go out one store each.
-inline void scatter(float* base, const int32_t* idx, __m256i, V x, Mask, int64_t n) {
-  alignas(32) float out[W];
-  _mm256_store_ps(out, x);
-  for (int64_t t = 0; t < n; ++t) base[idx[t]] = out[t];
-}
-using VI = __m256i;
-inline VI load16(const uint16_t* p, int64_t n) {
-  if (n == W) return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const Tail16<W> tail(p, n);
-  return _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail.v)));
-}
-inline VI gather16(const uint16_t* base, __m256i q, Mask k) {
-  const VI words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(base), q, k, 2);
-  return _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
-}
-// The low 16 bits of each 32-bit lane, packed in order.
-inline __m128i low16(VI x) {
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
-}
-inline void pack16(uint16_t* out, VI x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(out), low16(x)); }
-inline V widen_f16(VI x) { return _mm256_cvtph_ps(low16(x)); }
-inline void narrow_f16(uint16_t* out, V x) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
-inline unsigned nan_lanes(V x) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q))); }
+#include "simd_avx2.h"
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx2
 #pragma GCC pop_options

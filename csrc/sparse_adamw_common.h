@@ -36,6 +36,15 @@
 namespace sift {
 namespace {
 
+#ifdef SIFT_X86_SIMD
+// n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
+template <int64_t W>
+struct Tail16 {
+  alignas(64) uint16_t v[W] = {};
+  Tail16(const uint16_t* p, int64_t n) { std::memcpy(v, p, static_cast<size_t>(n) * sizeof(uint16_t)); }
+};
+#endif
+
 // 1 - beta is taken in double on the host, as torch's AdamW does: in fp32, 1 - 0.999f is off
 // by 5e-5 relative, a bias every second moment would carry.
 struct Hyper {

@@ -8,53 +8,10 @@
 // loop (lean_entries), in its order and with no fused multiply-add, so the bits agree with it
 // (only a NaN made from two NaN operands may differ in payload, as in the exact step).
 
-typedef uint32_t U32 __attribute__((vector_size(sizeof(V))));
+#include "sparse_adamw_simd_common.h"
 typedef int32_t I32 __attribute__((vector_size(sizeof(V))));
 typedef float F32 __attribute__((vector_size(sizeof(V))));
 typedef int8_t I8 __attribute__((vector_size(W)));
-
-// The step's scalars, in every lane.
-struct LeanCoeffs {
-  V sign, beta1, beta2, one_minus_b1, one_minus_b2, neg_decay, vstep, vinv, eps;
-  LeanCoeffs(const Hyper& h, float step_size, float inv_bc2_sqrt)
-      : sign(set1(h.maximize ? -1.0f : 1.0f)),
-        beta1(set1(h.beta1)),
-        beta2(set1(h.beta2)),
-        one_minus_b1(set1(h.one_minus_b1)),
-        one_minus_b2(set1(h.one_minus_b2)),
-        neg_decay(set1(-(h.lr * h.weight_decay))),
-        vstep(set1(step_size)),
-        vinv(set1(inv_bc2_sqrt)),
-        eps(set1(h.eps)) {}
-};
-
-template <typename T>
-inline V widen(VI x) {
-  if constexpr (std::is_same_v<T, c10::Half>) return widen_f16(x);
-  else return (V)((U32)x << 16);  // bf16, also the moments
-}
-
-// W values of x rounded to T (bf16 or fp16) into out, as static_cast<T> rounds.
-template <typename T>
-inline void narrow(uint16_t* out, V x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, and NaN -> 0x7FC0.
-    const U32 u = (U32)x, nan = (U32)(x != x);
-    const U32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    pack16(out, (VI)((rounded & ~nan) | (nan & 0x7FC0u)));
-  } else {
-    narrow_f16(out, x);
-    // c10's software conversion writes every NaN as sign | 0x7E00, where the hardware keeps
-    // part of the payload; nothing to mend when c10 itself converts with F16C.
-    const unsigned nan = SIFT_C10_HALF_USES_F16C ? 0u : nan_lanes(x);
-    if (nan) {
-      const U32 u = (U32)x;
-      for (int64_t t = 0; t < W; ++t) {
-        if (nan >> t & 1u) out[t] = static_cast<uint16_t>((u[t] >> 16 & 0x8000u) | 0x7E00u);
-      }
-    }
-  }
-}
 
 // The exponent field E of 16-bit weights w (in 32-bit lanes), clamped as unit(w) clamps it.
 template <typename T>
@@ -123,7 +80,7 @@ int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int3
                           int64_t begin, int64_t n, int64_t n_ahead, int64_t numel, uint32_t step, float step_size,
                           float inv_bc2_sqrt, const Hyper& h) {
   constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
-  const LeanCoeffs c(h, step_size, inv_bc2_sqrt);
+  const Coeffs c(h, step_size, inv_bc2_sqrt);
   auto* w16 = reinterpret_cast<uint16_t*>(w);
   const auto* g16 = reinterpret_cast<const uint16_t*>(g_src);
   const auto* m16 = reinterpret_cast<const uint16_t*>(m + begin);

@@ -9,20 +9,7 @@
 // weights, the sign) of a NaN made from two NaN operands: GCC may swap the operands of a
 // commutative operation, and x86 keeps the first one's payload.
 
-// The step's scalars, in every lane.
-struct Coeffs {
-  V sign, beta1, beta2, one_minus_b1, one_minus_b2, neg_decay, vstep, vinv, eps;
-  Coeffs(const Hyper& h, float step_size, float inv_bc2_sqrt)
-      : sign(set1(h.maximize ? -1.0f : 1.0f)),
-        beta1(set1(h.beta1)),
-        beta2(set1(h.beta2)),
-        one_minus_b1(set1(h.one_minus_b1)),
-        one_minus_b2(set1(h.one_minus_b2)),
-        neg_decay(set1(-(h.lr * h.weight_decay))),
-        vstep(set1(step_size)),
-        vinv(set1(inv_bc2_sqrt)),
-        eps(set1(h.eps)) {}
-};
+#include "sparse_adamw_simd_common.h"
 
 // Prefetch the grad (unless compact) and weight lines of entries [j + PREFETCH_DISTANCE, + n).
 template <bool COMPACT, typename E>
@@ -81,37 +68,8 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
 // NaN becomes torch's NaN of that type). The namespace adds VI (W 32-bit integer lanes),
 // load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane, read as a
 // 4-byte word), pack16 (the low halves of W lanes, stored), and the hardware fp16 conversions
-// widen_f16 and narrow_f16 (round to nearest even), and nan_lanes (bit t set for a NaN lane t).
-typedef uint32_t U32 __attribute__((vector_size(sizeof(V))));
-
-template <typename T>
-inline V widen(VI x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return (V)((U32)x << 16);
-  else return widen_f16(x);
-}
-
-// W values of x rounded to T into out, as static_cast<T> rounds.
-template <typename T>
-inline void narrow(uint16_t* out, V x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // c10's round_to_nearest_even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, and NaN -> 0x7FC0.
-    const U32 u = (U32)x, nan = (U32)(x != x);
-    const U32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    pack16(out, (VI)((rounded & ~nan) | (nan & 0x7FC0u)));
-  } else {
-    narrow_f16(out, x);
-    // c10's software conversion writes every NaN as sign | 0x7E00, where the hardware keeps
-    // part of the payload; nothing to mend when c10 itself converts with F16C.
-    const unsigned nan = SIFT_C10_HALF_USES_F16C ? 0u : nan_lanes(x);
-    if (nan) {
-      const U32 u = (U32)x;
-      for (int64_t t = 0; t < W; ++t) {
-        if (nan >> t & 1u) out[t] = static_cast<uint16_t>((u[t] >> 16 & 0x8000u) | 0x7E00u);
-      }
-    }
-  }
-}
-
+// widen_f16 and narrow_f16 (round to nearest even), and nan_lanes (bit t set for a NaN lane t),
+// from which sparse_adamw_simd_common.h builds widen<T> and narrow<T>.
 template <typename T, bool COMPACT>
 void chunk_lowp(T* __restrict w, const void* __restrict g_src, const int32_t* __restrict idx, float* __restrict m,
                 float* __restrict v, float* __restrict d, const T* __restrict base, int64_t begin, int64_t end,
