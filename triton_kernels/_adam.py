@@ -1,13 +1,20 @@
-"""The AdamW arithmetic both step kernels (`sparse_adamw.py`, `sparse_adamw_lean.py`) share:
-finding a program's segment, the gradient load, the moment update and the bias corrections.
-Inlined into each kernel, so each keeps its own fp-fusion setting."""
+"""What both step kernels (`sparse_adamw.py`, `sparse_adamw_lean.py`) share: finding a
+program's segment, the gradient load, the moment update, the bias corrections, the weight's
+increment and its rounding (inlined into each kernel, so each keeps its own fp-fusion setting),
+and the launch with the arguments every step kernel takes (`launch_step`)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from . import _segments
+from ._rounding import round_to_bf16
+from ._step_args import AdamWHyper, ExactState, LeanState
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+             torch.int32: tl.int32, torch.int64: tl.int64}
 
 _COL_NUMEL = tl.constexpr(_segments.COL_NUMEL)
 _BLOCK_COL_TENSOR = tl.constexpr(_segments.BLOCK_COL_TENSOR)
@@ -59,3 +66,47 @@ def adam_update(g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_mi
     step_size = (lr_value / bias_correction1).to(tl.float32)
     inv_bc2_sqrt = (1.0 / tl.sqrt(bias_correction2)).to(tl.float32)
     return m, v, lr_value, step_size, inv_bc2_sqrt
+
+
+@triton.jit
+def weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps):
+    """[BLOCK] fp32 AdamW increment of the weights w: -lr * wd * w - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)."""
+    return -(lr_value * weight_decay) * w - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
+
+
+@triton.jit
+def to_weight_dtype(x, W_DTYPE: tl.constexpr):
+    """[BLOCK] fp32 -> W_DTYPE, round to nearest even (by hand for bf16, see `_rounding.py`)."""
+    if W_DTYPE == tl.bfloat16:
+        out = round_to_bf16(x)
+    else:
+        out = x.to(W_DTYPE)
+    return out
+
+
+def launch_step(kernel, tables: _segments.Tables, state: ExactState | LeanState, hyper: AdamWHyper,
+                w_dtype: torch.dtype, num_warps: int, **options) -> None:
+    """Launch a step kernel, one program per row of `tables.blocks` (none: no launch).
+
+    Passes what every step kernel takes: the segment and block tables, `hyper`'s runtime
+    scalars (`AdamWHyper.kernel_args`), and the constexprs W_DTYPE, G_DTYPE, COMPACT_GRAD,
+    LR_ON_DEVICE, MAXIMIZE and BLOCK; `options` adds the kernel's own constexprs and launch
+    options (e.g. `enable_fp_fusion`).
+    """
+    n_blocks = tables.blocks.shape[0]
+    if n_blocks == 0:
+        return
+    g_dtype = torch.float32 if state.compact_grads else w_dtype
+    kernel[(n_blocks,)](
+        tables.table,
+        tables.blocks,
+        *hyper.kernel_args(tables.table),
+        W_DTYPE=TL_DTYPES[w_dtype],
+        G_DTYPE=TL_DTYPES[g_dtype],
+        COMPACT_GRAD=state.compact_grads,
+        LR_ON_DEVICE=hyper.lr_on_device,
+        MAXIMIZE=bool(hyper.maximize),
+        BLOCK=tables.block,
+        num_warps=num_warps,
+        **options,
+    )

@@ -30,12 +30,8 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import adam_update, load_grad, program_segment
-from ._rounding import round_to_bf16
+from ._adam import TL_DTYPES, adam_update, launch_step, load_grad, program_segment, to_weight_dtype, weight_increment
 from ._step_args import AdamWHyper, ExactState, check_state_lengths, check_step, takes_step_lists
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-              torch.int32: tl.int32, torch.int64: tl.int64}
 
 # Segment table columns, one int64 row per tensor: the host builder and the kernel both use
 # these names, so the layout is written only here.
@@ -114,7 +110,7 @@ def _sparse_adamw_kernel(
     else:
         w = tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
 
-    upd = -(lr_value * weight_decay) * w - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
+    upd = weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps)
     d = d + upd
     if HAS_BASE:
         w_new = base + d
@@ -124,10 +120,7 @@ def _sparse_adamw_kernel(
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     tl.store(d_ptr + offs, d, mask=mask)
-    if W_DTYPE == tl.bfloat16:
-        tl.store(w_ptr + idx, round_to_bf16(w_new), mask=mask)
-    else:
-        tl.store(w_ptr + idx, w_new.to(W_DTYPE), mask=mask)
+    tl.store(w_ptr + idx, to_weight_dtype(w_new, W_DTYPE), mask=mask)
 
 
 # Chosen by bench/adamw_gpu_sweep.py, where the launch configuration barely matters (figures:
@@ -216,23 +209,6 @@ def sparse_adamw_(
         table_cache, _CACHE_KEY, (str(device), w_dtype, i_dtype, state.compact_grads, param_ptrs),
         tuple(zip(*cols)), int(N_COLS), block or _BLOCK, device, lambda: check_step(state, hyper),
         aligned_cols=(int(COL_INDICES), int(COL_EXP_AVG), int(COL_EXP_AVG_SQ), int(COL_DELTA)), build=_build_tables)
-    n_blocks = tables.blocks.shape[0]
-    if n_blocks == 0:
-        return
-    g_dtype = torch.float32 if state.compact_grads else w_dtype
-    _sparse_adamw_kernel[(n_blocks,)](
-        tables.table,
-        tables.blocks,
-        *hyper.kernel_args(tables.table),
-        W_DTYPE=_TL_DTYPES[w_dtype],
-        G_DTYPE=_TL_DTYPES[g_dtype],
-        I_DTYPE=_TL_DTYPES[i_dtype],
-        COMPACT_GRAD=state.compact_grads,
-        HAS_BASE=has_base,
-        LR_ON_DEVICE=hyper.lr_on_device,
-        MAXIMIZE=bool(hyper.maximize),
-        ALIGNED=tables.aligned,
-        EVICT_FIRST=_EVICT_FIRST if evict_first is None else evict_first,
-        BLOCK=tables.block,
-        num_warps=num_warps or _NUM_WARPS,
-    )
+    launch_step(_sparse_adamw_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS,
+                I_DTYPE=TL_DTYPES[i_dtype], HAS_BASE=has_base, ALIGNED=tables.aligned,
+                EVICT_FIRST=_EVICT_FIRST if evict_first is None else evict_first)

@@ -32,11 +32,8 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import adam_update, load_grad, program_segment
-from ._rounding import round_to_bf16
+from ._adam import adam_update, launch_step, load_grad, program_segment, to_weight_dtype, weight_increment
 from ._step_args import LEAN_WINDOW_BITS, AdamWHyper, LeanState, check_state_lengths, check_step, takes_step_lists
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 COL_NUMEL = tl.constexpr(0)  # k_i
 COL_WINDOWS = tl.constexpr(1)  # ceil(n_i / 65536)
@@ -124,12 +121,8 @@ def _sparse_adamw_lean_kernel(
         r_ptr = tl.load(row + COL_RESIDUAL).to(tl.pointer_type(tl.int8))
         residual = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.float32)
         w = w + residual * _unit(stored, W_DTYPE, False)
-    upd = -(lr_value * weight_decay) * w - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
-    fresh = w + upd
-    if W_DTYPE == tl.bfloat16:
-        rounded = round_to_bf16(fresh)
-    else:
-        rounded = fresh.to(W_DTYPE)
+    fresh = w + weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps)
+    rounded = to_weight_dtype(fresh, W_DTYPE)
     tl.store(w_ptr + idx, rounded, mask=mask)
     if W_DTYPE != tl.float32:
         back = rounded.to(tl.float32)
@@ -215,20 +208,5 @@ def sparse_adamw_lean_(
     tables = _segments.launch_tables(
         table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), columns, int(N_COLS),
         block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
-    n_blocks = tables.blocks.shape[0]
-    if n_blocks == 0:
-        return
-    g_dtype = torch.float32 if state.compact_grads else w_dtype
-    _sparse_adamw_lean_kernel[(n_blocks,)](
-        tables.table,
-        tables.blocks,
-        *hyper.kernel_args(tables.table),
-        W_DTYPE=_TL_DTYPES[w_dtype],
-        G_DTYPE=_TL_DTYPES[g_dtype],
-        COMPACT_GRAD=state.compact_grads,
-        LR_ON_DEVICE=hyper.lr_on_device,
-        MAXIMIZE=bool(hyper.maximize),
-        BLOCK=tables.block,
-        num_warps=num_warps or _NUM_WARPS,
-        enable_fp_fusion=False,
-    )
+    launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS,
+                enable_fp_fusion=False)
