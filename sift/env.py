@@ -66,7 +66,7 @@ def cpp_simd() -> str:
     if not extension_status()["ok"]:
         return ""
     forms = []
-    for op in ("sparse_adamw_", "singular_values"):
+    for op in ("sparse_adamw_", "sparse_adamw_lean_", "sparse_weight_grad_", "singular_values"):
         probe = getattr(torch.ops.sift, f"{op.rstrip('_')}_isa", None)
         if probe is not None:
             forms.append(f"{op} {probe()}")
