@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from sift import _ops
-from sift.bench._harness import bench_device, markdown_table, save_results, summary, time_gpu
+from sift.bench._harness import bench_device, markdown_table, save_results, summary, time_cpu, time_gpu
 
 # The op's speed-up over the dense product on CPU at each density. Printed, not asserted.
 TARGET_SPEEDUP = {0.01: 8.0, 0.05: 2.0}
@@ -56,12 +56,8 @@ def time_budgeted(fn: Callable[[], object], budget_s: float = BUDGET_S, repeat: 
     if first >= budget_s:
         return {**summary([first * 1e3]), "calls": 1}
     n = max(1, min(repeat, int(budget_s / max(first, 1e-9))))
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return {**summary(samples), "calls": n}
+    timing = time_cpu(fn, warmup=0, repeat=n)
+    return {**summary(timing["samples_ms"]), "calls": n}
 
 
 def _random_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
