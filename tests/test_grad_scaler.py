@@ -150,16 +150,21 @@ def test_inf_in_a_compact_gradient_only_skips_the_step(mode):
             assert torch.equal(opt.state[p][key], value), key
 
 
+def _assert_step_leaves_params(model, step, expectation) -> None:
+    """`step()` under `expectation` (a pytest.raises / pytest.warns context) changes no parameter."""
+    params = [p.detach().clone() for p in model.parameters()]
+    with expectation:
+        step()
+    for p, p0 in zip(model.parameters(), params):
+        assert torch.equal(p, p0)
+
+
 def test_inf_in_a_compact_gradient_without_the_scaler_warns():
     """Without `grad_scaler` the step is still skipped, with a warning that the scale cannot back off."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     model, opt = _scaled_backward_after_selection("hook", scaler, link=False)
     opt.compact_grad(model[0].weight)[0] = float("nan")
-    params = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(UserWarning, match="grad_scaler"):
-        scaler.step(opt)
-    for p, p0 in zip(model.parameters(), params):
-        assert torch.equal(p, p0)
+    _assert_step_leaves_params(model, lambda: scaler.step(opt), pytest.warns(UserWarning, match="grad_scaler"))
 
 
 def test_plain_mode_never_writes_a_sparse_weights_dense_gradient():
@@ -200,11 +205,7 @@ def test_unscale_without_the_scaler_raises_and_changes_nothing():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     model, opt = _scaled_backward_after_selection("hook", scaler, link=False)
     scaler.unscale_(opt)
-    params = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="grad_scaler"):
-        scaler.step(opt)
-    for p, p0 in zip(model.parameters(), params):
-        assert torch.equal(p, p0)
+    _assert_step_leaves_params(model, lambda: scaler.step(opt), pytest.raises(RuntimeError, match="grad_scaler"))
 
 
 def test_fp16_sparse_backward_with_grad_scaler():

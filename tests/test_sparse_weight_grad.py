@@ -231,21 +231,26 @@ def test_cpp_isa_and_token_blocks(isa, token_block, dtype, index_dtype):
     _assert_close(out, dy, x, idx)
 
 
+def _assert_adds_into_out(dy, x, idx, gen, isa: str, token_block: int, threads: int) -> None:
+    """The C++ op on `threads` threads adds the sampled product into a non-zero `out`."""
+    before = torch.randn(idx.numel(), generator=gen)
+    out = before.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out, isa, token_block)
+    finally:
+        torch.set_num_threads(saved)
+    _assert_close(out - before, dy, x, idx)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
 def test_cpp_token_ranges_per_thread(threads):
     """Each thread sums its own range of tokens into a partial sum; the ranges add up to all tokens."""
     _require("cpp")
     dy, x, gen = _inputs(1001, 41, 33, torch.float32, seed=7)
     idx = _random_indices(41 * 33, 1300, gen, torch.int32)
-    before = torch.randn(1300, generator=gen)
-    out = before.clone()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out, "auto", 16)
-    finally:
-        torch.set_num_threads(saved)
-    _assert_close(out - before, dy, x, idx)
+    _assert_adds_into_out(dy, x, idx, gen, "auto", 16, threads)
 
 
 
@@ -257,15 +262,8 @@ def test_cpp_several_column_blocks(dtype, isa, threads):
     _require("cpp")
     dy, x, gen = _inputs(150, 7, 3001, dtype, seed=8)  # 64-token blocks: X in 1024-column blocks
     idx = _random_indices(7 * 3001, 2000, gen, torch.int32)
-    before = torch.randn(2000, generator=gen)
-    out = before.clone()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.ops.sift.sparse_weight_grad_(dy, x, idx, out, isa, 64)
-    finally:
-        torch.set_num_threads(saved)
-    _assert_close(out - before, dy, x, idx)
+    _assert_adds_into_out(dy, x, idx, gen, isa, 64, threads)
+
 
 def test_cpp_op_refuses_bad_indices():
     """The public torch.ops op checks indices itself: a wild read or a race otherwise."""
