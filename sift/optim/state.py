@@ -162,19 +162,10 @@ class SparseStateMixin:
         if self.state_layout == "lean":
             self._set_lean_indices(param, indices, old, old_compact)
             return
-        self._init_sparse_state(param, indices)
-        state = self.state[param]
-        state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
-        if "indices" not in old:
+        state = self._carry_over(param, indices, old, old_compact, old.get("indices"),
+                                 ("exp_avg", "exp_avg_sq", "delta", "base"))
+        if state is None:
             return
-        state["step"].copy_(old["step"])
-        kept, pos = _lookup(old["indices"], indices)
-        for key in ("exp_avg", "exp_avg_sq", "delta"):
-            state[key][kept] = old[key][pos[kept]]
-        if "base" in old:
-            state["base"][kept] = old["base"][pos[kept]]
-        if old_compact is not None:
-            self._compact[param][kept] = old_compact[pos[kept]]
         has_base = "base" in state
         retired_idx = old.get("retired_indices", old["indices"][:0])
         retired_delta = old.get("retired_delta", old["delta"][:0])
@@ -202,18 +193,29 @@ class SparseStateMixin:
                           old_compact: torch.Tensor | None) -> None:
         """set_indices on the lean state: kept entries keep their moments and residual; there is
         no increment to retire, so dropped entries simply leave (the weight keeps its value)."""
+        old_indices = (_ops.decode_lean_indices(old["indices_low"], old["window_offsets"])
+                       if "indices_low" in old else None)
+        self._carry_over(param, indices, old, old_compact, old_indices, ("exp_avg", "exp_avg_sq", "residual"))
+
+    def _carry_over(self, param: torch.Tensor, indices: torch.Tensor, old: dict[str, Any],
+                    old_compact: torch.Tensor | None, old_indices: torch.Tensor | None,
+                    keys: tuple[str, ...]) -> dict[str, Any] | None:
+        """Fresh state for `indices` that keeps, for the entries `old_indices` also held, the step
+        count, the per-entry `keys` and the compact gradient. Returns the new state, or None when
+        `old` had no entries (nothing carried over)."""
         self._init_sparse_state(param, indices)
         state = self.state[param]
         state["selection_calls"] = max(old.get("selection_calls", 0), self.select_steps)
-        if "indices_low" not in old:
-            return
+        if old_indices is None:
+            return None
         state["step"].copy_(old["step"])
-        kept, pos = _lookup(_ops.decode_lean_indices(old["indices_low"], old["window_offsets"]), indices)
-        for key in ("exp_avg", "exp_avg_sq", "residual"):
-            if key in state:
+        kept, pos = _lookup(old_indices, indices)
+        for key in keys:
+            if key in old and key in state:
                 state[key][kept] = old[key][pos[kept]]
         if old_compact is not None:
             self._compact[param][kept] = old_compact[pos[kept]]
+        return state
 
     def indices_of(self, param: torch.Tensor) -> torch.Tensor:
         """The chosen entries of `param`: [k] sorted flat positions (int32, int64 past 2**31 elements).
