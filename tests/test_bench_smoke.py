@@ -232,3 +232,14 @@ def test_backward_quick(tmp_path, monkeypatch):
     for r in saved["rows"]:
         if "method" in r:
             assert float(r["median s/step"]) > 0 and int(r["trainable"]) > 0
+
+
+def test_memory_suite_runs_only_the_named_configurations(monkeypatch):
+    """`SIFT_BENCH_MEMORY_ONLY` picks configurations by label, in the order given; an unknown label is an error."""
+    monkeypatch.setenv("SIFT_BENCH_MEMORY_ONLY", "SparseAdamW lean, hook; AdamW(fused=True)")
+    assert [c[0] for c in memory._chosen_configs()] == ["SparseAdamW lean, hook", "AdamW(fused=True)"]
+    monkeypatch.setenv("SIFT_BENCH_MEMORY_ONLY", "SparseAdamW lean, hook;no such row")
+    with pytest.raises(ValueError, match="no such row"):
+        memory._chosen_configs()
+    monkeypatch.delenv("SIFT_BENCH_MEMORY_ONLY")
+    assert memory._chosen_configs() == memory.CONFIGS

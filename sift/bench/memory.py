@@ -127,6 +127,24 @@ class _Trainer:
         gc.collect()
 
 
+def _chosen_configs() -> tuple[tuple[str, str, str, str], ...]:
+    """`CONFIGS`, or those whose label is one of `SIFT_BENCH_MEMORY_ONLY` (labels joined by ";"):
+    the 7B-shaped CPU run takes minutes per configuration.
+
+    Raises:
+        ValueError: a label that is not in `CONFIGS`.
+    """
+    only = os.environ.get("SIFT_BENCH_MEMORY_ONLY", "").strip()
+    if not only:
+        return CONFIGS
+    wanted = [label.strip() for label in only.split(";") if label.strip()]
+    known = {c[0]: c for c in CONFIGS}
+    unknown = [label for label in wanted if label not in known]
+    if unknown:
+        raise ValueError(f"SIFT_BENCH_MEMORY_ONLY names unknown configurations {unknown}; choose from {list(known)}")
+    return tuple(known[label] for label in wanted)
+
+
 def llama_config(kind: str, quick: bool) -> dict[str, Any]:
     """Model and batch sizes, and the full model the figures are projected to.
 
@@ -395,7 +413,7 @@ def run(quick: bool = False) -> str:
     unit, unit_name = (GIB, "GiB") if on_cuda else (MIB, "MiB")
     rows: list[dict[str, object]] = []
     projected: list[dict[str, object]] = []
-    for label, kind, state, paper in CONFIGS:
+    for label, kind, state, paper in _chosen_configs():
         measured = {}
         for checkpointing in (False, True):
             _set_checkpointing(model, checkpointing)
