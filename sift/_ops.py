@@ -324,13 +324,18 @@ def _triton_step(module: str, fn_name: str) -> Callable:
     return run
 
 
-define("sparse_adamw_", sparse_adamw_ref)
-define_schema("sparse_adamw_", _step_schema(
-    "sparse_adamw_", "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] deltas, Tensor[] bases, Tensor[] steps"),
-    _no_output, _step_on_device("sparse_adamw_"))
-register("sparse_adamw_", "cpp")(_cpp_step("sparse_adamw_", ExactState))
-register("sparse_adamw_", "triton")(_triton_step("sparse_adamw", "sparse_adamw_"))
+def _define_step(name: str, reference: Callable, lists: str, state_type: type) -> None:
+    """One step op: its reference, schema (`lists`, the tensor-list arguments), fake kernel, C++
+    entry and Triton launcher (`triton_kernels/<name without the trailing _>.py`)."""
+    define(name, reference)
+    define_schema(name, _step_schema(name, lists), _no_output, _step_on_device(name))
+    register(name, "cpp")(_cpp_step(name, state_type))
+    register(name, "triton")(_triton_step(name.rstrip("_"), name))
+
+
+_define_step("sparse_adamw_", sparse_adamw_ref,
+             "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices, Tensor(b!)[] exp_avgs, "
+             "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] deltas, Tensor[] bases, Tensor[] steps", ExactState)
 
 
 # ---------------------------------------------------------------------------------------
@@ -751,13 +756,9 @@ def sparse_adamw_lean_ref(state: LeanState, hyper: AdamWHyper, *, table_cache: d
         state.exp_avg_sqs[i].copy_(lean_round_bf16(v, bits >> 16))
 
 
-define("sparse_adamw_lean_", sparse_adamw_lean_ref)
-define_schema("sparse_adamw_lean_", _step_schema(
-    "sparse_adamw_lean_", "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
-    "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps"),
-    _no_output, _step_on_device("sparse_adamw_lean_"))
-register("sparse_adamw_lean_", "cpp")(_cpp_step("sparse_adamw_lean_", LeanState))
-register("sparse_adamw_lean_", "triton")(_triton_step("sparse_adamw_lean", "sparse_adamw_lean_"))
+_define_step("sparse_adamw_lean_", sparse_adamw_lean_ref,
+             "Tensor(a!)[] params, Tensor[] grads, Tensor[] indices_low, Tensor[] window_offsets, "
+             "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] residuals, Tensor[] steps", LeanState)
 
 
 # ---------------------------------------------------------------------------------------
