@@ -461,7 +461,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                 state["step"] = state["step"].to(p.device)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adamw([p for p in params], [p.grad for p in params], [s["exp_avg"] for s in states],
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
               [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
               capturable=capturable, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
