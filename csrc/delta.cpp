@@ -416,13 +416,12 @@ void restore_chunk(W* __restrict w, const I* __restrict idx, const W* __restrict
   }
 }
 
-std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices, at::TensorList values,
-                               const char* values_name, bool values_in_param_dtype) {
+// Lengths, devices, dtypes and layouts of one list of per-entry tensors (values or originals).
+void check_entry_tensors(at::TensorList params, at::TensorList indices, at::TensorList values,
+                         const char* values_name, bool values_in_param_dtype) {
   const auto n = static_cast<int64_t>(params.size());
   TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
   TORCH_CHECK(static_cast<int64_t>(values.size()) == n, values_name, " must have one tensor per param");
-  std::vector<Chunk> work;
-  std::vector<int64_t> limits(n);
   for (int64_t i = 0; i < n; ++i) {
     const auto& p = params[i];
     const auto& ix = indices[i];
@@ -438,12 +437,19 @@ std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices, at
                 " must be contiguous 1-D with one entry per index");
     TORCH_CHECK(v.scalar_type() == (values_in_param_dtype ? p.scalar_type() : at::kFloat), values_name,
                 values_in_param_dtype ? " must have the dtype of their params" : " must be float32");
-    const int64_t k = ix.numel();
-    limits[i] = p.numel();
-    for (int64_t b = 0; b < k; b += APPLY_CHUNK) work.push_back({i, b, std::min(k, b + APPLY_CHUNK)});
   }
-  // Every index of every tensor, before any param is written: a bad tensor late in the list
-  // leaves the earlier params untouched.
+}
+
+// The chunks of work over every tensor's entries, after checking every index of every tensor.
+std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices) {
+  std::vector<Chunk> work;
+  std::vector<int64_t> limits(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t k = indices[i].numel();
+    limits[i] = params[i].numel();
+    for (int64_t b = 0; b < k; b += APPLY_CHUNK) work.push_back({static_cast<int64_t>(i), b, std::min(k, b + APPLY_CHUNK)});
+  }
+  // Before any param is written: a bad tensor late in the list leaves the earlier params untouched.
   const Violation bad = find_violation(indices, limits);
   if (bad.tensor >= 0) {
     const int64_t numel = limits[bad.tensor];
@@ -454,7 +460,7 @@ std::vector<Chunk> plan_chunks(at::TensorList params, at::TensorList indices, at
 }
 
 template <typename W>
-void apply_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at::Tensor& v, at::Tensor* saved,
+void apply_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at::Tensor& v, const at::Tensor* saved,
                           float scale, int64_t begin, int64_t end) {
   W* w = p.data_ptr<W>();
   W* s = saved ? saved->data_ptr<W>() : nullptr;
@@ -472,19 +478,21 @@ void restore_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at:
   else restore_chunk<W, int64_t>(w, ix.data_ptr<int64_t>(), saved.data_ptr<W>(), begin, end, k);
 }
 
-std::vector<at::Tensor> sparse_delta_apply_cpu(at::TensorList params, at::TensorList indices, at::TensorList values,
-                                               double scale, bool save_originals) {
-  const std::vector<Chunk> work = plan_chunks(params, indices, values, "values", false);
-  std::vector<at::Tensor> saved;
-  if (save_originals) {
-    for (size_t i = 0; i < params.size(); ++i) saved.push_back(at::empty({indices[i].numel()}, params[i].options()));
-  }
+// `originals` is empty (nothing saved) or one [k_i] tensor per param in its dtype, written
+// with the overwritten values: an out list, so the op returns nothing and torch.compile can
+// functionalize it.
+void sparse_delta_apply_cpu(at::TensorList params, at::TensorList indices, at::TensorList values, double scale,
+                            at::TensorList originals) {
+  check_entry_tensors(params, indices, values, "values", false);
+  const bool save = !originals.empty();
+  if (save) check_entry_tensors(params, indices, originals, "originals", true);
+  const std::vector<Chunk> work = plan_chunks(params, indices);
   const float s = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Chunk& ch = work[c];
       const auto& p = params[ch.tensor];
-      at::Tensor* out = save_originals ? &saved[ch.tensor] : nullptr;
+      const at::Tensor* out = save ? &originals[ch.tensor] : nullptr;
       switch (p.scalar_type()) {
         case at::kFloat: apply_dispatch_index<float>(p, indices[ch.tensor], values[ch.tensor], out, s, ch.begin, ch.end); break;
         case at::kBFloat16: apply_dispatch_index<c10::BFloat16>(p, indices[ch.tensor], values[ch.tensor], out, s, ch.begin, ch.end); break;
@@ -493,11 +501,11 @@ std::vector<at::Tensor> sparse_delta_apply_cpu(at::TensorList params, at::Tensor
       }
     }
   });
-  return saved;
 }
 
 void sparse_delta_restore_cpu(at::TensorList params, at::TensorList indices, at::TensorList originals) {
-  const std::vector<Chunk> work = plan_chunks(params, indices, originals, "originals", true);
+  check_entry_tensors(params, indices, originals, "originals", true);
+  const std::vector<Chunk> work = plan_chunks(params, indices);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Chunk& ch = work[c];

@@ -353,9 +353,10 @@ _define_step("sparse_adamw_", sparse_adamw_ref,
 #
 # sparse_delta_apply_: for each tensor i with flat view w = params[i].view(-1),
 #   indices[i] [k_i] sorted unique, values[i] [k_i] fp32:
-#     old = w[indices[i]]                                  (returned when save_originals)
+#     originals[i] = w[indices[i]]                         (when originals is not empty)
 #     w[indices[i]] = dtype(fp32(old) + fp32(scale) * values[i])
-#   Returns the list of `old` tensors ([k_i], param dtype), or [] without save_originals.
+#   `originals` is [] or one [k_i] tensor per param in its dtype (`originals_like`), written:
+#   an out list rather than a returned one, so torch.compile can functionalize the op.
 #
 # sparse_delta_restore_: w[indices[i]] = originals[i] (originals in the param dtype): the
 #   bit-exact inverse of an apply that saved them.
@@ -405,19 +406,24 @@ def sparse_delta_apply_ref(
     indices: list[torch.Tensor],
     values: list[torch.Tensor],
     scale: float,
-    save_originals: bool,
-) -> list[torch.Tensor]:
+    originals: list[torch.Tensor],
+) -> None:
     """Plain-torch reference of the scatter-add apply with the fused gather of originals."""
     check_lengths(len(params), indices=indices, values=values)
-    saved = []
-    for p, idx, val in zip(params, indices, values):
+    if originals:
+        check_lengths(len(params), originals=originals)
+    for i, (p, idx, val) in enumerate(zip(params, indices, values)):
         flat = p.view(-1)
         idx = idx.long()
         old = flat[idx]
-        if save_originals:
-            saved.append(old)
+        if originals:
+            originals[i].copy_(old)
         flat[idx] = (old.float() + scale * val.float()).to(p.dtype)
-    return saved
+
+
+def originals_like(params: list[torch.Tensor], indices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The `originals` out list of `sparse_delta_apply_`: an empty [k_i] tensor per param, in its dtype."""
+    return [torch.empty(idx.shape, dtype=p.dtype, device=p.device) for p, idx in zip(params, indices)]
 
 
 def sparse_delta_restore_ref(params: list[torch.Tensor], indices: list[torch.Tensor],
@@ -440,10 +446,6 @@ def _merge_sorted_deltas_fake(indices, values, weights, group_sizes, ties):
     return out_idx, out_val
 
 
-def _sparse_delta_apply_fake(params, indices, values, scale, save_originals):
-    return [p.new_empty(ix.shape) for p, ix in zip(params, indices)] if save_originals else []
-
-
 define("merge_sorted_deltas", merge_sorted_deltas_ref)
 define("sparse_delta_apply_", sparse_delta_apply_ref)
 define("sparse_delta_restore_", sparse_delta_restore_ref)
@@ -451,8 +453,7 @@ define_schema("merge_sorted_deltas", "merge_sorted_deltas(Tensor[] indices, Tens
               "int[] group_sizes, bool ties) -> (Tensor[], Tensor[])",
               _merge_sorted_deltas_fake, functools.partial(call, "merge_sorted_deltas"))
 define_schema("sparse_delta_apply_", "sparse_delta_apply_(Tensor(a!)[] params, Tensor[] indices, Tensor[] values, "
-              "float scale, bool save_originals) -> Tensor[]",
-              _sparse_delta_apply_fake, functools.partial(call, "sparse_delta_apply_"))
+              "float scale, Tensor(b!)[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_apply_"))
 define_schema("sparse_delta_restore_", "sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, "
               "Tensor[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_restore_"))
 
@@ -476,8 +477,8 @@ def _merge_sorted_deltas_cpp(indices, values, weights, group_sizes, ties):
 
 
 @register("sparse_delta_apply_", "cpp")
-def _sparse_delta_apply_cpp(params, indices, values, scale, save_originals):
-    return list(torch.ops.sift.sparse_delta_apply_(params, indices, values, float(scale), bool(save_originals)))
+def _sparse_delta_apply_cpp(params, indices, values, scale, originals):
+    torch.ops.sift.sparse_delta_apply_(params, indices, values, float(scale), originals)
 
 
 @register("sparse_delta_restore_", "cpp")
@@ -486,10 +487,10 @@ def _sparse_delta_restore_cpp(params, indices, originals):
 
 
 @register("sparse_delta_apply_", "triton")
-def _sparse_delta_apply_triton(params, indices, values, scale, save_originals):
+def _sparse_delta_apply_triton(params, indices, values, scale, originals):
     from sift.triton_kernels.delta import sparse_delta_apply_
 
-    return sparse_delta_apply_(params, indices, values, scale, save_originals)
+    sparse_delta_apply_(params, indices, values, scale, originals)
 
 
 @register("sparse_delta_restore_", "triton")

@@ -682,13 +682,11 @@ class SparseDelta:
         # The kernels read flat buffers; a user-built entry may hold strided views.
         indices = [self.entries[n].indices.to(p.device).contiguous() for n, p in zip(names, params)]
         values = [self.entries[n].values.to(p.device).contiguous() for n, p in zip(names, params)]
-        originals: list[torch.Tensor] = [None] * len(names)  # type: ignore[list-item]
+        originals = _ops.originals_like(params, indices)
         with torch.no_grad():
             for device, members in _by_device(params).items():
-                saved = _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
-                                  [values[i] for i in members], float(scale), True, device=device)
-                for i, old in zip(members, saved):
-                    originals[i] = old
+                _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
+                          [values[i] for i in members], float(scale), [originals[i] for i in members], device=device)
         _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals))
 
     def remove_(self, model: nn.Module) -> None:

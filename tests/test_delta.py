@@ -147,8 +147,9 @@ def test_apply_and_restore_cpp_match_reference(dtype, index_dtype, scale):
     params, indices, values = _apply_case(dtype, index_dtype, seed=3)
     originals = [p.clone() for p in params]
     ref_params = [p.clone() for p in params]
-    saved = _ops.call("sparse_delta_apply_", params, indices, values, scale, True, backend="cpp")
-    ref_saved = _ops.sparse_delta_apply_ref(ref_params, indices, values, scale, True)
+    saved, ref_saved = _ops.originals_like(params, indices), _ops.originals_like(params, indices)
+    _ops.call("sparse_delta_apply_", params, indices, values, scale, saved, backend="cpp")
+    _ops.sparse_delta_apply_ref(ref_params, indices, values, scale, ref_saved)
     for p, r, s, rs in zip(params, ref_params, saved, ref_saved):
         assert torch.equal(p, r)
         assert s.dtype == dtype and torch.equal(s, rs)
@@ -159,13 +160,18 @@ def test_apply_and_restore_cpp_match_reference(dtype, index_dtype, scale):
 
 
 @requires_cpp
-def test_apply_cpp_without_saving_returns_nothing_and_checks_range():
+def test_apply_cpp_without_saving_and_its_checks():
     w = torch.zeros(10)
-    assert _ops.call("sparse_delta_apply_", [w], [torch.tensor([2, 9])], [torch.ones(2)], 2.0, False,
-                     backend="cpp") == []
+    _ops.call("sparse_delta_apply_", [w], [torch.tensor([2, 9])], [torch.ones(2)], 2.0, [], backend="cpp")
     assert w.tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 2]
     with pytest.raises(RuntimeError, match=r"indices must lie in \[0, param.numel\(\)\)"):
-        torch.ops.sift.sparse_delta_apply_([w], [torch.tensor([2, 10])], [torch.ones(2)], 1.0, False)
+        torch.ops.sift.sparse_delta_apply_([w], [torch.tensor([2, 10])], [torch.ones(2)], 1.0, [])
+    with pytest.raises(RuntimeError, match="originals must have the dtype of their params"):
+        torch.ops.sift.sparse_delta_apply_([w], [torch.tensor([2, 9])], [torch.ones(2)], 1.0,
+                                           [torch.empty(2, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="originals must have one tensor per param"):
+        torch.ops.sift.sparse_delta_apply_([w, w], [torch.tensor([2, 9])] * 2, [torch.ones(2)] * 2, 1.0,
+                                           [torch.empty(2)])
     assert w.tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 2]
 
 
@@ -208,7 +214,8 @@ def test_raw_apply_and_restore_check_every_index_before_writing(bad, numel, posi
     match = (rf"indices must lie in \[0, param.numel\(\)\) and be strictly increasing: "
              rf"indices\[{bad_tensor}\] has {value} at position {position}\b")
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.sift.sparse_delta_apply_(params, indices, [torch.ones(i.numel()) for i in indices], 1.0, True)
+        torch.ops.sift.sparse_delta_apply_(params, indices, [torch.ones(i.numel()) for i in indices], 1.0,
+                                           _ops.originals_like(params, indices))
     with pytest.raises(RuntimeError, match=match):
         torch.ops.sift.sparse_delta_restore_(params, indices, [torch.zeros(i.numel(), dtype=p.dtype)
                                                                for p, i in zip(params, indices)])
@@ -246,8 +253,9 @@ def test_apply_and_restore_triton_match_reference(dtype):
     values = [torch.randn(len(i), generator=gen) for i in indices]
     originals = [p.clone() for p in params]
     ref_params = [p.clone() for p in params]
-    saved = _ops.call("sparse_delta_apply_", params, indices, values, -0.5, True, backend="triton")
-    ref_saved = _ops.sparse_delta_apply_ref(ref_params, indices, values, -0.5, True)
+    saved, ref_saved = _ops.originals_like(params, indices), _ops.originals_like(params, indices)
+    _ops.call("sparse_delta_apply_", params, indices, values, -0.5, saved, backend="triton")
+    _ops.sparse_delta_apply_ref(ref_params, indices, values, -0.5, ref_saved)
     for p, r, s, rs in zip(params, ref_params, saved, ref_saved):
         assert torch.equal(p, r) and torch.equal(s, rs)
     _ops.call("sparse_delta_restore_", params, indices, saved, backend="triton")
@@ -823,7 +831,7 @@ def test_apply_and_restore_refuse_lists_of_different_lengths(backend):
     indices = [torch.tensor([1], dtype=torch.int32)]
     values = [torch.ones(1), torch.ones(1)]
     with pytest.raises((ValueError, RuntimeError), match="indices must have one tensor per param"):
-        _ops.call("sparse_delta_apply_", params, indices, values, 1.0, True, backend=backend)
+        _ops.call("sparse_delta_apply_", params, indices, values, 1.0, [torch.zeros(1)] * 2, backend=backend)
     with pytest.raises((ValueError, RuntimeError), match="originals must have one tensor per param"):
         _ops.call("sparse_delta_restore_", params, indices + [indices[0]], [torch.zeros(1)], backend=backend)
     assert all(not p.any() for p in params)

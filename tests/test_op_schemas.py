@@ -95,24 +95,19 @@ def _delta_case():
     return params, indices, [torch.randn(3, generator=gen), torch.randn(2, generator=gen)]
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
-                   reason="torch cannot functionalize a mutating op that returns Tensor[] (auto_functionalize: "
-                          "'Not yet supported: List[Tensor] return')")
-def test_delta_apply_compiles():
+def test_delta_apply_and_restore_compile():
     params, indices, values = _delta_case()
-    _compiled(lambda ps: torch.ops.sift.sparse_delta_apply_(ps, indices, values, 0.5, True))(params)
-
-
-def test_delta_restore_and_merge_compile():
-    params, indices, values = _delta_case()
-    eager = copy.deepcopy(params)
-    saved = torch.ops.sift.sparse_delta_apply_(params, indices, values, 0.5, True)
-    want_saved = _ops.sparse_delta_apply_ref(eager, indices, values, 0.5, True)
+    eager, before = copy.deepcopy(params), copy.deepcopy(params)
+    saved, want_saved = _ops.originals_like(params, indices), _ops.originals_like(params, indices)
+    _compiled(lambda ps, olds: torch.ops.sift.sparse_delta_apply_(ps, indices, values, 0.5, olds))(params, saved)
+    _ops.sparse_delta_apply_ref(eager, indices, values, 0.5, want_saved)
     _assert_lists_equal([params, saved], [eager, want_saved])
+    assert not torch.equal(params[0], before[0]), "the apply wrote nothing"
     _compiled(lambda ps, olds: torch.ops.sift.sparse_delta_restore_(ps, indices, olds))(params, saved)
-    _ops.sparse_delta_restore_ref(eager, indices, want_saved)
-    _assert_lists_equal([params], [eager])
+    _assert_lists_equal([params], [before])
 
+
+def test_delta_merge_compiles():
     a, b = torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([2, 5, 10], dtype=torch.int32)
     va, vb = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])
     merged = _compiled(lambda x, y: torch.ops.sift.merge_sorted_deltas([x, y], [va, vb], [1.0, 0.5], [2], True))(a, b)

@@ -63,7 +63,7 @@ def _check(p: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, what: str, dt
 
 
 def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor], values: list[torch.Tensor],
-                        scale: float, save_originals: bool) -> list[torch.Tensor]:
+                        scale: float, originals: list[torch.Tensor]) -> None:
     """Adds `scale * values[i]` at `indices[i]` of each param in place; see the module docstring.
 
     Args:
@@ -71,30 +71,29 @@ def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor],
         indices: [k_i] sorted unique flat positions per weight.
         values: [k_i] fp32 per weight.
         scale: multiplier of the values.
-        save_originals: also return the overwritten values.
-
-    Returns:
-        The overwritten values ([k_i], param dtype) per weight, or [] without `save_originals`.
+        originals: [] or [k_i] per weight in its dtype, written with the overwritten values.
 
     Example:
         >>> w = torch.zeros(10, device="cuda")
+        >>> old = [torch.empty(2, device="cuda")]
         >>> sparse_delta_apply_([w], [torch.tensor([2, 7], device="cuda")],
-        ...                     [torch.ones(2, device="cuda")], 0.5, False)
-        []
+        ...                     [torch.ones(2, device="cuda")], 0.5, old)
     """
     check_lengths(len(params), indices=indices, values=values)
-    saved = []
-    for p, idx, val in zip(params, indices, values):
+    save = bool(originals)
+    if save:
+        check_lengths(len(params), originals=originals)
+    # Every operand before the first write: a bad tensor late in the list changes nothing.
+    for i, (p, idx, val) in enumerate(zip(params, indices, values)):
         _check(p, idx, val, "values", torch.float32)
+        if save:
+            _check(p, idx, originals[i], "originals", p.dtype)
+    for i, (p, idx, val) in enumerate(zip(params, indices, values)):
         k = idx.numel()
-        old = torch.empty(k if save_originals else 1, dtype=p.dtype, device=p.device)
         if k:
-            grid = (triton.cdiv(k, BLOCK),)
-            _sparse_delta_apply_kernel[grid](p, idx, val, old, float(scale), k, SAVE=save_originals,
-                                             IS_BF16=p.dtype == torch.bfloat16, BLOCK=BLOCK)
-        if save_originals:
-            saved.append(old)
-    return saved
+            _sparse_delta_apply_kernel[(triton.cdiv(k, BLOCK),)](
+                p, idx, val, originals[i] if save else val, float(scale), k, SAVE=save,
+                IS_BF16=p.dtype == torch.bfloat16, BLOCK=BLOCK)
 
 
 def sparse_delta_restore_(params: list[torch.Tensor], indices: list[torch.Tensor],
@@ -109,7 +108,8 @@ def sparse_delta_restore_(params: list[torch.Tensor], indices: list[torch.Tensor
     Example:
         >>> w = torch.zeros(10, device="cuda")
         >>> idx = torch.tensor([2, 7], device="cuda")
-        >>> old = sparse_delta_apply_([w], [idx], [torch.ones(2, device="cuda")], 1.0, True)
+        >>> old = [torch.empty(2, device="cuda")]
+        >>> sparse_delta_apply_([w], [idx], [torch.ones(2, device="cuda")], 1.0, old)
         >>> sparse_delta_restore_([w], [idx], old)
     """
     check_lengths(len(params), indices=indices, originals=originals)

@@ -216,8 +216,8 @@ def apply_routes(idx: torch.Tensor, val: torch.Tensor, weight: torch.Tensor) -> 
 
     return {
         "index_add_": lambda: weight.index_add_(0, idx, val),
-        "cpp": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, False),
-        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, True),
+        "cpp": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, []),
+        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, [torch.empty_like(val)]),
         "api": api_round_trip,
     }
 
@@ -231,7 +231,7 @@ def bench_apply(n: int, space: int, repeat: int, gen: torch.Generator) -> tuple[
     # Check once, on a copy of a slice, that the op computes what index_add_ does.
     probe_idx = idx[idx < scratch.numel()]
     probe = scratch.clone()
-    _ops.call("sparse_delta_apply_", [probe], [probe_idx], [val[: probe_idx.numel()]], 1.0, False, backend="cpp")
+    _ops.call("sparse_delta_apply_", [probe], [probe_idx], [val[: probe_idx.numel()]], 1.0, [], backend="cpp")
     if not torch.equal(probe, scratch.index_add(0, probe_idx, val[: probe_idx.numel()])):
         raise RuntimeError("C++ apply and index_add_ disagree")
     t = time_interleaved(apply_routes(idx, val, weight), warmup=2, repeat=repeat)
