@@ -128,7 +128,7 @@ def test_named_operands_give_the_flat_calls_result(layout):
                              else (_lean_lists, _ops.sparse_adamw_lean_ref, LeanState))
     flat, named = make(torch.bfloat16, seed=5), make(torch.bfloat16, seed=5)
     ref(*flat, **HYPER, compact_grads=False)
-    ref.structured(state_type(*named), AdamWHyper(**HYPER))
+    ref.structured(state_type.from_lists(*named), AdamWHyper(**HYPER))
     _assert_lists_equal(named, flat)
 
 

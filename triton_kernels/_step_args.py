@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -64,71 +65,84 @@ def _log2(beta: float) -> float:
     return math.log2(beta) if beta > 0 else float("-inf")
 
 
-class _TensorLists:
-    def lists(self) -> tuple[list[torch.Tensor], ...]:
-        """The eight tensor lists in field order (the C++ op's positional order)."""
-        return tuple(getattr(self, f.name) for f in fields(self)[:-1])
-
-
 @dataclass
-class ExactState(_TensorLists):
-    """Operands of the exact step (`SparseAdamW(state="exact")`), one entry per tensor i.
+class StepOperands:
+    """What both state layouts of the step hold, one entry per tensor i.
 
     Attributes:
         params: weights, any shape, contiguous, one dtype (fp32, bf16 or fp16); written only
             at their chosen entries.
         grads: dense grads (params[i]'s shape and dtype) or, with `compact_grads`, `[k_i]` fp32.
+        steps: one-element fp32 tensors, already incremented for this step (keyword-only).
+        compact_grads: whether `grads` are already gathered at the chosen entries (keyword-only).
+    """
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    steps: list[torch.Tensor] = field(kw_only=True)
+    compact_grads: bool = field(default=False, kw_only=True)
+    #: The tensor lists in the ops' positional order (schema, C++ entry, flat call).
+    LISTS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_lists(cls, *lists: list[torch.Tensor], compact_grads: bool = False) -> StepOperands:
+        """From the tensor lists in `LISTS` order."""
+        if len(lists) != len(cls.LISTS):
+            raise TypeError(f"{cls.__name__} takes {len(cls.LISTS)} tensor lists {cls.LISTS}, got {len(lists)}")
+        return cls(**dict(zip(cls.LISTS, lists)), compact_grads=compact_grads)
+
+    def lists(self) -> tuple[list[torch.Tensor], ...]:
+        """The tensor lists in `LISTS` order."""
+        return tuple(getattr(self, name) for name in self.LISTS)
+
+
+@dataclass
+class ExactState(StepOperands):
+    """Operands of the exact step (`SparseAdamW(state="exact")`): `StepOperands` and
+
+    Attributes:
         indices: `[k_i]` int32/int64, the chosen flat positions, sorted ascending.
         exp_avgs, exp_avg_sqs, deltas: `[k_i]` fp32, updated in place (deltas: the total
             increment since the entries were chosen).
         bases: empty, or `[k_i]` in the param dtype (the weights at selection time; required
             for bf16/fp16 params, optional for fp32 ones).
-        steps: one-element fp32 tensors, already incremented for this step.
-        compact_grads: whether `grads` are already gathered at `indices`.
     """
 
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
     indices: list[torch.Tensor]
     exp_avgs: list[torch.Tensor]
     exp_avg_sqs: list[torch.Tensor]
     deltas: list[torch.Tensor]
     bases: list[torch.Tensor]
-    steps: list[torch.Tensor]
-    compact_grads: bool = False
+    LISTS: ClassVar[tuple[str, ...]] = ("params", "grads", "indices", "exp_avgs", "exp_avg_sqs", "deltas", "bases",
+                                        "steps")
 
 
 @dataclass
-class LeanState(_TensorLists):
-    """Operands of the lean step (`SparseAdamW(state="lean")`, at most 8 bytes per entry).
+class LeanState(StepOperands):
+    """Operands of the lean step (`SparseAdamW(state="lean")`, at most 8 bytes per entry):
+    `StepOperands` and
 
     Attributes:
-        params: weights, any shape, contiguous, one dtype (fp32, bf16 or fp16).
-        grads: dense grads (params[i]'s shape and dtype) or, with `compact_grads`, `[k_i]` fp32.
         indices_low: `[k_i]` int16, the low 16 bits of the sorted flat positions.
         window_offsets: `[ceil(numel_i / 65536) + 1]` int32, CSR over 65536-element windows.
         exp_avgs, exp_avg_sqs: `[k_i]` bf16, stored by stochastic rounding.
         residuals: `[k_i]` int8 per bf16/fp16 param (empty for fp32 params): the exact weight is
             fp32(w) + residual * unit(w).
-        steps: one-element fp32 tensors, already incremented for this step.
-        compact_grads: whether `grads` are already gathered at the chosen entries.
     """
 
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
     indices_low: list[torch.Tensor]
     window_offsets: list[torch.Tensor]
     exp_avgs: list[torch.Tensor]
     exp_avg_sqs: list[torch.Tensor]
     residuals: list[torch.Tensor]
-    steps: list[torch.Tensor]
-    compact_grads: bool = False
+    LISTS: ClassVar[tuple[str, ...]] = ("params", "grads", "indices_low", "window_offsets", "exp_avgs", "exp_avg_sqs",
+                                        "residuals", "steps")
 
 
 def takes_step_lists(layout: type) -> Callable[[Callable], Callable]:
     """Let `fn(state, hyper, **options)` also be called with today's flat arguments.
 
-    The flat form is the eight tensor lists of `layout` in field order, then the keywords
+    The flat form is the eight tensor lists of `layout` in `layout.LISTS` order, then the keywords
     `lr, beta1, beta2, eps, weight_decay, maximize, compact_grads` and `fn`'s own options
     (`table_cache`, launch settings). The structured form stays reachable as `.structured`.
     """
@@ -136,7 +150,7 @@ def takes_step_lists(layout: type) -> Callable[[Callable], Callable]:
     def deco(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def flat(*lists, lr, beta1, beta2, eps, weight_decay, maximize, compact_grads, **options):
-            state = layout(*lists, compact_grads=compact_grads)
+            state = layout.from_lists(*lists, compact_grads=compact_grads)
             return fn(state, AdamWHyper(lr, beta1, beta2, eps, weight_decay, maximize), **options)
 
         flat.structured = fn
@@ -151,7 +165,7 @@ def check_state_lengths(state: ExactState | LeanState) -> dict[str, list[torch.T
     Returns:
         The lists after `params`, by field name.
     """
-    lists = {f.name: getattr(state, f.name) for f in fields(state)[1:-1]}
+    lists = {name: getattr(state, name) for name in state.LISTS[1:]}
     # zip() over the lists would silently skip the params past a shorter one.
     check_lengths(len(state.params), **{name: lst for name, lst in lists.items()
                                         if lst or name not in ("bases", "residuals")})
