@@ -14,7 +14,9 @@ automatically chosen one that fails to load falls back with one log line.
 
 Each op is also `torch.ops.sift.<name>`, defined here once (`define_schema`): its schema and
 fake kernel (so calls trace under torch.compile), its CPU kernel registered by the C++
-extension, its CUDA kernel the registry's entry. The step ops take their operands as one
+extension, its CUDA kernel the registry's entry. Where Triton serves an op, a torch.compile
+graph holds the op's Triton launches rather than an opaque call (`traced`), except for the
+steps, whose kernels reach the tensors through a table of addresses a trace cannot follow. The step ops take their operands as one
 structure (`ExactState` / `LeanState`, `AdamWHyper` in `sift.triton_kernels._step_args`) and
 validate them with one function (`check_step`), whichever backend runs.
 """
@@ -195,7 +197,8 @@ def ops() -> dict[str, Op]:
 _LIB = torch.library.Library("sift", "FRAGMENT")
 
 
-def define_schema(name: str, schema: str, fake: Callable, cuda: Callable) -> None:
+def define_schema(name: str, schema: str, fake: Callable, cuda: Callable, *, traced: Callable | None = None,
+                  registry: str | None = None) -> None:
     """Define `torch.ops.sift.<name>` with `schema`, its fake kernel and its CUDA kernel.
 
     Args:
@@ -203,10 +206,43 @@ def define_schema(name: str, schema: str, fake: Callable, cuda: Callable) -> Non
         schema: the full schema, e.g. `"singular_values(Tensor x, str isa=\"auto\") -> Tensor"`.
         fake: the shape-only kernel (FakeTensor mode).
         cuda: the kernel for CUDA tensors, taking the schema's arguments.
+        traced: what torch.compile records where the registry runs Triton: the schema's
+            arguments to the op's result, its kernels launched through
+            `triton_kernels._launch.launchable`; NotImplemented keeps the op whole. None: the
+            op is one opaque node on every device.
+        registry: the op's name in the backend registry (default: `name`).
     """
     _LIB.define(schema)
     torch.library.register_fake(f"sift::{name}", fake, lib=_LIB)
     _LIB.impl(name, cuda, "CUDA")
+    if traced is not None:
+        _record_on_triton(name, registry or name, traced)
+
+
+def _record_on_triton(name: str, registry: str, traced: Callable) -> None:
+    """Let torch.compile see the Triton kernels of `torch.ops.sift.<name>`.
+
+    When torch.compile functionalizes a graph, a call whose tensors the registry gives to Triton
+    (CUDA; CPU tensors under TRITON_INTERPRET=1 with SIFT_BACKEND=triton) becomes `traced(...)`
+    with its launches recorded: the graph holds the kernels themselves, which Inductor compiles
+    and schedules, instead of one opaque call. Elsewhere (C++ on CPU) the op stays one node.
+    """
+    from sift.triton_kernels import _launch
+
+    if not hasattr(torch.library, "register_torch_dispatch"):  # torch < 2.5: the op stays opaque
+        return
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def decompose(mode, op, types, args, kwargs):
+        device = _first_device(args)
+        if device is not None and _launch.can_record() and resolve(registry, device)[0] == "triton":
+            with mode, _launch.recording():
+                out = traced(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+
+    torch.library.register_torch_dispatch(f"sift::{name}", FunctionalTensorMode, decompose, lib=_LIB)
 
 
 def _step_schema(name: str, lists: str) -> str:
@@ -449,15 +485,6 @@ def _merge_sorted_deltas_fake(indices, values, weights, group_sizes, ties):
 define("merge_sorted_deltas", merge_sorted_deltas_ref)
 define("sparse_delta_apply_", sparse_delta_apply_ref)
 define("sparse_delta_restore_", sparse_delta_restore_ref)
-define_schema("merge_sorted_deltas", "merge_sorted_deltas(Tensor[] indices, Tensor[] values, float[] weights, "
-              "int[] group_sizes, bool ties) -> (Tensor[], Tensor[])",
-              _merge_sorted_deltas_fake, functools.partial(call, "merge_sorted_deltas"))
-define_schema("sparse_delta_apply_", "sparse_delta_apply_(Tensor(a!)[] params, Tensor[] indices, Tensor[] values, "
-              "float scale, Tensor(b!)[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_apply_"))
-define_schema("sparse_delta_restore_", "sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, "
-              "Tensor[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_restore_"))
-
-
 @register("merge_sorted_deltas", "cpp")
 def _merge_sorted_deltas_cpp(indices, values, weights, group_sizes, ties):
     # The C++ merge wants one index dtype per group and contiguous fp32 values; widen here so
@@ -500,6 +527,17 @@ def _sparse_delta_restore_triton(params, indices, originals):
     sparse_delta_restore_(params, indices, originals)
 
 
+define_schema("merge_sorted_deltas", "merge_sorted_deltas(Tensor[] indices, Tensor[] values, float[] weights, "
+              "int[] group_sizes, bool ties) -> (Tensor[], Tensor[])",
+              _merge_sorted_deltas_fake, functools.partial(call, "merge_sorted_deltas"))
+define_schema("sparse_delta_apply_", "sparse_delta_apply_(Tensor(a!)[] params, Tensor[] indices, Tensor[] values, "
+              "float scale, Tensor(b!)[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_apply_"),
+              traced=_sparse_delta_apply_triton)
+define_schema("sparse_delta_restore_", "sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, "
+              "Tensor[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_restore_"),
+              traced=_sparse_delta_restore_triton)
+
+
 
 # ---------------------------------------------------------------------------------------
 # Head-importance ops are declared below this line.
@@ -531,8 +569,6 @@ def _singular_values_fake(x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
 
 
 define("singular_values", singular_values_ref)
-define_schema("singular_values", 'singular_values(Tensor x, str isa="auto") -> Tensor', _singular_values_fake,
-              lambda x, isa="auto": call("singular_values", x))
 
 _eigvalsh_pool = None
 
@@ -593,6 +629,17 @@ def _singular_values_triton(x: torch.Tensor) -> torch.Tensor:
         # Beyond the kernel's register budget; head outputs have min(S, D') <= 128 in practice.
         return singular_values_gram_eigvalsh(x)
     return singular_values(x)
+
+
+def _singular_values_traced(x: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    from sift.triton_kernels.singular_values import MAX_K, singular_values
+
+    # The larger sizes' eigvalsh spreads over a thread pool, which a trace cannot follow.
+    return NotImplemented if min(x.shape[-2:]) > MAX_K else singular_values(x)
+
+
+define_schema("singular_values", 'singular_values(Tensor x, str isa="auto") -> Tensor', _singular_values_fake,
+              lambda x, isa="auto": call("singular_values", x), traced=_singular_values_traced)
 
 
 # ---------------------------------------------------------------------------------------
@@ -858,10 +905,6 @@ def sparse_weight_grad_ref(
 
 
 define("sparse_weight_grad", sparse_weight_grad_ref)
-# The raw kernel op: 2-D operands, `out` given (sparse_weight_grad above is the checked entry).
-define_schema("sparse_weight_grad_", 'sparse_weight_grad_(Tensor grad_output, Tensor input, Tensor indices, '
-              'Tensor(a!) out, str isa="auto", int token_block=0) -> ()', _no_output,
-              lambda dy, x, indices, out, isa="auto", token_block=0: call("sparse_weight_grad", dy, x, indices, out))
 
 
 @register("sparse_weight_grad", "cpp")
@@ -882,6 +925,18 @@ def _sparse_weight_grad_triton(grad_output, input, indices, out=None, check_valu
 
     dy, x = check_sparse_weight_grad_args(grad_output, input, indices, out, check_values)
     return launch(dy, x, indices, out)
+
+
+def _sparse_weight_grad_traced(dy, x, indices, out, isa="auto", token_block=0) -> None:
+    # Index values are not read in a trace (a host sync in the graph); the eager op checks them.
+    _sparse_weight_grad_triton(dy, x, indices, out, check_values=False)
+
+
+# The raw kernel op: 2-D operands, `out` given (sparse_weight_grad below is the checked entry).
+define_schema("sparse_weight_grad_", 'sparse_weight_grad_(Tensor grad_output, Tensor input, Tensor indices, '
+              'Tensor(a!) out, str isa="auto", int token_block=0) -> ()', _no_output,
+              lambda dy, x, indices, out, isa="auto", token_block=0: call("sparse_weight_grad", dy, x, indices, out),
+              traced=_sparse_weight_grad_traced, registry="sparse_weight_grad")
 
 
 def sparse_weight_grad(

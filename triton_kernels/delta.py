@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_lengths
+from ._launch import launchable
 from ._rounding import round_to_bf16
 
 BLOCK = 1024
@@ -91,7 +92,7 @@ def sparse_delta_apply_(params: list[torch.Tensor], indices: list[torch.Tensor],
     for i, (p, idx, val) in enumerate(zip(params, indices, values)):
         k = idx.numel()
         if k:
-            _sparse_delta_apply_kernel[(triton.cdiv(k, BLOCK),)](
+            launchable(_sparse_delta_apply_kernel)[(triton.cdiv(k, BLOCK),)](
                 p, idx, val, originals[i] if save else val, float(scale), k, SAVE=save,
                 IS_BF16=p.dtype == torch.bfloat16, BLOCK=BLOCK)
 
@@ -117,4 +118,4 @@ def sparse_delta_restore_(params: list[torch.Tensor], indices: list[torch.Tensor
         _check(p, idx, old, "originals", p.dtype)
         k = idx.numel()
         if k:
-            _sparse_delta_restore_kernel[(triton.cdiv(k, BLOCK),)](p, idx, old, k, BLOCK=BLOCK)
+            launchable(_sparse_delta_restore_kernel)[(triton.cdiv(k, BLOCK),)](p, idx, old, k, BLOCK=BLOCK)

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import is_recording, launchable
+
 MAX_K = 128
 """Largest min(S, D) the kernel takes: an [N, N] fp64 matrix must fit the register file."""
 
@@ -187,7 +189,7 @@ def singular_values(x: torch.Tensor, *, gram_by_dot: bool | None = None) -> torc
     work = torch.empty(n_mat, 2, n_pad, dtype=torch.float64, device=x.device)
 
     def launch(by_dot: bool) -> None:
-        _gram_tridiag_singular_values_kernel[(n_mat,)](
+        launchable(_gram_tridiag_singular_values_kernel)[(n_mat,)](
             x3, sigma, work, n_reduce, k, x3.stride(0), stride_reduce, stride_keep, sigma.stride(0),
             N=n_pad, BLOCK_R=block_r, GRAM_BY_DOT=by_dot, BISECT_STEPS=BISECT_STEPS,
             num_warps=4 if n_pad <= 32 else (8 if n_pad <= 64 else 16),
@@ -196,8 +198,9 @@ def singular_values(x: torch.Tensor, *, gram_by_dot: bool | None = None) -> torc
     global _gram_by_dot
     if gram_by_dot is not None:
         launch(gram_by_dot)
-    elif not _gram_by_dot:
-        launch(False)
+    elif not _gram_by_dot or is_recording():
+        # A recorded launch compiles later, out of this try: it takes what eager calls found.
+        launch(_gram_by_dot)
     else:
         try:
             launch(True)

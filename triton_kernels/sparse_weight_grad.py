@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launchable
+
 
 @triton.jit
 def _sparse_weight_grad_kernel(
@@ -104,7 +106,7 @@ def sparse_weight_grad(
     indices = indices.contiguous()
     T, C = input.shape
     grid = (triton.cdiv(k, block_k),)
-    _sparse_weight_grad_kernel[grid](
+    launchable(_sparse_weight_grad_kernel)[grid](
         grad_output, input, indices, out, T, C, k,
         grad_output.stride(0), grad_output.stride(1), input.stride(0), input.stride(1),
         BLOCK_K=block_k, BLOCK_T=block_t,
