@@ -15,8 +15,7 @@ automatically chosen one that fails to load falls back with one log line.
 Each op is also `torch.ops.sift.<name>`, defined here once (`define_schema`): its schema and
 fake kernel (so calls trace under torch.compile), its CPU kernel registered by the C++
 extension, its CUDA kernel the registry's entry. Where Triton serves an op, a torch.compile
-graph holds the op's Triton launches rather than an opaque call (`traced`), except for the
-steps, whose kernels reach the tensors through a table of addresses a trace cannot follow. The step ops take their operands as one
+graph holds the op's Triton launches rather than an opaque call (`traced`). The step ops take their operands as one
 structure (`ExactState` / `LeanState`, `AdamWHyper` in `sift.triton_kernels._step_args`) and
 validate them with one function (`check_step`), whichever backend runs.
 """
@@ -253,9 +252,10 @@ def _step_schema(name: str, lists: str) -> str:
 def _step_on_device(name: str) -> Callable:
     """The CUDA kernel of a step op: its schema's flat arguments to the registry's entry."""
 
-    def run(*args) -> None:
-        *lists, lr, beta1, beta2, eps, weight_decay, maximize, compact_grads, _isa = args
-        call(name, *lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+    def run(*args, **_isa) -> None:
+        # Eight tensor lists, seven scalars, then `isa` (absent when a trace leaves out the default).
+        lr, beta1, beta2, eps, weight_decay, maximize, compact_grads = args[8:15]
+        call(name, *args[:8], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
              compact_grads=compact_grads)
 
     return run
@@ -364,7 +364,7 @@ def _define_step(name: str, reference: Callable, lists: str, state_type: type) -
     """One step op: its reference, schema (`lists`, the tensor-list arguments), fake kernel, C++
     entry and Triton launcher (`triton_kernels/<name without the trailing _>.py`)."""
     define(name, reference)
-    define_schema(name, _step_schema(name, lists), _no_output, _step_on_device(name))
+    define_schema(name, _step_schema(name, lists), _no_output, _step_on_device(name), traced=_step_on_device(name))
     register(name, "cpp")(_cpp_step(name, state_type))
     register(name, "triton")(_triton_step(name.rstrip("_"), name))
 

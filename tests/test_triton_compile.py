@@ -36,13 +36,37 @@ def build(name, fn, signature, constexprs, num_warps):
 adamw_sig = {"table_ptr": "*i64", "blocks_ptr": "*i64", "lr_ptr": "*fp32", "lr": "fp32", "beta1": "fp32",
              "beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "log2_beta1": "fp32",
              "log2_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+# The step kernels' DIRECT launches (one tensor, operands as arguments: what torch.compile records).
+adamw_direct = ("w_arg", "g_arg", "i_arg", "m_arg", "v_arg", "d_arg", "b_arg", "step_arg", "k")
+lean_direct = ("w_arg", "g_arg", "low_arg", "off_arg", "m_arg", "v_arg", "r_arg", "step_arg", "windows",
+               "search_steps_arg", "k")
+
+
+def tables_only(names):
+    return {"DIRECT": False, **{n: None for n in names}}
+
+
+def direct_only(signature, names, **args):
+    # No tables; a float lr leaves lr_ptr None.
+    sig = {k: v for k, v in signature.items() if k not in ("table_ptr", "blocks_ptr", "lr_ptr")}
+    sig.update(args)
+    return sig, {"table_ptr": None, "blocks_ptr": None, "lr_ptr": None, "DIRECT": True,
+                 **{n: None for n in names if n not in args}}
+
+
 for name, w, g, base, compact, lr_dev in [("adamw fp32", tl.float32, tl.float32, False, False, False),
                                           ("adamw fp32 base compact", tl.float32, tl.float32, True, True, False),
                                           ("adamw bf16 lr-tensor", tl.bfloat16, tl.bfloat16, True, False, True)]:
     build(name, sparse_adamw._sparse_adamw_kernel, adamw_sig,
           {"W_DTYPE": w, "G_DTYPE": tl.float32 if compact else g, "I_DTYPE": tl.int32, "COMPACT_GRAD": compact,
            "HAS_BASE": base, "LR_ON_DEVICE": lr_dev, "MAXIMIZE": False, "ALIGNED": True, "EVICT_FIRST": False,
-           "BLOCK": sparse_adamw._BLOCK}, sparse_adamw._NUM_WARPS)
+           "BLOCK": sparse_adamw._BLOCK, **tables_only(adamw_direct)}, sparse_adamw._NUM_WARPS)
+sig, fixed = direct_only(adamw_sig, adamw_direct, w_arg="*fp32", g_arg="*fp32", i_arg="*i32", m_arg="*fp32",
+                         v_arg="*fp32", d_arg="*fp32", step_arg="*fp32", k="i32")
+build("adamw fp32 direct", sparse_adamw._sparse_adamw_kernel, sig,
+      {"W_DTYPE": tl.float32, "G_DTYPE": tl.float32, "I_DTYPE": tl.int32, "COMPACT_GRAD": False, "HAS_BASE": False,
+       "LR_ON_DEVICE": False, "MAXIMIZE": False, "ALIGNED": False, "EVICT_FIRST": False,
+       "BLOCK": sparse_adamw._BLOCK, **fixed}, sparse_adamw._NUM_WARPS)
 sv_sig = {"x_ptr": "*fp32", "sigma_ptr": "*fp32", "work_ptr": "*fp64", "n_reduce": "i32", "n_keep": "i32",
           "stride_x_batch": "i64", "stride_x_reduce": "i64", "stride_x_keep": "i64", "stride_sigma_batch": "i64"}
 for n, dot in [(16, True), (64, True), (64, False)]:
@@ -52,7 +76,14 @@ for n, dot in [(16, True), (64, True), (64, False)]:
 for name, w, compact in [("lean fp32", tl.float32, False), ("lean bf16 compact", tl.bfloat16, True)]:
     build(name, sparse_adamw_lean._sparse_adamw_lean_kernel, adamw_sig,
           {"W_DTYPE": w, "G_DTYPE": tl.float32 if compact else w, "COMPACT_GRAD": compact, "LR_ON_DEVICE": False,
-           "MAXIMIZE": False, "BLOCK": sparse_adamw_lean._BLOCK}, sparse_adamw_lean._NUM_WARPS)
+           "MAXIMIZE": False, "BLOCK": sparse_adamw_lean._BLOCK, **tables_only(lean_direct)},
+          sparse_adamw_lean._NUM_WARPS)
+sig, fixed = direct_only(adamw_sig, lean_direct, w_arg="*bf16", g_arg="*fp32", low_arg="*i16", off_arg="*i32",
+                         m_arg="*bf16", v_arg="*bf16", r_arg="*i8", step_arg="*fp32", windows="i32",
+                         search_steps_arg="i32", k="i32")
+build("lean bf16 compact direct", sparse_adamw_lean._sparse_adamw_lean_kernel, sig,
+      {"W_DTYPE": tl.bfloat16, "G_DTYPE": tl.float32, "COMPACT_GRAD": True, "LR_ON_DEVICE": False, "MAXIMIZE": False,
+       "BLOCK": sparse_adamw_lean._BLOCK, **fixed}, sparse_adamw_lean._NUM_WARPS)
 for name, dt in [("sparse weight grad fp32", "*fp32"), ("sparse weight grad bf16", "*bf16")]:
     build(name, sparse_weight_grad._sparse_weight_grad_kernel,
           {"dy_ptr": dt, "x_ptr": dt, "idx_ptr": "*i32", "out_ptr": "*fp32", "T": "i64", "C": "i64", "k": "i64",
@@ -74,7 +105,8 @@ def test_triton_kernels_compile_for_sm90():
         pytest.skip("this Triton build ships no ptxas")
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 12, built
+    assert len(built) == 14, built
     # The fused step is a streaming kernel: any spill to local memory would cost bandwidth.
-    for name in ("adamw fp32", "adamw fp32 base compact", "adamw bf16 lr-tensor", "lean fp32", "lean bf16 compact"):
+    for name in ("adamw fp32", "adamw fp32 base compact", "adamw bf16 lr-tensor", "adamw fp32 direct", "lean fp32",
+                 "lean bf16 compact", "lean bf16 compact direct"):
         assert built[name]["local_bytes"] == 0, (name, built[name])

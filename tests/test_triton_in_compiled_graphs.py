@@ -1,11 +1,12 @@
 """Where Triton serves an op (CUDA tensors), torch.compile's functionalized graph holds the op's
-Triton kernel launches (`triton_kernel_wrapper_functional` nodes), not an opaque call; the step
-ops, whose kernels reach the tensors through a table of addresses, stay one node.
+Triton kernel launches (`triton_kernel_wrapper_functional` nodes), not an opaque call. The step
+kernels, which eagerly reach all tensors through a table of addresses, are recorded as DIRECT
+launches (one per tensor, operands as arguments), which must compute what the table launch does.
 
 No GPU is needed to trace: a subprocess without the interpreter (whose kernels torch does not
 wrap) traces with fake CUDA tensors, and each launch is checked for the kernel, the graph
-inputs it writes and its scalars. On a GPU, the `gpu` test compiles with Inductor and compares
-with the eager result.
+inputs it reads and writes and its scalars. The DIRECT launches run under the interpreter. On a
+GPU, the `gpu` test compiles with Inductor and compares with the eager result.
 """
 
 from __future__ import annotations
@@ -80,8 +81,16 @@ def restore(w0, w1, i0, i1, o0, o1):
     torch.ops.sift.sparse_delta_restore_([w0, w1], [i0, i1], [o0, o1])
 
 
-def step(p, g, i, m, v, d, s):
-    torch.ops.sift.sparse_adamw_([p], [g], [i], [m], [v], [d], [], [s], 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
+HYPER = (1e-3, 0.9, 0.999, 1e-8, 0.0, False)
+
+
+def step(p0, p1, g0, g1, i0, i1, m0, m1, v0, v1, d0, d1, b0, b1, s0, s1):
+    torch.ops.sift.sparse_adamw_([p0, p1], [g0, g1], [i0, i1], [m0, m1], [v0, v1], [d0, d1], [b0, b1], [s0, s1],
+                                 *HYPER, True)
+
+
+def lean_step(p, g, low, off, m, v, r, s):
+    torch.ops.sift.sparse_adamw_lean_([p], [g], [low], [off], [m], [v], [r], [s], *HYPER, False)
 
 
 found = {
@@ -92,7 +101,12 @@ found = {
                      cuda(3), cuda(2)),
     "singular_values": nodes(lambda x: torch.ops.sift.singular_values(x), cuda(6, 20, 7)),
     "singular_values_large": nodes(lambda x: torch.ops.sift.singular_values(x), cuda(2, 300, 200)),
-    "step": nodes(step, cuda(100), cuda(100), cuda(5, dtype=torch.int32), cuda(5), cuda(5), cuda(5), cuda(1)),
+    "step": nodes(step, cuda(100, dtype=torch.bfloat16), cuda(30, dtype=torch.bfloat16), cuda(5), cuda(3),
+                  cuda(5, dtype=torch.int64), cuda(3, dtype=torch.int64), *(cuda(n) for n in (5, 3, 5, 3, 5, 3)),
+                  cuda(5, dtype=torch.bfloat16), cuda(3, dtype=torch.bfloat16), cuda(1), cuda(1)),
+    "lean_step": nodes(lean_step, cuda(70000, dtype=torch.bfloat16), cuda(70000, dtype=torch.bfloat16),
+                       cuda(9, dtype=torch.int16), cuda(3, dtype=torch.int32), cuda(9, dtype=torch.bfloat16),
+                       cuda(9, dtype=torch.bfloat16), cuda(9, dtype=torch.int8), cuda(1)),
 }
 print(json.dumps(found))
 '''
@@ -137,8 +151,73 @@ def test_singular_values_records_its_kernel_up_to_its_size_limit(traced):
     assert traced["singular_values_large"] == [{"op": "sift.singular_values.default"}]
 
 
-def test_step_ops_stay_one_node(traced):
-    assert traced["step"] == [{"op": "sift.sparse_adamw_.default"}]
+def test_step_ops_record_one_direct_launch_per_tensor(traced):
+    step = traced["step"]
+    assert [n["kernel"] for n in step] == ["_sparse_adamw_kernel"] * 2
+    # Operands by graph input: p0 p1 g0 g1 i0 i1 m0 m1 v0 v1 d0 d1 b0 b1 s0 s1 (compact grads).
+    assert [n["inputs"] for n in step] == [
+        {f"{name}_arg": 2 * j + t for j, name in enumerate(("w", "g", "i", "m", "v", "d", "b", "step"))}
+        for t in (0, 1)]
+    assert [(n["scalars"]["k"], n["scalars"]["DIRECT"], n["scalars"]["COMPACT_GRAD"]) for n in step] == [
+        (5, True, True), (3, True, True)]
+    assert [n["grid"] for n in step] == [[[1, 1, 1]], [[1, 1, 1]]]
+    (lean,) = traced["lean_step"]
+    assert lean["kernel"] == "_sparse_adamw_lean_kernel"
+    assert lean["inputs"] == {"w_arg": 0, "g_arg": 1, "low_arg": 2, "off_arg": 3, "m_arg": 4, "v_arg": 5,
+                              "r_arg": 6, "step_arg": 7}
+    assert (lean["scalars"]["windows"], lean["scalars"]["search_steps_arg"], lean["scalars"]["k"]) == (2, 1, 9)
+
+
+def _exact_operands(dtype: torch.dtype, compact: bool, seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in ((37, 29), (513,), (3000,))]
+    indices = [torch.randperm(p.numel(), generator=gen)[: p.numel() // 3].sort().values.int() for p in params]
+    grads = ([torch.randn(i.numel(), generator=gen) for i in indices] if compact
+             else [torch.randn(p.shape, generator=gen).to(dtype) for p in params])
+    moments = [[torch.rand(i.numel(), generator=gen) * 0.01 for i in indices] for _ in range(3)]
+    bases = [p.reshape(-1)[i.long()].clone() for p, i in zip(params, indices)] if dtype != torch.float32 else []
+    return [params, grads, indices, *moments, bases, [torch.tensor(3.0) for _ in params]]
+
+
+def _lean_operands(dtype: torch.dtype, compact: bool, seed: int) -> list[list[torch.Tensor]]:
+    from sift import _ops
+
+    gen = torch.Generator().manual_seed(seed)
+    lists = [[] for _ in range(8)]
+    for n, k in ((140001, 700), (13, 5)):
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        low, off = _ops.encode_lean_indices(idx, n)
+        grad = torch.randn(k, generator=gen) if compact else torch.randn(n, generator=gen).to(dtype)
+        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype), grad, low, off,
+                               (torch.randn(k, generator=gen) * 0.1).bfloat16(),
+                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
+                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(5.0))):
+            lists[j].append(t)
+    if dtype == torch.float32:
+        lists[6] = []
+    return lists
+
+
+@pytest.mark.parametrize("lr_on_device", [False, True], ids=["lr-float", "lr-tensor"])
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grads", "compact-grads"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["exact", "lean"])
+def test_direct_step_launches_compute_what_the_table_launch_does(layout, dtype, compact, lr_on_device):
+    from sift.triton_kernels import _launch
+    from sift.triton_kernels.sparse_adamw import sparse_adamw_
+    from sift.triton_kernels.sparse_adamw_lean import sparse_adamw_lean_
+
+    make, launcher = (_exact_operands, sparse_adamw_) if layout == "exact" else (_lean_operands, sparse_adamw_lean_)
+    table, direct, before = make(dtype, compact, 7), make(dtype, compact, 7), make(dtype, compact, 7)
+    lr = torch.tensor([2e-3]) if lr_on_device else 2e-3
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, maximize=True, compact_grads=compact)
+    launcher(*table, **hyper)
+    with _launch.recording():  # the interpreter's kernels are launched as they are, DIRECT
+        launcher(*direct, **hyper)
+    for j, (got_list, want_list) in enumerate(zip(direct, table)):
+        for i, (got, want) in enumerate(zip(got_list, want_list)):
+            assert torch.equal(got, want), f"list {j}, tensor {i}"
+    assert not torch.equal(direct[0][0], before[0][0]), "the step wrote nothing"
 
 
 @pytest.mark.gpu
@@ -152,18 +231,25 @@ def test_inductor_runs_the_recorded_kernels_as_eager():
     indices = [torch.randperm(p.numel(), generator=gen)[:300].sort().values.cuda() for p in params]
     values = [torch.randn(300, generator=gen).cuda() for _ in params]
 
-    def run(dy, x, params, originals):
+    state = [[t.cuda() for t in lst] for lst in _exact_operands(torch.bfloat16, True, 8)]
+
+    def run(dy, x, params, originals, state):
         out = torch.zeros(idx.numel(), device=dy.device)
         torch.ops.sift.sparse_weight_grad_(dy, x, idx, out)
         torch.ops.sift.sparse_delta_apply_(params, indices, values, 0.5, originals)
+        torch.ops.sift.sparse_adamw_(*state, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, True)
         return out, torch.ops.sift.singular_values(x.view(3, 100, 96))
 
-    eager_params, compiled_params = [p.clone() for p in params], [p.clone() for p in params]
-    eager_saved, compiled_saved = _ops.originals_like(params, indices), _ops.originals_like(params, indices)
-    want = run(dy, x, eager_params, eager_saved)
+    def copies():
+        return ([p.clone() for p in params], _ops.originals_like(params, indices),
+                [[t.clone() for t in lst] for lst in state])
+
+    eager, compiled = copies(), copies()
+    want = run(dy, x, *eager)
     torch._dynamo.reset()
-    got = torch.compile(run, fullgraph=True)(dy, x, compiled_params, compiled_saved)
+    got = torch.compile(run, fullgraph=True)(dy, x, *compiled)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    for g, w in zip(compiled_params + compiled_saved, eager_params + eager_saved):
+    # The step: DIRECT launches compiled, the table launch eager; the same arithmetic.
+    for g, w in zip(compiled[0] + compiled[1] + sum(compiled[2], []), eager[0] + eager[1] + sum(eager[2], [])):
         assert torch.equal(g, w)

@@ -5,11 +5,14 @@ and the launch with the arguments every step kernel takes (`launch_step`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _segments
+from ._launch import launchable
 from ._rounding import round_to_bf16
 from ._step_args import AdamWHyper, ExactState, LeanState
 
@@ -23,14 +26,39 @@ _N_BLOCK_COLS = tl.constexpr(_segments.N_BLOCK_COLS)
 
 
 @triton.jit
-def program_segment(table_ptr, blocks_ptr, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
-    """(row pointer of this program's tensor in the segment table, [BLOCK] entry offsets, mask)."""
+def program_segment(table_ptr, blocks_ptr, k, N_COLS: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr):
+    """(row pointer of this program's tensor in the segment table, [BLOCK] entry offsets, mask).
+
+    DIRECT: one tensor of `k` entries per launch, its operands passed as arguments (the
+    launches torch.compile records, which cannot hold addresses); no table, `row` is unused.
+    """
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_TENSOR)
-    start = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_START)
-    row = table_ptr + tensor * N_COLS
-    offs = start + tl.arange(0, BLOCK)
-    return row, offs, offs < tl.load(row + _COL_NUMEL)
+    if DIRECT:
+        row = pid
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < k
+    else:
+        tensor = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_TENSOR)
+        start = tl.load(blocks_ptr + _N_BLOCK_COLS * pid + _BLOCK_COL_START)
+        row = table_ptr + tensor * N_COLS
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < tl.load(row + _COL_NUMEL)
+    return row, offs, mask
+
+
+@triton.jit
+def operand(row, col, arg, DTYPE: tl.constexpr, DIRECT: tl.constexpr):
+    """The address of one operand: the argument `arg` (DIRECT), else column `col` of the segment
+    table row as a DTYPE pointer (DTYPE None: the column's integer value)."""
+    if DIRECT and DTYPE is None:
+        out = arg + tl.zeros([], dtype=tl.int64)  # an int Triton may have made a constant
+    elif DIRECT:
+        out = arg
+    elif DTYPE is None:
+        out = tl.load(row + col)
+    else:
+        out = tl.load(row + col).to(tl.pointer_type(DTYPE))
+    return out
 
 
 @triton.jit
@@ -84,29 +112,29 @@ def to_weight_dtype(x, W_DTYPE: tl.constexpr):
     return out
 
 
-def launch_step(kernel, tables: _segments.Tables, state: ExactState | LeanState, hyper: AdamWHyper,
-                w_dtype: torch.dtype, num_warps: int, **options) -> None:
-    """Launch a step kernel, one program per row of `tables.blocks` (none: no launch).
+def launch_step(kernel, tables: _segments.Tables | None, state: ExactState | LeanState, hyper: AdamWHyper,
+                w_dtype: torch.dtype, num_warps: int, block: int, direct: Callable[[int], dict] | None = None,
+                **options) -> None:
+    """Launch a step kernel: one program per row of `tables.blocks` (none: no launch), or with
+    `tables` None one DIRECT launch per tensor, `direct(i)` giving tensor i's operands as the
+    kernel's keyword arguments (`k` among them, its entry count).
 
-    Passes what every step kernel takes: the segment and block tables, `hyper`'s runtime
-    scalars (`AdamWHyper.kernel_args`), and the constexprs W_DTYPE, G_DTYPE, COMPACT_GRAD,
-    LR_ON_DEVICE, MAXIMIZE and BLOCK; `options` adds the kernel's own constexprs and launch
-    options (e.g. `enable_fp_fusion`).
+    Passes what every step kernel takes: the segment and block tables (None when DIRECT),
+    `hyper`'s runtime scalars (`AdamWHyper.kernel_args`), and the constexprs W_DTYPE, G_DTYPE,
+    COMPACT_GRAD, LR_ON_DEVICE, MAXIMIZE, BLOCK and DIRECT; `options` adds the kernel's own
+    constexprs and launch options (e.g. `enable_fp_fusion`).
     """
-    n_blocks = tables.blocks.shape[0]
-    if n_blocks == 0:
-        return
     g_dtype = torch.float32 if state.compact_grads else w_dtype
-    kernel[(n_blocks,)](
-        tables.table,
-        tables.blocks,
-        *hyper.kernel_args(tables.table),
-        W_DTYPE=TL_DTYPES[w_dtype],
-        G_DTYPE=TL_DTYPES[g_dtype],
-        COMPACT_GRAD=state.compact_grads,
-        LR_ON_DEVICE=hyper.lr_on_device,
-        MAXIMIZE=bool(hyper.maximize),
-        BLOCK=tables.block,
-        num_warps=num_warps,
-        **options,
-    )
+    constexprs = dict(W_DTYPE=TL_DTYPES[w_dtype], G_DTYPE=TL_DTYPES[g_dtype], COMPACT_GRAD=state.compact_grads,
+                      LR_ON_DEVICE=hyper.lr_on_device, MAXIMIZE=bool(hyper.maximize), BLOCK=block,
+                      num_warps=num_warps, **options)
+    if tables is not None:
+        n_blocks = tables.blocks.shape[0]
+        if n_blocks:
+            kernel[(n_blocks,)](tables.table, tables.blocks, *hyper.kernel_args(tables.table), **constexprs)
+        return
+    for i in range(len(state.params)):
+        operands = direct(i)
+        if operands["k"]:
+            launchable(kernel)[(triton.cdiv(operands["k"], block),)](
+                None, None, *hyper.kernel_args(None), DIRECT=True, **operands, **constexprs)

@@ -47,7 +47,7 @@ class AdamWHyper:
     def lr_on_device(self) -> bool:
         return isinstance(self.lr, torch.Tensor)
 
-    def kernel_args(self, placeholder: torch.Tensor) -> tuple:
+    def kernel_args(self, placeholder: torch.Tensor | None) -> tuple:
         """The step kernels' runtime scalars: `(lr_ptr, lr, beta1, beta2, 1 - beta1, 1 - beta2,
         log2(beta1), log2(beta2), eps, weight_decay)`; `lr_ptr` is `placeholder` for a float lr.
 

@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import TL_DTYPES, adam_update, launch_step, load_grad, program_segment, to_weight_dtype, weight_increment
+from ._adam import (TL_DTYPES, adam_update, launch_step, load_grad, operand, program_segment, to_weight_dtype,
+                    weight_increment)
+from ._launch import is_recording
 from ._step_args import AdamWHyper, ExactState, check_state_lengths, check_step, takes_step_lists
 
 # Segment table columns, one int64 row per tensor: the host builder and the kernel both use
@@ -75,15 +77,18 @@ def _sparse_adamw_kernel(
     ALIGNED: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
+    # DIRECT: one tensor per launch, its operands these arguments instead of table columns.
+    DIRECT: tl.constexpr = False,
+    w_arg=None, g_arg=None, i_arg=None, m_arg=None, v_arg=None, d_arg=None, b_arg=None, step_arg=None, k=0,
 ):
-    row, offs, mask = program_segment(table_ptr, blocks_ptr, N_COLS, BLOCK)
-    w_ptr = tl.load(row + COL_PARAM).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + COL_GRAD).to(tl.pointer_type(G_DTYPE))
-    i_ptr = tl.load(row + COL_INDICES).to(tl.pointer_type(I_DTYPE))
-    m_ptr = tl.load(row + COL_EXP_AVG).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + COL_EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
-    d_ptr = tl.load(row + COL_DELTA).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
+    row, offs, mask = program_segment(table_ptr, blocks_ptr, k, N_COLS, BLOCK, DIRECT)
+    w_ptr = operand(row, COL_PARAM, w_arg, W_DTYPE, DIRECT)
+    g_ptr = operand(row, COL_GRAD, g_arg, G_DTYPE, DIRECT)
+    i_ptr = operand(row, COL_INDICES, i_arg, I_DTYPE, DIRECT)
+    m_ptr = operand(row, COL_EXP_AVG, m_arg, tl.float32, DIRECT)
+    v_ptr = operand(row, COL_EXP_AVG_SQ, v_arg, tl.float32, DIRECT)
+    d_ptr = operand(row, COL_DELTA, d_arg, tl.float32, DIRECT)
+    step_ptr = operand(row, COL_STEP, step_arg, tl.float32, DIRECT)
     if ALIGNED:
         # Addresses read from a table carry no alignment facts; without these hints the
         # compiler cannot emit 16-byte vector loads for the contiguous compact arrays.
@@ -104,7 +109,7 @@ def _sparse_adamw_kernel(
         log2_beta2, LR_ON_DEVICE)
 
     if HAS_BASE:
-        b_ptr = tl.load(row + COL_BASE).to(tl.pointer_type(W_DTYPE))
+        b_ptr = operand(row, COL_BASE, b_arg, W_DTYPE, DIRECT)
         base = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = base + d
     else:
@@ -191,6 +196,21 @@ def sparse_adamw_(
     if len({t.dtype for t in indices}) != 1:
         raise ValueError("indices must share one dtype")
     has_base = bool(state.bases)
+    options = dict(I_DTYPE=TL_DTYPES[i_dtype], HAS_BASE=has_base,
+                   EVICT_FIRST=_EVICT_FIRST if evict_first is None else evict_first)
+    if is_recording():
+        # A torch.compile trace holds no addresses: one launch per tensor, its operands as
+        # arguments (Triton then knows their alignment itself).
+        check_step(state, hyper)
+
+        def direct(i: int) -> dict:
+            return dict(w_arg=params[i], g_arg=state.grads[i], i_arg=indices[i], m_arg=state.exp_avgs[i],
+                        v_arg=state.exp_avg_sqs[i], d_arg=state.deltas[i],
+                        b_arg=state.bases[i] if has_base else None, step_arg=state.steps[i], k=indices[i].numel())
+
+        launch_step(_sparse_adamw_kernel, None, state, hyper, w_dtype, num_warps or _NUM_WARPS, block or _BLOCK,
+                    direct, ALIGNED=False, **options)
+        return
     # The Python side runs every step over every tensor (hundreds in a large model): C-level
     # map/zip instead of per-element Python, and the table is rebuilt only when an address moves.
     ptr = torch.Tensor.data_ptr
@@ -209,6 +229,5 @@ def sparse_adamw_(
         table_cache, _CACHE_KEY, (str(device), w_dtype, i_dtype, state.compact_grads, param_ptrs),
         tuple(zip(*cols)), int(N_COLS), block or _BLOCK, device, lambda: check_step(state, hyper),
         aligned_cols=(int(COL_INDICES), int(COL_EXP_AVG), int(COL_EXP_AVG_SQ), int(COL_DELTA)), build=_build_tables)
-    launch_step(_sparse_adamw_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS,
-                I_DTYPE=TL_DTYPES[i_dtype], HAS_BASE=has_base, ALIGNED=tables.aligned,
-                EVICT_FIRST=_EVICT_FIRST if evict_first is None else evict_first)
+    launch_step(_sparse_adamw_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block,
+                ALIGNED=tables.aligned, **options)

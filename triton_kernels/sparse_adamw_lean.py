@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import adam_update, launch_step, load_grad, program_segment, to_weight_dtype, weight_increment
+from ._adam import adam_update, launch_step, load_grad, operand, program_segment, to_weight_dtype, weight_increment
+from ._launch import is_recording
 from ._step_args import LEAN_WINDOW_BITS, AdamWHyper, LeanState, check_state_lengths, check_step, takes_step_lists
 
 COL_NUMEL = tl.constexpr(0)  # k_i
@@ -84,22 +85,26 @@ def _sparse_adamw_lean_kernel(
     LR_ON_DEVICE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    # DIRECT: one tensor per launch, its operands these arguments instead of table columns.
+    DIRECT: tl.constexpr = False,
+    w_arg=None, g_arg=None, low_arg=None, off_arg=None, m_arg=None, v_arg=None, r_arg=None, step_arg=None,
+    windows=0, search_steps_arg=0, k=0,
 ):
-    row, offs, mask = program_segment(table_ptr, blocks_ptr, N_COLS, BLOCK)
-    search_steps = tl.load(row + COL_SEARCH_STEPS).to(tl.int32)
-    w_ptr = tl.load(row + COL_PARAM).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + COL_GRAD).to(tl.pointer_type(G_DTYPE))
-    low_ptr = tl.load(row + COL_LOW).to(tl.pointer_type(tl.int16))
-    off_ptr = tl.load(row + COL_OFFSETS).to(tl.pointer_type(tl.int32))
-    m_ptr = tl.load(row + COL_EXP_AVG).to(tl.pointer_type(tl.bfloat16))
-    v_ptr = tl.load(row + COL_EXP_AVG_SQ).to(tl.pointer_type(tl.bfloat16))
-    step_ptr = tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32))
+    row, offs, mask = program_segment(table_ptr, blocks_ptr, k, N_COLS, BLOCK, DIRECT)
+    search_steps = operand(row, COL_SEARCH_STEPS, search_steps_arg, None, DIRECT).to(tl.int32)
+    w_ptr = operand(row, COL_PARAM, w_arg, W_DTYPE, DIRECT)
+    g_ptr = operand(row, COL_GRAD, g_arg, G_DTYPE, DIRECT)
+    low_ptr = operand(row, COL_LOW, low_arg, tl.int16, DIRECT)
+    off_ptr = operand(row, COL_OFFSETS, off_arg, tl.int32, DIRECT)
+    m_ptr = operand(row, COL_EXP_AVG, m_arg, tl.bfloat16, DIRECT)
+    v_ptr = operand(row, COL_EXP_AVG_SQ, v_arg, tl.bfloat16, DIRECT)
+    step_ptr = operand(row, COL_STEP, step_arg, tl.float32, DIRECT)
 
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int64) & 0xFFFF
     # The window of each entry: the last w with offsets[w] <= position (offsets[0] = 0 and
     # offsets[windows] = k bracket every position).
     lo = tl.zeros([BLOCK], dtype=tl.int32)
-    hi = lo + tl.load(row + COL_WINDOWS).to(tl.int32)
+    hi = lo + operand(row, COL_WINDOWS, windows, None, DIRECT).to(tl.int32)
     for _ in range(search_steps):
         mid = (lo + hi) >> 1
         below = tl.load(off_ptr + mid, mask=mask, other=0) <= offs
@@ -118,7 +123,7 @@ def _sparse_adamw_lean_kernel(
     stored = tl.load(w_ptr + idx, mask=mask, other=0.0)
     w = stored.to(tl.float32)
     if W_DTYPE != tl.float32:
-        r_ptr = tl.load(row + COL_RESIDUAL).to(tl.pointer_type(tl.int8))
+        r_ptr = operand(row, COL_RESIDUAL, r_arg, tl.int8, DIRECT)
         residual = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.float32)
         w = w + residual * _unit(stored, W_DTYPE, False)
     fresh = w + weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps)
@@ -197,16 +202,30 @@ def sparse_adamw_lean_(
         return
     check_state_lengths(state)
     device, w_dtype = params[0].device, params[0].dtype
-    ptr = torch.Tensor.data_ptr
     windows = [-(-p.numel() >> LEAN_WINDOW_BITS) for p in params]
+    search_steps = [max(0, (n - 1).bit_length()) for n in windows]
+    if is_recording():
+        # A torch.compile trace holds no addresses: one launch per tensor, operands as arguments.
+        check_step(state, hyper)
+
+        def direct(i: int) -> dict:
+            return dict(w_arg=params[i], g_arg=state.grads[i], low_arg=state.indices_low[i],
+                        off_arg=state.window_offsets[i], m_arg=state.exp_avgs[i], v_arg=state.exp_avg_sqs[i],
+                        r_arg=state.residuals[i] if state.residuals else None, step_arg=state.steps[i],
+                        windows=windows[i], search_steps_arg=search_steps[i], k=state.indices_low[i].numel())
+
+        launch_step(_sparse_adamw_lean_kernel, None, state, hyper, w_dtype, num_warps or _NUM_WARPS, block or _BLOCK,
+                    direct, enable_fp_fusion=False)
+        return
+    ptr = torch.Tensor.data_ptr
     param_ptrs = tuple(map(ptr, params))
     columns = tuple(zip(
-        map(torch.Tensor.numel, state.indices_low), windows, [max(0, (n - 1).bit_length()) for n in windows],
+        map(torch.Tensor.numel, state.indices_low), windows, search_steps,
         param_ptrs, map(ptr, state.grads), map(ptr, state.indices_low), map(ptr, state.window_offsets),
         map(ptr, state.exp_avgs), map(ptr, state.exp_avg_sqs),
         map(ptr, state.residuals) if state.residuals else [0] * len(params), map(ptr, state.steps)))
     tables = _segments.launch_tables(
         table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), columns, int(N_COLS),
         block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
-    launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS,
+    launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block,
                 enable_fp_fusion=False)
