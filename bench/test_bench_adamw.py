@@ -14,14 +14,16 @@ from sift.bench import adamw
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 DENSITIES = [pytest.param(d, id=f"{100 * d:g}%") for d in adamw.DENSITIES]
-# (backend, keep_base, captured in a CUDA graph)
+# (backend, keep_base, captured in a CUDA graph, state layout)
 SPARSE_VARIANTS = [
-    pytest.param("cpp", False, False, id="cpp"),
-    pytest.param("cpp", True, False, id="cpp-keep_base"),
-    pytest.param("triton", False, False, id="triton"),
-    pytest.param("triton", True, False, id="triton-keep_base"),
-    pytest.param("triton", False, True, id="triton-cuda_graph"),
-    pytest.param("torch", False, False, id="torch"),
+    pytest.param("cpp", False, False, "exact", id="cpp"),
+    pytest.param("cpp", True, False, "exact", id="cpp-keep_base"),
+    pytest.param("cpp", False, False, "lean", id="cpp-lean"),
+    pytest.param("triton", False, False, "exact", id="triton"),
+    pytest.param("triton", True, False, "exact", id="triton-keep_base"),
+    pytest.param("triton", False, True, "exact", id="triton-cuda_graph"),
+    pytest.param("triton", False, False, "lean", id="triton-lean"),
+    pytest.param("torch", False, False, "exact", id="torch"),
 ]
 
 
@@ -44,11 +46,12 @@ def test_fused_adamw(measure, device, quick, dtype, density):
     measure(opt.step, group=_group(dtype, density, device), workload=workload, optimizer="AdamW(fused)")
 
 
-@pytest.mark.parametrize(("backend", "keep_base", "graphed"), SPARSE_VARIANTS)
+@pytest.mark.parametrize(("backend", "keep_base", "graphed", "layout"), SPARSE_VARIANTS)
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sparse_adamw(measure, device, quick, dtype, density, backend, keep_base, graphed):
-    """SparseAdamW.step() on one backend: one fused `sparse_adamw_` call for all weights."""
+def test_sparse_adamw(measure, device, quick, dtype, density, backend, keep_base, graphed, layout):
+    """SparseAdamW.step() on one backend: one fused `sparse_adamw_` (or, lean, `sparse_adamw_lean_`)
+    call for all weights."""
     if backend not in adamw.sparse_backends(device):
         pytest.skip(f"backend {backend!r} does not run on {device.type} here")
     if keep_base and dtype != torch.float32:
@@ -56,8 +59,8 @@ def test_sparse_adamw(measure, device, quick, dtype, density, backend, keep_base
     if graphed and device.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     params, workload = _params(device, dtype, quick)
-    opt = adamw.sparse_adamw(params, density, backend, keep_base)
+    opt = adamw.sparse_adamw(params, density, backend, keep_base, state=layout)
     step = adamw.graphed(opt.step, device) if graphed else opt.step
     measure(step, group=_group(dtype, density, device), workload=workload, optimizer="SparseAdamW",
-            backend=backend, keep_base=keep_base, cuda_graph=graphed,
+            backend=backend, keep_base=keep_base, cuda_graph=graphed, state=layout,
             state_bytes_per_entry=opt.state_bytes()["bytes_per_entry"])

@@ -167,7 +167,8 @@ def test_gpu_sector_ceiling_script_runs_through_the_interpreter():
 
 
 def test_bench_dir_collects_every_microbenchmark():
-    """`pytest bench/` (pytest-benchmark) collects the step, delta and singular-value cases."""
+    """`pytest bench/` (pytest-benchmark) collects the step (exact and lean), delta, singular-value and
+    weight-gradient cases."""
     import subprocess
     import sys
 
@@ -177,6 +178,7 @@ def test_bench_dir_collects_every_microbenchmark():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     ids = [line for line in done.stdout.splitlines() if "::" in line]
     for name in ("test_bench_adamw.py::test_fused_adamw", "test_bench_adamw.py::test_sparse_adamw[fp32-1%-cpp]",
+                 "test_bench_adamw.py::test_sparse_adamw[bf16-1%-cpp-lean]",
                  "test_bench_delta.py::test_merge[cpp-sum]", "test_bench_delta.py::test_apply[cpp]",
                  "test_bench_heads.py::test_singular_values", "test_bench_backward.py::test_sparse_weight_grad[1%-float32]",
                  "test_bench_backward.py::test_dense_weight_grad[float32]"):
