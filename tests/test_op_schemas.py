@@ -107,11 +107,13 @@ def test_delta_apply_and_restore_compile():
     _assert_lists_equal([params], [before])
 
 
-def test_delta_merge_compiles():
+@pytest.mark.parametrize("ties", [False, True], ids=["sum", "ties"])
+def test_delta_merge_compiles(ties):
     a, b = torch.tensor([1, 5, 9], dtype=torch.int32), torch.tensor([2, 5, 10], dtype=torch.int32)
     va, vb = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])
-    merged = _compiled(lambda x, y: torch.ops.sift.merge_sorted_deltas([x, y], [va, vb], [1.0, 0.5], [2], True))(a, b)
-    want = _ops.merge_sorted_deltas_ref([a, b], [va, vb], [1.0, 0.5], [2], True)
+    merged = _compiled(lambda x, y: torch.ops.sift.merge_sorted_deltas([x, y], [va, vb], [1.0, 0.5], [2], ties))(a, b)
+    want = _ops.merge_sorted_deltas_ref([a, b], [va, vb], [1.0, 0.5], [2], ties)
+    assert merged[0][0].tolist() == [1, 2, 5, 9, 10]  # a data-dependent length
     _assert_lists_equal([list(merged[0]), list(merged[1])], [want[0], want[1]])
 
 
