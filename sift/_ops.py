@@ -15,9 +15,10 @@ automatically chosen one that fails to load falls back with one log line.
 Each op is also `torch.ops.sift.<name>`, defined here once (`define_schema`): its schema and
 fake kernel (so calls trace under torch.compile), its CPU kernel registered by the C++
 extension, its CUDA kernel the registry's entry. Where Triton serves an op, a torch.compile
-graph holds the op's Triton launches rather than an opaque call (`traced`). The step ops take their operands as one
-structure (`ExactState` / `LeanState`, `AdamWHyper` in `sift.triton_kernels._step_args`) and
-validate them with one function (`check_step`), whichever backend runs.
+graph holds the op's Triton launches rather than an opaque call (`traced`). The step ops take
+their operands as one structure (`ExactState` / `LeanState`, `AdamWHyper` in
+`sift.triton_kernels._step_args`) and validate them with one function (`check_step`),
+whichever backend runs.
 """
 
 from __future__ import annotations
@@ -221,10 +222,10 @@ def define_schema(name: str, schema: str, fake: Callable, cuda: Callable, *, tra
 def _record_on_triton(name: str, registry: str, traced: Callable) -> None:
     """Let torch.compile see the Triton kernels of `torch.ops.sift.<name>`.
 
-    When torch.compile functionalizes a graph, a call whose tensors the registry gives to Triton
-    (CUDA; CPU tensors under TRITON_INTERPRET=1 with SIFT_BACKEND=triton) becomes `traced(...)`
-    with its launches recorded: the graph holds the kernels themselves, which Inductor compiles
-    and schedules, instead of one opaque call. Elsewhere (C++ on CPU) the op stays one node.
+    When torch.compile functionalizes a graph, a call whose tensors the registry gives to
+    compiled Triton kernels (CUDA) becomes `traced(...)` with its launches recorded: the graph
+    holds the kernels themselves, which Inductor compiles and schedules, instead of one opaque
+    call. Elsewhere (C++ on CPU, the interpreter) the op stays one node.
     """
     from sift.triton_kernels import _launch
 
@@ -389,7 +390,7 @@ _define_step("sparse_adamw_", sparse_adamw_ref,
 #
 # sparse_delta_apply_: for each tensor i with flat view w = params[i].view(-1),
 #   indices[i] [k_i] sorted unique, values[i] [k_i] fp32:
-#     originals[i] = w[indices[i]]                         (when originals is not empty)
+#     old = w[indices[i]];  originals[i] = old             (when originals is not empty)
 #     w[indices[i]] = dtype(fp32(old) + fp32(scale) * values[i])
 #   `originals` is [] or one [k_i] tensor per param in its dtype (`originals_like`), written:
 #   an out list rather than a returned one, so torch.compile can functionalize the op.
@@ -536,7 +537,6 @@ define_schema("sparse_delta_apply_", "sparse_delta_apply_(Tensor(a!)[] params, T
 define_schema("sparse_delta_restore_", "sparse_delta_restore_(Tensor(a!)[] params, Tensor[] indices, "
               "Tensor[] originals) -> ()", _no_output, functools.partial(call, "sparse_delta_restore_"),
               traced=_sparse_delta_restore_triton)
-
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ and kept in the caller's `table_cache` (CUDA graph replays) is `_segments.py`.
 
 Hyper-parameters are runtime scalars (a new value never recompiles); `lr` may instead
 live in a device tensor (`LR_ON_DEVICE`) so a captured CUDA graph follows a scheduler.
+
+While torch.compile records the launch (`_launch.is_recording()`), a graph cannot hold a table
+of addresses: the launcher then launches the same kernel once per tensor with `DIRECT=True`,
+the tensor's operands passed as arguments.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ each program to (tensor, first entry). The tables are built and kept in the call
 `table_cache` by `_segments.py`, as for `sparse_adamw.py`.
 
 Hyper-parameters are runtime scalars; 1 - beta is taken in fp64 on the host. The launch turns
-off fp fusion, so the kernel rounds every operation as the reference does.
+off fp fusion, so the kernel rounds every operation as the reference does. While torch.compile
+records the launch, the kernel runs once per tensor with `DIRECT=True` (no tables), as in
+`sparse_adamw.py`.
 """
 
 from __future__ import annotations
