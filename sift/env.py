@@ -87,6 +87,11 @@ def report() -> str:
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")
+    from sift.triton_kernels._launch import record_unavailable_reason
+
+    why_opaque = record_unavailable_reason()
+    lines.append(f"{'torch.compile':>14}: " + ("Triton launches recorded in graphs (CUDA)" if why_opaque is None
+                                               else f"Triton ops stay opaque in graphs: {why_opaque}"))
     if torch.cuda.is_available():
         from sift.bench._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
 

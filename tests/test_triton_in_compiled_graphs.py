@@ -108,6 +108,9 @@ found = {
                        cuda(9, dtype=torch.int16), cuda(3, dtype=torch.int32), cuda(9, dtype=torch.bfloat16),
                        cuda(9, dtype=torch.bfloat16), cuda(9, dtype=torch.int8), cuda(1)),
 }
+from sift.env import report  # noqa: E402
+
+found["env"] = [line.strip() for line in report().splitlines() if "torch.compile" in line]
 print(json.dumps(found))
 '''
 
@@ -119,6 +122,14 @@ def traced() -> dict:
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_env_report_says_whether_launches_are_recorded(traced, monkeypatch):
+    from sift.env import report
+
+    assert traced["env"] == ["torch.compile: Triton launches recorded in graphs (CUDA)"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter's kernels, which torch does not wrap
+    assert "torch.compile: Triton ops stay opaque in graphs: TRITON_INTERPRET=1" in report()
 
 
 def test_sparse_weight_grad_records_its_kernel(traced):

@@ -19,10 +19,18 @@ import torch
 _recording = contextvars.ContextVar("sift_triton_recording", default=False)
 
 
+def record_unavailable_reason() -> str | None:
+    """Why launches cannot be recorded into torch.compile graphs (the ops then stay opaque), or None."""
+    if not hasattr(torch.library, "wrap_triton"):
+        return f"torch {torch.__version__} has no torch.library.wrap_triton (torch >= 2.6 has)"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1: torch does not wrap the interpreter's kernels"
+    return None
+
+
 def can_record() -> bool:
-    """Whether launches can be recorded: torch >= 2.6 (`torch.library.wrap_triton`) and compiled
-    kernels (torch does not wrap the interpreter's, TRITON_INTERPRET=1)."""
-    return hasattr(torch.library, "wrap_triton") and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    """Whether launches can be recorded (see `record_unavailable_reason`)."""
+    return record_unavailable_reason() is None
 
 
 def is_recording() -> bool:
