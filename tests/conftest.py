@@ -87,6 +87,40 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
           pytest.param(torch.float16, id="fp16")]
 
 
+def exact_step_lists(dtype: torch.dtype, seed: int, compact: bool = False) -> list[list[torch.Tensor]]:
+    """Random operands of `sparse_adamw_` (the eight lists of `ExactState`): two odd shapes, a third
+    of each weight's entries; `compact`: gradients already gathered ([k] fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in ((37, 29), (513,))]
+    indices = [torch.randperm(p.numel(), generator=gen)[: p.numel() // 3].sort().values.int() for p in params]
+    moments = [[torch.rand(i.numel(), generator=gen) * 0.01 for i in indices] for _ in range(3)]
+    bases = [p.reshape(-1)[i.long()].clone() for p, i in zip(params, indices)] if dtype != torch.float32 else []
+    grads = ([torch.randn(i.numel(), generator=gen) for i in indices] if compact
+             else [torch.randn(p.shape, generator=gen).to(dtype) for p in params])
+    return [params, grads, indices, *moments, bases, [torch.tensor(3.0) for _ in params]]
+
+
+def lean_step_lists(dtype: torch.dtype, seed: int, compact: bool = False) -> list[list[torch.Tensor]]:
+    """Random operands of `sparse_adamw_lean_` (the eight lists of `LeanState`): a weight over two
+    index windows and a tiny one."""
+    from sift import _ops
+
+    gen = torch.Generator().manual_seed(seed)
+    lists = [[] for _ in range(8)]
+    for n, k in ((70001, 301), (13, 5)):
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        low, off = _ops.encode_lean_indices(idx, n)
+        grad = torch.randn(k, generator=gen) if compact else torch.randn(n, generator=gen).to(dtype)
+        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype), grad, low, off,
+                               (torch.randn(k, generator=gen) * 0.1).bfloat16(),
+                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
+                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(5.0))):
+            lists[j].append(t)
+    if dtype == torch.float32:
+        lists[6] = []
+    return lists
+
+
 def capture_step(opt) -> "torch.cuda.CUDAGraph":
     """One `opt.step()` warmed up on a side stream (as CUDA graphs require), then captured."""
     stream = torch.cuda.Stream()

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import requires_cpp
+from conftest import exact_step_lists, lean_step_lists, requires_cpp
 from sift import _ops
 from sift.triton_kernels._step_args import AdamWHyper, ExactState, LeanState
 
@@ -24,41 +24,14 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, backend="aot_eager")
 
 
-def _exact_lists(dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(37, 29), (513,)]
-    params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-    indices = [torch.randperm(p.numel(), generator=gen)[: p.numel() // 3].sort().values.int() for p in params]
-    moments = [[torch.rand(i.numel(), generator=gen) * 0.01 for i in indices] for _ in range(3)]
-    bases = [p.reshape(-1)[i.long()].clone() for p, i in zip(params, indices)] if dtype != torch.float32 else []
-    return [params, [torch.randn(p.shape, generator=gen).to(dtype) for p in params], indices, *moments, bases,
-            [torch.tensor(3.0) for _ in params]]
-
-
-def _lean_lists(dtype: torch.dtype, seed: int) -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    lists = [[] for _ in range(8)]
-    for n, k in ((70001, 301), (13, 5)):
-        idx = torch.randperm(n, generator=gen)[:k].sort().values
-        low, off = _ops.encode_lean_indices(idx, n)
-        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype), low,
-                               off, (torch.randn(k, generator=gen) * 0.1).bfloat16(),
-                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
-                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(5.0))):
-            lists[j].append(t)
-    if dtype == torch.float32:
-        lists[6] = []
-    return lists
-
-
 def _assert_lists_equal(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
     for j, (gl, wl) in enumerate(zip(got, want)):
         for i, (g, w) in enumerate(zip(gl, wl)):
             assert torch.equal(g, w), f"list {j}, tensor {i}"
 
 
-@pytest.mark.parametrize("op, make", [pytest.param("sparse_adamw_", _exact_lists, id="exact"),
-                                      pytest.param("sparse_adamw_lean_", _lean_lists, id="lean")])
+@pytest.mark.parametrize("op, make", [pytest.param("sparse_adamw_", exact_step_lists, id="exact"),
+                                      pytest.param("sparse_adamw_lean_", lean_step_lists, id="lean")])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
 def test_step_ops_compile_with_their_mutations(op, make, dtype):
     eager = make(dtype, seed=1)
@@ -126,8 +99,8 @@ def test_singular_values_op_compiles(shape):
 
 @pytest.mark.parametrize("layout", ["exact", "lean"])
 def test_named_operands_give_the_flat_calls_result(layout):
-    make, ref, state_type = ((_exact_lists, _ops.sparse_adamw_ref, ExactState) if layout == "exact"
-                             else (_lean_lists, _ops.sparse_adamw_lean_ref, LeanState))
+    make, ref, state_type = ((exact_step_lists, _ops.sparse_adamw_ref, ExactState) if layout == "exact"
+                             else (lean_step_lists, _ops.sparse_adamw_lean_ref, LeanState))
     flat, named = make(torch.bfloat16, seed=5), make(torch.bfloat16, seed=5)
     ref(*flat, **HYPER, compact_grads=False)
     ref.structured(state_type.from_lists(*named), AdamWHyper(**HYPER))
@@ -137,7 +110,7 @@ def test_named_operands_give_the_flat_calls_result(layout):
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_step_check_names_the_operand_on_every_backend(backend):
     """Each backend validated the step's operands with its own code and its own words."""
-    lists = _exact_lists(torch.float32, seed=6)
+    lists = exact_step_lists(torch.float32, seed=6)
     lists[4][1] = lists[4][1][:-1]
     before = copy.deepcopy(lists)
     _, fn = _ops.resolve("sparse_adamw_", "cpu", backend)
@@ -147,8 +120,8 @@ def test_step_check_names_the_operand_on_every_backend(backend):
 
 
 @pytest.mark.parametrize("op, make, ref", [
-    pytest.param("sparse_adamw_", _exact_lists, _ops.sparse_adamw_ref, id="exact"),
-    pytest.param("sparse_adamw_lean_", _lean_lists, _ops.sparse_adamw_lean_ref, id="lean")])
+    pytest.param("sparse_adamw_", exact_step_lists, _ops.sparse_adamw_ref, id="exact"),
+    pytest.param("sparse_adamw_lean_", lean_step_lists, _ops.sparse_adamw_lean_ref, id="lean")])
 def test_device_kernel_of_a_step_op_runs_the_registry_entry(op, make, ref, monkeypatch):
     """The CUDA kernel of torch.ops.sift.<step> maps the schema's flat arguments onto the registry's entry
     (run here on CPU tensors with the Triton entry forced, under TRITON_INTERPRET=1)."""

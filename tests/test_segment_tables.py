@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sift import SparseAdamW, _ops
+from sift.triton_kernels import _segments
 from conftest import TOLERANCES, requires_triton
 
 DEVICES = [
@@ -180,9 +181,9 @@ def test_table_columns_hold_what_their_names_say(dtype):
     column = lambda t, col: t[:, int(col)].tolist()  # noqa: E731  (the names are tl.constexpr)
     addresses = lambda tensors: [t.data_ptr() for t in tensors]  # noqa: E731
     assert column(table, km.COL_NUMEL) == [i.numel() for i in indices]
-    for col, tensors in ((km.COL_PARAM, params), (km.COL_GRAD, grads), (km.COL_INDICES, indices),
-                         (km.COL_EXP_AVG, state[0]), (km.COL_EXP_AVG_SQ, state[1]), (km.COL_DELTA, state[2]),
-                         (km.COL_STEP, steps)):
+    for col, tensors in ((_segments.COL_PARAM, params), (_segments.COL_GRAD, grads), (km.COL_INDICES, indices),
+                         (_segments.COL_EXP_AVG, state[0]), (_segments.COL_EXP_AVG_SQ, state[1]),
+                         (km.COL_DELTA, state[2]), (_segments.COL_STEP, steps)):
         assert column(table, col) == addresses(tensors)
     assert column(table, km.COL_BASE) == (addresses(bases) if bases else [0] * len(shapes))
     want_blocks = [(t, s) for t, i in enumerate(indices) for s in range(0, i.numel(), 512)]

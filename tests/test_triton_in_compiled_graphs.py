@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import exact_step_lists, lean_step_lists, requires_triton
 
 pytestmark = requires_triton
 
@@ -179,36 +179,6 @@ def test_step_ops_record_one_direct_launch_per_tensor(traced):
     assert (lean["scalars"]["windows"], lean["scalars"]["search_steps_arg"], lean["scalars"]["k"]) == (2, 1, 9)
 
 
-def _exact_operands(dtype: torch.dtype, compact: bool, seed: int) -> list[list[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen).to(dtype) for s in ((37, 29), (513,), (3000,))]
-    indices = [torch.randperm(p.numel(), generator=gen)[: p.numel() // 3].sort().values.int() for p in params]
-    grads = ([torch.randn(i.numel(), generator=gen) for i in indices] if compact
-             else [torch.randn(p.shape, generator=gen).to(dtype) for p in params])
-    moments = [[torch.rand(i.numel(), generator=gen) * 0.01 for i in indices] for _ in range(3)]
-    bases = [p.reshape(-1)[i.long()].clone() for p, i in zip(params, indices)] if dtype != torch.float32 else []
-    return [params, grads, indices, *moments, bases, [torch.tensor(3.0) for _ in params]]
-
-
-def _lean_operands(dtype: torch.dtype, compact: bool, seed: int) -> list[list[torch.Tensor]]:
-    from sift import _ops
-
-    gen = torch.Generator().manual_seed(seed)
-    lists = [[] for _ in range(8)]
-    for n, k in ((140001, 700), (13, 5)):
-        idx = torch.randperm(n, generator=gen)[:k].sort().values
-        low, off = _ops.encode_lean_indices(idx, n)
-        grad = torch.randn(k, generator=gen) if compact else torch.randn(n, generator=gen).to(dtype)
-        for j, t in enumerate((torch.randn(n, generator=gen).to(dtype), grad, low, off,
-                               (torch.randn(k, generator=gen) * 0.1).bfloat16(),
-                               (torch.rand(k, generator=gen) * 0.01).bfloat16(),
-                               torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8), torch.tensor(5.0))):
-            lists[j].append(t)
-    if dtype == torch.float32:
-        lists[6] = []
-    return lists
-
-
 @pytest.mark.parametrize("lr_on_device", [False, True], ids=["lr-float", "lr-tensor"])
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grads", "compact-grads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -218,8 +188,8 @@ def test_direct_step_launches_compute_what_the_table_launch_does(layout, dtype, 
     from sift.triton_kernels.sparse_adamw import sparse_adamw_
     from sift.triton_kernels.sparse_adamw_lean import sparse_adamw_lean_
 
-    make, launcher = (_exact_operands, sparse_adamw_) if layout == "exact" else (_lean_operands, sparse_adamw_lean_)
-    table, direct, before = make(dtype, compact, 7), make(dtype, compact, 7), make(dtype, compact, 7)
+    make, launcher = (exact_step_lists, sparse_adamw_) if layout == "exact" else (lean_step_lists, sparse_adamw_lean_)
+    table, direct, before = (make(dtype, 7, compact) for _ in range(3))
     lr = torch.tensor([2e-3]) if lr_on_device else 2e-3
     hyper = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, maximize=True, compact_grads=compact)
     launcher(*table, **hyper)
@@ -242,7 +212,7 @@ def test_inductor_runs_the_recorded_kernels_as_eager():
     indices = [torch.randperm(p.numel(), generator=gen)[:300].sort().values.cuda() for p in params]
     values = [torch.randn(300, generator=gen).cuda() for _ in params]
 
-    state = [[t.cuda() for t in lst] for lst in _exact_operands(torch.bfloat16, True, 8)]
+    state = [[t.cuda() for t in lst] for lst in exact_step_lists(torch.bfloat16, 8, compact=True)]
 
     def run(dy, x, params, originals, state):
         out = torch.zeros(idx.numel(), device=dy.device)

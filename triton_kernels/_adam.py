@@ -5,7 +5,7 @@ and the launch with the arguments every step kernel takes (`launch_step`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import triton
@@ -20,6 +20,11 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
              torch.int32: tl.int32, torch.int64: tl.int64}
 
 _COL_NUMEL = tl.constexpr(_segments.COL_NUMEL)
+_COL_PARAM = tl.constexpr(_segments.COL_PARAM)
+_COL_GRAD = tl.constexpr(_segments.COL_GRAD)
+_COL_EXP_AVG = tl.constexpr(_segments.COL_EXP_AVG)
+_COL_EXP_AVG_SQ = tl.constexpr(_segments.COL_EXP_AVG_SQ)
+_COL_STEP = tl.constexpr(_segments.COL_STEP)
 _BLOCK_COL_TENSOR = tl.constexpr(_segments.BLOCK_COL_TENSOR)
 _BLOCK_COL_START = tl.constexpr(_segments.BLOCK_COL_START)
 _N_BLOCK_COLS = tl.constexpr(_segments.N_BLOCK_COLS)
@@ -59,6 +64,15 @@ def operand(row, col, arg, DTYPE: tl.constexpr, DIRECT: tl.constexpr):
     else:
         out = tl.load(row + col).to(tl.pointer_type(DTYPE))
     return out
+
+
+@triton.jit
+def shared_operands(row, w_arg, g_arg, m_arg, v_arg, step_arg, W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                    M_DTYPE: tl.constexpr, DIRECT: tl.constexpr):
+    """The addresses every step kernel reads: (weight, grad, exp_avg, exp_avg_sq, step count)."""
+    return (operand(row, _COL_PARAM, w_arg, W_DTYPE, DIRECT), operand(row, _COL_GRAD, g_arg, G_DTYPE, DIRECT),
+            operand(row, _COL_EXP_AVG, m_arg, M_DTYPE, DIRECT), operand(row, _COL_EXP_AVG_SQ, v_arg, M_DTYPE, DIRECT),
+            operand(row, _COL_STEP, step_arg, tl.float32, DIRECT))
 
 
 @triton.jit
@@ -110,6 +124,20 @@ def to_weight_dtype(x, W_DTYPE: tl.constexpr):
     else:
         out = x.to(W_DTYPE)
     return out
+
+
+def shared_columns(state: ExactState | LeanState, numels: Iterable[int], n_cols: int) -> list:
+    """A step table's columns as `n_cols` iterables over the tensors: COL_NUMEL (`numels`) and the
+    shared addresses filled (COL_PARAM a tuple: launchers key their tables by it), the rest None."""
+    ptr = torch.Tensor.data_ptr
+    cols: list = [None] * n_cols
+    cols[_segments.COL_NUMEL] = numels
+    cols[_segments.COL_PARAM] = tuple(map(ptr, state.params))
+    cols[_segments.COL_GRAD] = map(ptr, state.grads)
+    cols[_segments.COL_EXP_AVG] = map(ptr, state.exp_avgs)
+    cols[_segments.COL_EXP_AVG_SQ] = map(ptr, state.exp_avg_sqs)
+    cols[_segments.COL_STEP] = map(ptr, state.steps)
+    return cols
 
 
 def launch_step(kernel, tables: _segments.Tables | None, state: ExactState | LeanState, hyper: AdamWHyper,

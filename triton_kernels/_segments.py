@@ -21,6 +21,14 @@ from typing import NamedTuple
 import torch
 
 COL_NUMEL = 0  # k_i, the entries of the tensor, in every launcher's segment table
+# The addresses every step table holds next (param, grad, the two moments, the step count);
+# each launcher's own columns follow from N_SHARED_COLS.
+COL_PARAM = 1
+COL_GRAD = 2
+COL_EXP_AVG = 3
+COL_EXP_AVG_SQ = 4
+COL_STEP = 5
+N_SHARED_COLS = 6
 BLOCK_COL_TENSOR = 0  # row of the segment table
 BLOCK_COL_START = 1  # first entry of the tensor the program updates
 N_BLOCK_COLS = 2

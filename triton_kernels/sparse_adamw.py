@@ -34,23 +34,19 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import (TL_DTYPES, adam_update, launch_step, load_grad, operand, program_segment, to_weight_dtype,
-                    weight_increment)
+from ._adam import (TL_DTYPES, adam_update, launch_step, load_grad, operand, program_segment, shared_columns,
+                    shared_operands, to_weight_dtype, weight_increment)
 from ._launch import is_recording
 from ._step_args import AdamWHyper, ExactState, check_state_lengths, check_step, takes_step_lists
 
 # Segment table columns, one int64 row per tensor: the host builder and the kernel both use
-# these names, so the layout is written only here.
-COL_NUMEL = tl.constexpr(0)  # k_i, entries of the tensor
-COL_PARAM = tl.constexpr(1)
-COL_GRAD = tl.constexpr(2)
-COL_INDICES = tl.constexpr(3)
-COL_EXP_AVG = tl.constexpr(4)
-COL_EXP_AVG_SQ = tl.constexpr(5)
-COL_DELTA = tl.constexpr(6)
-COL_BASE = tl.constexpr(7)  # 0 without bases
-COL_STEP = tl.constexpr(8)
-N_COLS = tl.constexpr(9)
+# these names, so the layout is written only here. The columns every step table shares (param,
+# grad, moments, step) are `_segments.py`'s, read by `_adam.shared_operands`.
+COL_NUMEL = tl.constexpr(_segments.COL_NUMEL)  # k_i, entries of the tensor
+COL_INDICES = tl.constexpr(_segments.N_SHARED_COLS)
+COL_DELTA = tl.constexpr(_segments.N_SHARED_COLS + 1)
+COL_BASE = tl.constexpr(_segments.N_SHARED_COLS + 2)  # 0 without bases
+N_COLS = tl.constexpr(_segments.N_SHARED_COLS + 3)
 # Block table columns, one row per program (the layout of `_segments.py`).
 BLOCK_COL_TENSOR = tl.constexpr(_segments.BLOCK_COL_TENSOR)
 BLOCK_COL_START = tl.constexpr(_segments.BLOCK_COL_START)
@@ -86,13 +82,10 @@ def _sparse_adamw_kernel(
     w_arg=None, g_arg=None, i_arg=None, m_arg=None, v_arg=None, d_arg=None, b_arg=None, step_arg=None, k=0,
 ):
     row, offs, mask = program_segment(table_ptr, blocks_ptr, k, N_COLS, BLOCK, DIRECT)
-    w_ptr = operand(row, COL_PARAM, w_arg, W_DTYPE, DIRECT)
-    g_ptr = operand(row, COL_GRAD, g_arg, G_DTYPE, DIRECT)
+    w_ptr, g_ptr, m_ptr, v_ptr, step_ptr = shared_operands(row, w_arg, g_arg, m_arg, v_arg, step_arg, W_DTYPE, G_DTYPE,
+                                                           tl.float32, DIRECT)
     i_ptr = operand(row, COL_INDICES, i_arg, I_DTYPE, DIRECT)
-    m_ptr = operand(row, COL_EXP_AVG, m_arg, tl.float32, DIRECT)
-    v_ptr = operand(row, COL_EXP_AVG_SQ, v_arg, tl.float32, DIRECT)
     d_ptr = operand(row, COL_DELTA, d_arg, tl.float32, DIRECT)
-    step_ptr = operand(row, COL_STEP, step_arg, tl.float32, DIRECT)
     if ALIGNED:
         # Addresses read from a table carry no alignment facts; without these hints the
         # compiler cannot emit 16-byte vector loads for the contiguous compact arrays.
@@ -218,20 +211,15 @@ def sparse_adamw_(
     # The Python side runs every step over every tensor (hundreds in a large model): C-level
     # map/zip instead of per-element Python, and the table is rebuilt only when an address moves.
     ptr = torch.Tensor.data_ptr
-    param_ptrs = tuple(map(ptr, params))
-    cols: list = [None] * int(N_COLS)
-    cols[COL_NUMEL] = map(torch.Tensor.numel, indices)
-    cols[COL_PARAM] = param_ptrs
-    cols[COL_GRAD] = map(ptr, state.grads)
+    cols = shared_columns(state, map(torch.Tensor.numel, indices), int(N_COLS))
+    param_ptrs = cols[_segments.COL_PARAM]
     cols[COL_INDICES] = map(ptr, indices)
-    cols[COL_EXP_AVG] = map(ptr, state.exp_avgs)
-    cols[COL_EXP_AVG_SQ] = map(ptr, state.exp_avg_sqs)
     cols[COL_DELTA] = map(ptr, state.deltas)
     cols[COL_BASE] = map(ptr, state.bases) if has_base else itertools.repeat(0)
-    cols[COL_STEP] = map(ptr, state.steps)
     tables = _segments.launch_tables(
         table_cache, _CACHE_KEY, (str(device), w_dtype, i_dtype, state.compact_grads, param_ptrs),
         tuple(zip(*cols)), int(N_COLS), block or _BLOCK, device, lambda: check_step(state, hyper),
-        aligned_cols=(int(COL_INDICES), int(COL_EXP_AVG), int(COL_EXP_AVG_SQ), int(COL_DELTA)), build=_build_tables)
+        aligned_cols=(int(COL_INDICES), _segments.COL_EXP_AVG, _segments.COL_EXP_AVG_SQ, int(COL_DELTA)),
+        build=_build_tables)
     launch_step(_sparse_adamw_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block,
                 ALIGNED=tables.aligned, **options)

@@ -34,22 +34,20 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from ._adam import adam_update, launch_step, load_grad, operand, program_segment, to_weight_dtype, weight_increment
+from ._adam import (adam_update, launch_step, load_grad, operand, program_segment, shared_columns, shared_operands,
+                    to_weight_dtype, weight_increment)
 from ._launch import is_recording
 from ._step_args import LEAN_WINDOW_BITS, AdamWHyper, LeanState, check_state_lengths, check_step, takes_step_lists
 
-COL_NUMEL = tl.constexpr(0)  # k_i
-COL_WINDOWS = tl.constexpr(1)  # ceil(n_i / 65536)
-COL_SEARCH_STEPS = tl.constexpr(2)  # ceil(log2(windows)): binary-search probes
-COL_PARAM = tl.constexpr(3)
-COL_GRAD = tl.constexpr(4)
-COL_LOW = tl.constexpr(5)
-COL_OFFSETS = tl.constexpr(6)
-COL_EXP_AVG = tl.constexpr(7)
-COL_EXP_AVG_SQ = tl.constexpr(8)
-COL_RESIDUAL = tl.constexpr(9)  # 0 for fp32 params
-COL_STEP = tl.constexpr(10)
-N_COLS = tl.constexpr(11)
+# Segment table columns: those every step table shares (param, grad, moments, step: `_segments.py`),
+# then the lean ones.
+COL_NUMEL = tl.constexpr(_segments.COL_NUMEL)  # k_i
+COL_WINDOWS = tl.constexpr(_segments.N_SHARED_COLS)  # ceil(n_i / 65536)
+COL_SEARCH_STEPS = tl.constexpr(_segments.N_SHARED_COLS + 1)  # ceil(log2(windows)): binary-search probes
+COL_LOW = tl.constexpr(_segments.N_SHARED_COLS + 2)
+COL_OFFSETS = tl.constexpr(_segments.N_SHARED_COLS + 3)
+COL_RESIDUAL = tl.constexpr(_segments.N_SHARED_COLS + 4)  # 0 for fp32 params
+N_COLS = tl.constexpr(_segments.N_SHARED_COLS + 5)
 
 _BLOCK = 512
 _NUM_WARPS = 8
@@ -94,13 +92,10 @@ def _sparse_adamw_lean_kernel(
 ):
     row, offs, mask = program_segment(table_ptr, blocks_ptr, k, N_COLS, BLOCK, DIRECT)
     search_steps = operand(row, COL_SEARCH_STEPS, search_steps_arg, None, DIRECT).to(tl.int32)
-    w_ptr = operand(row, COL_PARAM, w_arg, W_DTYPE, DIRECT)
-    g_ptr = operand(row, COL_GRAD, g_arg, G_DTYPE, DIRECT)
+    w_ptr, g_ptr, m_ptr, v_ptr, step_ptr = shared_operands(row, w_arg, g_arg, m_arg, v_arg, step_arg, W_DTYPE, G_DTYPE,
+                                                           tl.bfloat16, DIRECT)
     low_ptr = operand(row, COL_LOW, low_arg, tl.int16, DIRECT)
     off_ptr = operand(row, COL_OFFSETS, off_arg, tl.int32, DIRECT)
-    m_ptr = operand(row, COL_EXP_AVG, m_arg, tl.bfloat16, DIRECT)
-    v_ptr = operand(row, COL_EXP_AVG_SQ, v_arg, tl.bfloat16, DIRECT)
-    step_ptr = operand(row, COL_STEP, step_arg, tl.float32, DIRECT)
 
     low = tl.load(low_ptr + offs, mask=mask, other=0).to(tl.int64) & 0xFFFF
     # The window of each entry: the last w with offsets[w] <= position (offsets[0] = 0 and
@@ -220,14 +215,15 @@ def sparse_adamw_lean_(
                     direct, enable_fp_fusion=False)
         return
     ptr = torch.Tensor.data_ptr
-    param_ptrs = tuple(map(ptr, params))
-    columns = tuple(zip(
-        map(torch.Tensor.numel, state.indices_low), windows, search_steps,
-        param_ptrs, map(ptr, state.grads), map(ptr, state.indices_low), map(ptr, state.window_offsets),
-        map(ptr, state.exp_avgs), map(ptr, state.exp_avg_sqs),
-        map(ptr, state.residuals) if state.residuals else [0] * len(params), map(ptr, state.steps)))
+    cols = shared_columns(state, map(torch.Tensor.numel, state.indices_low), int(N_COLS))
+    param_ptrs = cols[_segments.COL_PARAM]
+    cols[COL_WINDOWS] = windows
+    cols[COL_SEARCH_STEPS] = search_steps
+    cols[COL_LOW] = map(ptr, state.indices_low)
+    cols[COL_OFFSETS] = map(ptr, state.window_offsets)
+    cols[COL_RESIDUAL] = map(ptr, state.residuals) if state.residuals else [0] * len(params)
     tables = _segments.launch_tables(
-        table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), columns, int(N_COLS),
-        block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
+        table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), tuple(zip(*cols)),
+        int(N_COLS), block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
     launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block,
                 enable_fp_fusion=False)
