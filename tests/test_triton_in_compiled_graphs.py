@@ -41,7 +41,7 @@ def cuda(*shape, dtype=torch.float32):
 
 
 def nodes(fn, *args):
-    """The graph's calls in order: a launch as {kernel, writes, scalars}, any other op by name."""
+    """The graph's calls in order: a launch as {kernel, grid, inputs, scalars}, any other op by name."""
     gm = make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*args)
     placeholders = {n.name: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     out = []
