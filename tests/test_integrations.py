@@ -242,6 +242,53 @@ def test_trainer_compact_grads_under_fp16_loss_scaling_equals_plain_mode(tmp_pat
         torch.testing.assert_close(weights[True][name], w, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_trainer_compact_grads_under_fp16_without_clipping(tmp_path):
+    """With max_grad_norm=0 the Trainer still unscales (without clipping) but SparseTrainer linked its scaler
+    only when clipping: the compact step raised "set optimizer.grad_scaler"."""
+    from sift.integrations.hf import SparseTrainer
+
+    weights = {}
+    for compact in (False, True):
+        torch.manual_seed(0)
+        model = _tiny_bert_classifier()
+        trainer = SparseTrainer(model=model, args=_train_args(tmp_path / str(compact), max_steps=3, fp16=True,
+                                                              max_grad_norm=0.0),
+                                train_dataset=_tiny_train_data(), density=0.05, compact_grads=compact)
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what a GPU run gets
+        trainer.accelerator.native_amp = True
+        trainer.train()
+        assert trainer.optimizer.optimizer.grad_scaler is trainer.accelerator.scaler
+        weights[compact] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, w in weights[False].items():
+        torch.testing.assert_close(weights[True][name], w, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trainer_skipped_fp16_step_does_not_advance_the_lr_schedule(tmp_path):
+    """scaler.step always calls SparseAdamW.step (it takes the scale itself), so accelerate counted a step it
+    skipped for inf/NaN as taken and the Trainer advanced the learning-rate schedule."""
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    weight = model.classifier.weight
+    calls = []
+
+    def inf_in_first_backward(grad):  # GradScaler finds it and the step is skipped
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 1 else grad
+
+    weight.register_hook(inf_in_first_backward)
+    trainer = SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=3, fp16=True),
+                            train_dataset=_tiny_train_data(), density=0.05)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    trainer.accelerator.native_amp = True
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer
+    assert len(calls) == 3
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    assert steps and all(step == 2 for step in steps)
+    assert trainer.lr_scheduler.last_epoch == 2
+
+
 def test_trainer_compact_grads_misuse_errors_before_touching_the_model(tmp_path, monkeypatch):
     """compact_grads with several processes trained silently wrong (the hooks free the .grad DDP reduces)."""
     from sift.integrations.hf import SparseTrainer

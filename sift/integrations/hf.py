@@ -9,12 +9,26 @@ from typing import Any
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.targets import plan_targets
+
+
+class _ReportSkippedSteps(TrainerCallback):
+    """Marks a step SparseAdamW skipped under fp16 loss scaling as skipped for accelerate.
+
+    SparseAdamW takes GradScaler's scale itself, so `scaler.step` calls it even when it skips;
+    accelerate, which counts a step as skipped only when `step()` was not called, would then
+    advance the learning-rate schedule on overflow steps.
+    """
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, SparseAdamW) and inner.last_step_skipped and hasattr(optimizer, "_is_overflow"):
+            optimizer._is_overflow = True
 
 
 class SparseTrainer(Trainer):
@@ -90,13 +104,12 @@ class SparseTrainer(Trainer):
                 raise ValueError(f"indices names params the model does not train: unknown {unknown}, "
                                  f"frozen {frozen}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if compact_grads and training_args is not None:
+        if compact_grads and training_args is not None and training_args.world_size > 1:
             # Checked before Trainer.__init__ so that nothing (device placement) touches the model.
-            if training_args.world_size > 1:
-                raise ValueError(
-                    f"compact_grads=True is single-process only (world_size is {training_args.world_size}): its hooks "
-                    "free the dense gradients that DDP reduces; use compact_grads=False with several processes"
-                )
+            raise ValueError(
+                f"compact_grads=True is single-process only (world_size is {training_args.world_size}): its hooks "
+                "free the dense gradients that DDP reduces; use compact_grads=False with several processes"
+            )
         self.sift_density = density
         self.sift_compact_grads = compact_grads
         self.sift_select_steps = select_steps
@@ -105,13 +118,22 @@ class SparseTrainer(Trainer):
         self.sift_targets = (target_modules, dense_modules) if by_targets else None
         self.sift_selection = selection
         super().__init__(*args, **kwargs)
+        self.add_callback(_ReportSkippedSteps())
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        if self.optimizer is not None:
-            return self.optimizer
-        opt_model = self.model if model is None else model
-        if self.sift_targets is not None:
-            return self._create_optimizer_for_targets(opt_model)
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            self.optimizer = (self._create_optimizer_for_targets(opt_model) if self.sift_targets is not None
+                              else self._create_sparse_optimizer(opt_model))
+        # The scaler's unscale_ sees only .grad: the optimizer unscales its compact buffers itself
+        # by this scaler's scale (see sift.optim.amp). Linked here, before any step, since the
+        # Trainer may unscale without clipping.
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and isinstance(self.optimizer, SparseAdamW):
+            self.optimizer.grad_scaler = scaler
+        return self.optimizer
+
+    def _create_sparse_optimizer(self, opt_model: torch.nn.Module) -> SparseAdamW:
         decay = set(self.get_decay_parameter_names(opt_model))
         groups: dict[tuple[float, float], list[torch.Tensor]] = {}
         given: dict[torch.Tensor, torch.Tensor] = {}
@@ -125,7 +147,7 @@ class SparseTrainer(Trainer):
                 density = min(self.sift_density, 0.5)
             weight_decay = self.args.weight_decay if name in decay else 0.0
             groups.setdefault((density, weight_decay), []).append(p)
-        self.optimizer = SparseAdamW(
+        optimizer = SparseAdamW(
             [{"params": ps, "density": d, "weight_decay": wd} for (d, wd), ps in groups.items()],
             lr=self.args.learning_rate,
             betas=(self.args.adam_beta1, self.args.adam_beta2),
@@ -135,12 +157,12 @@ class SparseTrainer(Trainer):
             compact_grads=self.sift_compact_grads,
         )
         for p, idx in given.items():
-            self.optimizer.set_indices(p, idx)
-        return self.optimizer
+            optimizer.set_indices(p, idx)
+        return optimizer
 
-    def _create_optimizer_for_targets(self, opt_model: torch.nn.Module) -> torch.optim.Optimizer:
+    def _create_optimizer_for_targets(self, opt_model: torch.nn.Module) -> SparseAdamW:
         target_modules, dense_modules = self.sift_targets
-        self.optimizer = SparseAdamW.for_model(
+        optimizer = SparseAdamW.for_model(
             opt_model,
             density=self.sift_density,
             lr=self.args.learning_rate,
@@ -155,20 +177,12 @@ class SparseTrainer(Trainer):
         )
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():
-            self.optimizer.set_indices(params[name], idx)
-        return self.optimizer
+            optimizer.set_indices(params[name], idx)
+        return optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
         # scaler remembers the unscale and does not repeat it in step().
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
-        self._link_scaler(optimizer)
         self.accelerator.unscale_gradients()
         return clip_grad_norm_(optimizer, self.args.max_grad_norm)
-
-    def _link_scaler(self, optimizer: torch.optim.Optimizer) -> None:
-        # The scaler's unscale_ sees only .grad: the optimizer unscales its compact buffers itself
-        # by this scaler's scale (see sift.optim.amp).
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and isinstance(optimizer, SparseAdamW):
-            optimizer.grad_scaler = scaler

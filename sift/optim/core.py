@@ -169,6 +169,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
                              "backward cannot be unstepped when the scaler finds inf/NaN")
         self.grad_scaler = grad_scaler
+        # Whether the last step() was skipped for GradScaler's inf/NaN: `scaler.step` calls a
+        # step that takes the scale itself even when it skips, so wrappers that count skipped
+        # steps by "step() was not called" (accelerate) read this instead.
+        self.last_step_skipped = False
         self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
         # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
         # the sparse params a backward reached since the last step() (a second backward raises).
@@ -345,7 +349,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._validate_grads()
         self._hook_new_params()
         self._sync_grads()
-        if self._amp_begin():
+        self.last_step_skipped = self._amp_begin()
+        if self.last_step_skipped:
             # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
             # step's gradients are used up as by a step that ran.
             self._end_step()
