@@ -416,26 +416,31 @@ void restore_chunk(W* __restrict w, const I* __restrict idx, const W* __restrict
   }
 }
 
-// Lengths, devices, dtypes and layouts of one list of per-entry tensors (values or originals).
-void check_entry_tensors(at::TensorList params, at::TensorList indices, at::TensorList values,
-                         const char* values_name, bool values_in_param_dtype) {
-  const auto n = static_cast<int64_t>(params.size());
-  TORCH_CHECK(static_cast<int64_t>(indices.size()) == n, "indices must have one tensor per param");
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == n, values_name, " must have one tensor per param");
-  for (int64_t i = 0; i < n; ++i) {
+// Lengths, devices, dtypes and layouts of the params and their index lists.
+void check_params_indices(at::TensorList params, at::TensorList indices) {
+  TORCH_CHECK(indices.size() == params.size(), "indices must have one tensor per param");
+  for (size_t i = 0; i < params.size(); ++i) {
     const auto& p = params[i];
     const auto& ix = indices[i];
-    const auto& v = values[i];
-    TORCH_CHECK(p.device().is_cpu() && ix.device().is_cpu() && v.device().is_cpu(),
-                "params, indices and ", values_name, " must be CPU tensors");
+    TORCH_CHECK(p.device().is_cpu() && ix.device().is_cpu(), "params and indices must be CPU tensors");
     TORCH_CHECK(p.is_contiguous(), "params must be contiguous");
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                 "params must be float32, bfloat16 or float16");
     TORCH_CHECK(ix.dim() == 1 && ix.is_contiguous(), "indices must be contiguous 1-D tensors");
     TORCH_CHECK(ix.scalar_type() == at::kInt || ix.scalar_type() == at::kLong, "indices must be int32 or int64");
-    TORCH_CHECK(v.dim() == 1 && v.is_contiguous() && v.numel() == ix.numel(), values_name,
+  }
+}
+
+// One list of per-entry tensors (values or originals) against checked params and indices.
+void check_entry_values(at::TensorList params, at::TensorList indices, at::TensorList values,
+                        const char* values_name, bool values_in_param_dtype) {
+  TORCH_CHECK(values.size() == params.size(), values_name, " must have one tensor per param");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& v = values[i];
+    TORCH_CHECK(v.device().is_cpu(), values_name, " must be CPU tensors");
+    TORCH_CHECK(v.dim() == 1 && v.is_contiguous() && v.numel() == indices[i].numel(), values_name,
                 " must be contiguous 1-D with one entry per index");
-    TORCH_CHECK(v.scalar_type() == (values_in_param_dtype ? p.scalar_type() : at::kFloat), values_name,
+    TORCH_CHECK(v.scalar_type() == (values_in_param_dtype ? params[i].scalar_type() : at::kFloat), values_name,
                 values_in_param_dtype ? " must have the dtype of their params" : " must be float32");
   }
 }
@@ -483,9 +488,10 @@ void restore_dispatch_index(const at::Tensor& p, const at::Tensor& ix, const at:
 // functionalize it.
 void sparse_delta_apply_cpu(at::TensorList params, at::TensorList indices, at::TensorList values, double scale,
                             at::TensorList originals) {
-  check_entry_tensors(params, indices, values, "values", false);
+  check_params_indices(params, indices);
+  check_entry_values(params, indices, values, "values", false);
   const bool save = !originals.empty();
-  if (save) check_entry_tensors(params, indices, originals, "originals", true);
+  if (save) check_entry_values(params, indices, originals, "originals", true);
   const std::vector<Chunk> work = plan_chunks(params, indices);
   const float s = static_cast<float>(scale);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
@@ -504,7 +510,8 @@ void sparse_delta_apply_cpu(at::TensorList params, at::TensorList indices, at::T
 }
 
 void sparse_delta_restore_cpu(at::TensorList params, at::TensorList indices, at::TensorList originals) {
-  check_entry_tensors(params, indices, originals, "originals", true);
+  check_params_indices(params, indices);
+  check_entry_values(params, indices, originals, "originals", true);
   const std::vector<Chunk> work = plan_chunks(params, indices);
   at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
@@ -522,8 +529,7 @@ void sparse_delta_restore_cpu(at::TensorList params, at::TensorList indices, at:
 
 }  // namespace
 
-// The ops' schemas, argument checks and fake kernels are defined once in sift/_ops.py; these are their
-// CPU kernels. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
+// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) {
   m.impl("merge_sorted_deltas", &merge_sorted_deltas_cpu);
   m.impl("sparse_delta_apply_", &sparse_delta_apply_cpu);

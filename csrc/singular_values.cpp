@@ -242,8 +242,7 @@ std::string singular_values_isa() { return isa_name(detect_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("singular_values_isa() -> str", &singular_values_isa); }
 
-// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
-// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
+// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("singular_values", &singular_values_cpu); }
 
 }  // namespace sift

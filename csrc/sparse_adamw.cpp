@@ -130,12 +130,6 @@ Isa detect_adamw_isa() {
   return Isa::generic;
 }
 
-struct Segment {
-  int64_t tensor;
-  int64_t begin;
-  int64_t end;
-};
-
 // Each chunk's indices are checked (index_check.h) just before the chunk is stepped: they then
 // sit in L1 for the step, where a separate pass over all indices would read them cold from
 // memory once more. A bad chunk is skipped and afterwards the first bad index raises: the step may then be
@@ -281,8 +275,7 @@ std::string sparse_adamw_isa() { return isa_name(detect_adamw_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_isa() -> str", &sparse_adamw_isa); }
 
-// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
-// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
+// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_", &sparse_adamw_cpu); }
 
 }  // namespace sift

@@ -1,7 +1,7 @@
 // What the exact (sparse_adamw.cpp) and lean (sparse_adamw_lean.cpp) CPU steps share: the
 // hyper-parameters as their kernels take them, the bias corrections, and the checks of the
 // operands both layouts have (params, grads, steps). The op's argument checks proper are
-// sift/_ops.py's check_step; these guard memory when the kernel is called directly.
+// check_step (triton_kernels/_step_args.py); these guard memory when the kernel is called directly.
 #pragma once
 
 // Whether c10::Half(float) converts with F16C (when the build's own flags enable it): then it
@@ -75,6 +75,22 @@ inline void check_one_per_param(int64_t n, std::initializer_list<std::pair<const
   }
 }
 
+// A chunk of work: entries [begin, end) of tensor `tensor`, stepped by one thread.
+struct Segment {
+  int64_t tensor, begin, end;
+};
+
+// The dtype names the Python API uses, for error messages.
+inline const char* dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kChar: return "int8";
+    default: return c10::toString(dtype);
+  }
+}
+
 // Checks tensor i's param, grad and step (k chosen entries); returns the step count t.
 inline double check_param_grad_step(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& step,
                                     at::ScalarType dtype, bool compact_grads, int64_t k, int64_t i) {
@@ -102,7 +118,7 @@ inline void check_compact(std::initializer_list<const at::Tensor*> tensors, at::
                           const char* what) {
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype && t->is_contiguous() && t->numel() == k, what,
-                " must be contiguous CPU ", c10::toString(dtype), " tensors with one entry per index");
+                " must be contiguous CPU ", dtype_name(dtype), " tensors with one entry per index");
   }
 }
 

@@ -191,10 +191,6 @@ void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __res
   }
 }
 
-struct LeanSegment {
-  int64_t tensor, begin, end;
-};
-
 // First position in [begin, end) of tensor i whose low half breaks the layout (not above the
 // previous entry of its window, or past the weight in the last window), else -1. Checked per
 // chunk, just before the chunk is stepped, as the exact step does.
@@ -245,7 +241,7 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   }
   std::vector<float> step_size(n), inv_bc2_sqrt(n);
   std::vector<uint32_t> step_count(n);
-  std::vector<LeanSegment> work;
+  std::vector<Segment> work;
   for (int64_t i = 0; i < n; ++i) {
     const auto& p = params[i];
     const int64_t k = indices_low[i].numel();
@@ -278,7 +274,7 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   // A grain of 16 chunks keeps small steps on the calling thread.
   at::parallel_for(0, static_cast<int64_t>(work.size()), 16, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
-      const LeanSegment& s = work[c];
+      const Segment& s = work[c];
       const int64_t i = s.tensor, k = indices_low[i].numel(), numel = params[i].numel();
       const int64_t n_windows = window_offsets[i].numel() - 1;
       const int16_t* low = indices_low[i].data_ptr<int16_t>();
@@ -324,8 +320,7 @@ std::string sparse_adamw_lean_isa() { return isa_name(detect_lean_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa); }
 
-// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
-// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
+// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }
 
 }  // namespace sift

@@ -468,8 +468,7 @@ std::string sparse_weight_grad_isa() {
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_weight_grad_isa() -> str", &sparse_weight_grad_isa); }
 
-// The op's schema, argument checks and fake kernel are defined once in sift/_ops.py; this is its CPU
-// kernel. The checks kept here guard memory when the kernel is called directly (torch.ops.sift.*).
+// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_weight_grad_", &sparse_weight_grad_cpu); }
 
 }  // namespace sift

@@ -14,8 +14,6 @@ import logging
 import os
 import threading
 
-import torch
-
 log = logging.getLogger("sift")
 
 _lock = threading.Lock()
@@ -118,7 +116,7 @@ def _jit_build() -> None:
 
 
 def load_extension() -> bool:
-    """Load the C++ ops once; returns whether `torch.ops.sift` has them.
+    """Load the C++ extension once; returns whether the ops' C++ CPU kernels are registered.
 
     Returns:
         True when the extension is loaded (ahead-of-time build or JIT), else False, with

@@ -227,11 +227,11 @@ def _record_on_triton(name: str, registry: str, traced: Callable) -> None:
     holds the kernels themselves, which Inductor compiles and schedules, instead of one opaque
     call. Elsewhere (C++ on CPU, the interpreter) the op stays one node.
     """
-    from sift.triton_kernels import _launch
-
     if not hasattr(torch.library, "register_torch_dispatch"):  # torch < 2.5: the op stays opaque
         return
     from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from sift.triton_kernels import _launch
 
     def decompose(mode, op, types, args, kwargs):
         device = _first_device(args)
@@ -250,13 +250,14 @@ def _step_schema(name: str, lists: str) -> str:
             f"bool compact_grads, str isa=\"auto\") -> ()")
 
 
-def _step_on_device(name: str) -> Callable:
+def _step_on_device(name: str, state_type: type) -> Callable:
     """The CUDA kernel of a step op: its schema's flat arguments to the registry's entry."""
+    n = len(state_type.LISTS)
 
     def run(*args, **_isa) -> None:
-        # Eight tensor lists, seven scalars, then `isa` (absent when a trace leaves out the default).
-        lr, beta1, beta2, eps, weight_decay, maximize, compact_grads = args[8:15]
-        call(name, *args[:8], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+        # The tensor lists, seven scalars, then `isa` (absent when a trace leaves out the default).
+        lr, beta1, beta2, eps, weight_decay, maximize, compact_grads = args[n:n + 7]
+        call(name, *args[:n], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
              compact_grads=compact_grads)
 
     return run
@@ -331,9 +332,10 @@ def _bias_corrections(hyper: AdamWHyper, step: torch.Tensor) -> tuple[torch.Tens
 def _cpp_step(op_name: str, state_type: type) -> Callable:
     """The C++ entry of a step op: `torch.ops.sift.<op_name>` on the flat lists.
 
-    The kernel refuses bad operands before writing anything (its checks guard memory, as it
-    can be called directly); a refusal is then re-checked by `check_step`, so a bad operand is
-    named as on every other backend. Checking first instead would cost a Python pass over
+    The kernel checks its operands before touching memory (it can be called directly), and an
+    index out of order or range before stepping the chunk holding it: it never writes outside
+    the params, though a step refused for a bad index may be partly applied. A refusal is then
+    re-checked by `check_step`, so a bad operand is named as on every other backend. Checking first instead would cost a Python pass over
     every tensor in every step, more than a small C++ step takes.
     """
 
@@ -365,7 +367,9 @@ def _define_step(name: str, reference: Callable, lists: str, state_type: type) -
     """One step op: its reference, schema (`lists`, the tensor-list arguments), fake kernel, C++
     entry and Triton launcher (`triton_kernels/<name without the trailing _>.py`)."""
     define(name, reference)
-    define_schema(name, _step_schema(name, lists), _no_output, _step_on_device(name), traced=_step_on_device(name))
+    # Eager or traced, a CUDA call runs the registry's entry (Triton records its launches when traced).
+    on_device = _step_on_device(name, state_type)
+    define_schema(name, _step_schema(name, lists), _no_output, on_device, traced=on_device)
     register(name, "cpp")(_cpp_step(name, state_type))
     register(name, "triton")(_triton_step(name.rstrip("_"), name))
 
@@ -486,6 +490,8 @@ def _merge_sorted_deltas_fake(indices, values, weights, group_sizes, ties):
 define("merge_sorted_deltas", merge_sorted_deltas_ref)
 define("sparse_delta_apply_", sparse_delta_apply_ref)
 define("sparse_delta_restore_", sparse_delta_restore_ref)
+
+
 @register("merge_sorted_deltas", "cpp")
 def _merge_sorted_deltas_cpp(indices, values, weights, group_sizes, ties):
     # The C++ merge wants one index dtype per group and contiguous fp32 values; widen here so
