@@ -455,8 +455,8 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     """Where each method's process comes from: forks of one server that has imported `_PRELOAD`.
 
     A spawned process would import torch, transformers and peft again for every method; a fork
-    of the server starts with them loaded and still has its own peak RSS. The server never runs a torch op, so no OpenMP pool is forked. Spawn where the
-    platform has no fork server.
+    of the server starts with them loaded and still has its own peak RSS. The server never runs
+    a torch op, so no OpenMP pool is forked. Spawn where the platform has no fork server.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")

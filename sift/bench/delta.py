@@ -217,7 +217,8 @@ def apply_routes(idx: torch.Tensor, val: torch.Tensor, weight: torch.Tensor) -> 
     return {
         "index_add_": lambda: weight.index_add_(0, idx, val),
         "cpp": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, []),
-        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0, [torch.empty_like(val)]),
+        "cpp+save": lambda: torch.ops.sift.sparse_delta_apply_([weight], [idx], [val], 1.0,
+                                                               _ops.originals_like([weight], [idx])),
         "api": api_round_trip,
     }
 

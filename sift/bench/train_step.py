@@ -29,9 +29,9 @@ COLUMNS = ("method", "density", "trainable", "median s/step", "p20 s", "p80 s", 
 def model_config(quick: bool) -> dict[str, int]:
     """A small Llama (GQA) that a 2-core CPU steps in a few seconds; `quick`: a toy.
 
-    Hidden 1024 rather than 512: at 512 the matrix products are under three quarters of the
-    step (attention, norms and the loss take the rest), far less than in the Llama sizes users
-    fine-tune, and the weight gradient's share, which the sparse backward removes, shrinks with them.
+    Hidden 1024 rather than 512, so that the matrix products dominate the step as in the Llama
+    sizes users fine-tune (the weight gradient's share is what the sparse backward removes; the
+    measurements at 512 are in bench/results/README.md).
     """
     if quick:
         return dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,

@@ -30,12 +30,17 @@ def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-def _unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor, found: dict[torch.device, torch.Tensor]) -> None:
-    """Multiply `tensors` by `inv_scale` in place and flag inf/NaN into `found` (per device, no host sync)."""
+def _unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor,
+              found: dict[torch.device, torch.Tensor] | None) -> None:
+    """Multiply `tensors` by `inv_scale` in place and flag inf/NaN into `found` (per device, no host
+    sync); `found` None: values the scaler already checked, multiplied only."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         by_kind[(t.device, t.dtype)].append(t)
     for (device, _), group in by_kind.items():
+        if found is None:
+            torch._foreach_mul_(group, inv_scale.to(device))
+            continue
         if device not in found:
             found[device] = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], inv_scale.to(device))
@@ -48,7 +53,7 @@ class AmpMixin:
 
     def _scaler_inverse_scale(self) -> torch.Tensor | None:
         """The inverse scale `scaler.unscale_(self)` applied to `.grad` this step, if it was called."""
-        scaler = getattr(self, "grad_scaler", None)
+        scaler = self.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return None
         per_optimizer = scaler._per_optimizer_states.get(id(self))
@@ -100,7 +105,7 @@ class AmpMixin:
     def _report_found_inf(self) -> None:
         """Add the compact buffers' inf/NaN flags to the scaler's, so that `scaler.update()` backs off
         the scale for them too (its own check saw only `.grad`)."""
-        scaler = getattr(self, "grad_scaler", None)
+        scaler = self.grad_scaler
         per_optimizer = scaler._per_optimizer_states.get(id(self)) if scaler is not None else None
         if per_optimizer is None:
             warnings.warn("SparseAdamW skipped a step for inf/NaN in a compact gradient, which GradScaler cannot "
@@ -134,5 +139,5 @@ class AmpMixin:
                     dense.append(local_tensor(p.grad))
                 elif not self.compact_grads and is_selected(self.state.get(p, {})):
                     gathered.append(self._gathered_grad(p))
-        # The scaler already checked these `.grad` values; the flags here are not read.
-        _unscale_(gathered + dense, inv_scale, {})
+        # The scaler already checked these `.grad` values.
+        _unscale_(gathered + dense, inv_scale, None)
