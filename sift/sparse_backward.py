@@ -19,8 +19,9 @@ averaging already read those buffers.
 Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, autocast (bf16/
 fp16 compute; the op reads dY and X in the autocast dtype and accumulates in fp32), gradient
 checkpointing, several processes through the optimizer's `process_group` (k entries on the wire
-per weight), and the optimizer's `update_in_backward` (each weight is stepped as soon as its
-compact gradient is written, through `optimizer._gradient_ready`), and fp16 weights with
+per weight), and the optimizer's `update_in_backward` (each weight is stepped once every use of
+it in the forward has added its part: a layer applied twice, a head tied to an embedding, shared
+layers), and fp16 weights with
 `GradScaler` (the optimizer unscales and checks the compact gradients itself; after an explicit
 `scaler.unscale_(optimizer)` it needs `optimizer.grad_scaler = scaler`, see `sift.optim.amp`).
 Not supported: wrapping the model in DDP (there is no weight gradient for it to reduce: pass
@@ -97,9 +98,8 @@ class _SparseLinearFunction(torch.autograd.Function):
                 # Linear: W[out, in], row = out. Conv1D: W[in, out], row = in: swap the operands.
                 a, b = (x2, dy) if route.transposed else (dy, x2)
                 # The optimizer's indices are validated already: no host sync per layer.
+                # With update_in_backward the optimizer steps the weight once all its uses have added.
                 _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
-                # update_in_backward: the optimizer steps this weight now (grad_x is computed already).
-                route.optimizer._gradient_ready(weight)
         return grad_x, grad_w, grad_b, None
 
 

@@ -8,6 +8,8 @@ sparse backward.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -159,12 +161,112 @@ def _assert_step_leaves_params(model, step, expectation) -> None:
         assert torch.equal(p, p0)
 
 
-def test_inf_in_a_compact_gradient_without_the_scaler_warns():
-    """Without `grad_scaler` the step is still skipped, with a warning that the scale cannot back off."""
+def test_inf_in_a_compact_gradient_backs_off_without_the_link():
+    """Regression: without `grad_scaler` an inf in a compact gradient skipped the step but never lowered the
+    scale, so fp16 training stalled for good; the step now finds the scaler that called it and reports."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     model, opt = _scaled_backward_after_selection("hook", scaler, link=False)
+    opt.grad_scaler = None  # as a fresh optimizer has it: no link at all
     opt.compact_grad(model[0].weight)[0] = float("nan")
-    _assert_step_leaves_params(model, lambda: scaler.step(opt), pytest.warns(UserWarning, match="grad_scaler"))
+    _assert_step_leaves_params(model, lambda: scaler.step(opt), contextlib.nullcontext())
+    scaler.update()
+    assert scaler.get_scale() == 512.0, "the scaler did not learn of the NaN"
+    assert opt.grad_scaler is scaler and opt.last_step_skipped
+
+
+def test_a_scaler_the_step_cannot_find_is_refused():
+    """A step handed GradScaler's scale by a caller it cannot find refuses, changing nothing (it could not
+    report the compact gradients' inf/NaN check, and the scale would never back off)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model, opt = _scaled_backward_after_selection("sparse_backward", scaler, link=False)
+    opt.grad_scaler = None
+    opt.grad_scale, opt.found_inf = scaler._scale, torch.zeros(())
+    _assert_step_leaves_params(model, opt.step, pytest.raises(RuntimeError, match="optimizer.grad_scaler"))
+
+
+@pytest.mark.parametrize("mode", ["hook", "sparse_backward"])
+def test_only_sparse_params_under_the_scaler(mode):
+    """Regression: with no trained param keeping a dense .grad, scaler.step handed found_inf = 0 (an int) and
+    scaler.update() found no inf check; now training equals unscaled training and an overflow backs off."""
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(13, 21, bias=False), torch.nn.Tanh(),
+                                    torch.nn.Linear(21, 7, bias=False))
+        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.15, compact_grads=True)
+        if mode == "sparse_backward":
+            sift.enable_sparse_backward(model, opt)
+        return model, opt
+
+    batches = _batches(5)
+    model, opt = build()
+    scaler = torch.amp.GradScaler("cpu", **OVERFLOW)
+    assert _train(model, opt, batches, scaler) == [False, True, True, True, True]
+    assert scaler.get_scale() == 2.0**15
+    ref_model, ref_opt = build()
+    _train(ref_model, ref_opt, batches[1:])
+    _assert_same(model, opt, ref_model, ref_opt)
+
+
+def test_overflow_in_a_weight_gradient_only_does_not_stall():
+    """Regression: fp16 weights, an overflow in a sparse weight's gradient only and `scaler.step(opt)` alone
+    (no link): the step was skipped but the scale never backed off, so an overflowing scale stayed for good.
+    Now each overflow halves the scale and training goes on."""
+    model, opt = _build("hook", torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    overflow = {1, 2}
+    step = [0]
+    # The weight's fp16 gradient overflows on these steps (what a large scale does to dY^T X), nothing else.
+    model[0].weight.register_hook(lambda g: g * float("inf") if step[0] in overflow else g)
+    ran = []
+    for x, y in _batches(5, torch.float16):
+        ran += _train(model, opt, [(x, y)], scaler)
+        step[0] += 1
+    assert ran == [True, False, False, True, True]
+    assert scaler.get_scale() == 2.0**8
+    assert opt.state[model[0].weight]["step"].item() == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_gpt2_lm_through_for_model_with_grad_scaler():
+    """Regression: for_model on an fp16 GPT-2 LM (the tied lm_head leaves no dense group) crashed at step 1
+    under GradScaler. Scaled training now follows unscaled training within fp16 precision."""
+    transformers = pytest.importorskip("transformers")
+
+    def build(mode):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=24, n_layer=2, n_head=4,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config).half()
+        kwargs = {"sparse_backward": True} if mode == "sparse_backward" else {"compact_grads": True}
+        opt = SparseAdamW.for_model(model, density=0.05, lr=1e-3, **kwargs)
+        assert all(group["density"] < 1.0 for group in opt.param_groups)
+        return model, opt
+
+    def train(model, opt, scaler=None):
+        for step in range(4):
+            ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=ids, labels=ids).loss
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+
+    for mode in ("hook", "sparse_backward"):
+        model, opt = build(mode)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        train(model, opt, scaler)
+        assert scaler.get_scale() == 2.0**8  # no overflow, no skip
+        ref_model, ref_opt = build(mode)
+        train(ref_model, ref_opt)
+        # fp16: a one-ulp difference in a near-zero gradient can turn Adam's normalised step around (2 lr).
+        for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=8e-3, msg=lambda m: f"{mode} {name}: {m}")
+        assert not torch.equal(model.transformer.h[0].attn.c_attn.weight,
+                               build(mode)[0].transformer.h[0].attn.c_attn.weight)
 
 
 def test_plain_mode_never_writes_a_sparse_weights_dense_gradient():
@@ -200,12 +302,19 @@ def test_compact_modes_keep_no_dense_gradient(mode):
         assert model[0].weight.grad is None and model[2].weight.grad is None
 
 
-def test_unscale_without_the_scaler_raises_and_changes_nothing():
-    """After scaler.unscale_ in hook mode the step cannot know the scale of the compact buffers: it raises."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    model, opt = _scaled_backward_after_selection("hook", scaler, link=False)
-    scaler.unscale_(opt)
-    _assert_step_leaves_params(model, lambda: scaler.step(opt), pytest.raises(RuntimeError, match="grad_scaler"))
+def test_unscale_and_clip_without_setting_the_link():
+    """The first scaler.step links the optimizer to its scaler, so a later scaler.unscale_ + clip needs no
+    `grad_scaler` and trains as the linked optimizer does."""
+    batches = _batches(4)
+    runs = []
+    for link in (True, False):
+        model, opt = _build("hook")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        if link:
+            opt.grad_scaler = scaler
+        _train(model, opt, batches, scaler, clip=0.5, unscale=True)
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1], rtol=0, atol=0)
 
 
 def test_fp16_sparse_backward_with_grad_scaler():

@@ -182,8 +182,9 @@ def test_a_second_backward_before_step_raises(sparse_backward, selected):
 
 def test_bad_combinations_are_clear_errors():
     w = torch.nn.Parameter(torch.randn(6, 5))
-    with pytest.raises(ValueError, match="update_in_backward=True needs compact_grads=True"):
-        SparseAdamW([w], update_in_backward=True)
+    with pytest.raises(ValueError, match="leave compact_grads unset"):
+        SparseAdamW([w], update_in_backward=True, compact_grads=False)
+    assert SparseAdamW([w], update_in_backward=True).compact_grads  # implied
     with pytest.raises(ValueError, match="update_in_backward=True does not support a process_group"):
         SparseAdamW([w], compact_grads=True, update_in_backward=True, process_group=object())
     with pytest.raises(TypeError, match="update_in_backward must be a bool"):
@@ -220,3 +221,80 @@ def test_state_dict_round_trip(state):
             o.step()
             o.zero_grad()
     _assert_same(model, opt, model_b, opt_b)
+
+
+# Weights used more than once in a forward: each pattern builds (model, sparse params, dense params) and
+# runs one backward of a step.
+def _linear_twice():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(11, 11)
+    return model, [model.weight], [model.bias]
+
+
+def _linear_twice_backward(model, step):
+    x = torch.randn(6, 11, generator=torch.Generator().manual_seed(step))
+    model(torch.tanh(model(x))).square().mean().backward()
+
+
+def _gpt2_tied():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=24, n_layer=2, n_head=4,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    sparse = [model.transformer.wte.weight] + [b.attn.c_attn.weight for b in model.transformer.h]
+    dense = [b.attn.c_attn.bias for b in model.transformer.h]
+    return model, sparse, dense
+
+
+def _gpt2_backward(model, step):
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _albert_shared():
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=24, num_hidden_layers=3,
+                                       num_attention_heads=4, intermediate_size=40, num_labels=3,
+                                       classifier_dropout_prob=0.0)
+    model = transformers.AlbertForSequenceClassification(config)
+    layer = model.albert.encoder.albert_layer_groups[0].albert_layers[0]
+    attention = layer.attention
+    sparse = [attention.query.weight, attention.key.weight, attention.value.weight, attention.dense.weight,
+              layer.ffn.weight]
+    return model, sparse, [model.classifier.weight, model.classifier.bias]
+
+
+def _albert_backward(model, step):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(1, VOCAB, (3, 7), generator=g)
+    model(input_ids=ids, labels=torch.randint(0, 3, (3,), generator=g)).loss.backward()
+
+
+SHARED = {"linear-twice": (_linear_twice, _linear_twice_backward), "gpt2-tied": (_gpt2_tied, _gpt2_backward),
+          "albert-shared": (_albert_shared, _albert_backward)}
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("sparse_backward", [False, True], ids=["hook", "sparse-backward"])
+@pytest.mark.parametrize("pattern", list(SHARED))
+def test_a_weight_used_twice_steps_once_on_its_whole_gradient(pattern, sparse_backward, state):
+    """Regression: with the sparse backward each use of a shared weight stepped it on its own partial
+    gradient, then the next use raised. The weight now steps once per backward, after all its uses, and
+    equals the step()-time update."""
+    build, backward = SHARED[pattern]
+
+    def make(update_in_backward):
+        model, sparse, dense = build()
+        opt = SparseAdamW([{"params": sparse}, {"params": dense, "density": 1.0}], lr=1e-2, density=0.1,
+                          compact_grads=True, state=state, update_in_backward=update_in_backward)
+        if sparse_backward:
+            handle = sift.enable_sparse_backward(model, opt)
+            assert handle.modules
+        return model, opt
+
+    (model, opt), (ref_model, ref) = make(True), make(False)
+    _step_side_by_side(model, opt, ref_model, ref, backward, 4, None, dict(rtol=0, atol=1e-6))
+    sparse = opt.param_groups[0]["params"]
+    assert all(float(opt.state[p]["step"]) == 4 for p in sparse)
+    assert opt._open == {}

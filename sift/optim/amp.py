@@ -12,11 +12,17 @@ which then changes nothing (params, moments, step counts, a pending selection).
 `scaler.unscale_(opt)` unscales `.grad` only. The compact buffers written in backward stay
 scaled until `clip_grad_norm_` or the step unscales them, exactly once, by the inverse of the
 scale of `optimizer.grad_scaler` (the scaler the optimizer was given).
+
+In the compact modes every step under the scaler reports the compact buffers' inf/NaN flags to the
+scaler (`found_inf_per_device`), so `scaler.update()` backs the scale off for an overflow it could
+not see and finds a check even when no trained param kept a dense `.grad`. The scaler that calls
+`step()` is found from the call itself when `optimizer.grad_scaler` was not set (and then kept as
+the link); a step that cannot find it refuses before changing anything rather than stall.
 """
 
 from __future__ import annotations
 
-import warnings
+import sys
 from collections import defaultdict
 
 import torch
@@ -82,9 +88,19 @@ class AmpMixin:
         """
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        if self.update_in_backward and (grad_scale is not None or found_inf is not None):
+        under_scaler = grad_scale is not None or found_inf is not None
+        if self.update_in_backward and under_scaler:
             raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
                                "inside backward, before the scaler's inf/NaN check could skip the step")
+        if under_scaler and self.compact_grads and self.grad_scaler is None:
+            self.grad_scaler = self._calling_scaler()
+            if self.grad_scaler is None:
+                raise RuntimeError("SparseAdamW was stepped by a GradScaler it cannot find, and compact_grads mode "
+                                   "(or the sparse backward) must report its own inf/NaN checks to it: set "
+                                   "`optimizer.grad_scaler = scaler`")
+        if not isinstance(found_inf, torch.Tensor):
+            # GradScaler hands sum([]) == 0 when no param kept a dense `.grad`: nothing was checked.
+            found_inf = None
         self._grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
         compact_inv = self._grad_inv_scale if grad_scale is not None else self._scaler_inverse_scale()
         if compact_inv is None and found_inf is not None and any(p in self._grad_ready for p in self._scaled_compact):
@@ -93,24 +109,31 @@ class AmpMixin:
                                "clip_grad_norm_ and step() unscale them")
         if compact_inv is not None:
             self._unscale_compact(compact_inv)
+        if under_scaler and self.compact_grads:
+            self._report_found_inf()
         flags = [t for t in (found_inf, *self._compact_found_inf.values()) if t is not None]
         if not flags:
             return False
         # The one host read of the step: whether it runs decides what selection commits.
-        skip = bool(sum(t.to(flags[0].device) for t in flags).item())
-        if skip and self._compact_found_inf:
-            self._report_found_inf()
-        return skip
+        return bool(sum(t.to(flags[0].device) for t in flags).item())
+
+    def _calling_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler whose `scaler.step(self)` is running (found on the call stack), or None."""
+        frame = sys._getframe(1)
+        for _ in range(32):
+            if frame is None:
+                break
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.amp.GradScaler) and id(self) in candidate._per_optimizer_states:
+                return candidate
+            frame = frame.f_back
+        return None
 
     def _report_found_inf(self) -> None:
         """Add the compact buffers' inf/NaN flags to the scaler's, so that `scaler.update()` backs off
-        the scale for them too (its own check saw only `.grad`)."""
-        scaler = self.grad_scaler
-        per_optimizer = scaler._per_optimizer_states.get(id(self)) if scaler is not None else None
-        if per_optimizer is None:
-            warnings.warn("SparseAdamW skipped a step for inf/NaN in a compact gradient, which GradScaler cannot "
-                          "see: set `optimizer.grad_scaler = scaler` so that scaler.update() lowers the scale",
-                          stacklevel=3)
+        the scale for them too (its own check saw only `.grad`) and always finds a check."""
+        per_optimizer = self.grad_scaler._per_optimizer_states.get(id(self))
+        if per_optimizer is None:  # a linked scaler that is not the one stepping: nothing to report to
             return
         per_device = per_optimizer["found_inf_per_device"]
         for device, flag in self._compact_found_inf.items():
@@ -118,6 +141,9 @@ class AmpMixin:
                 per_device[device].add_(flag)
             else:
                 per_device[device] = flag
+        if not per_device:  # no `.grad` and no compact gradient this step: a clean check
+            scale = self.grad_scaler._scale
+            per_device[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
 
     def _amp_unscale_after_selection(self) -> None:
         """With `grad_scale`: unscale what the step reads from `.grad`, now that selection is done.

@@ -66,6 +66,8 @@ class CheckpointMixin:
         self.__dict__.setdefault("update_in_backward", False)
         self._scratch = {}
         self._backward_seen = set()
+        self._clear_open_buffers()
+        self._grad_accumulators = {}
         self.process_group = None
         self.grad_scaler = None
         if had_process_group:
@@ -156,6 +158,7 @@ class CheckpointMixin:
         self._compact.clear()
         self._grad_ready.clear()
         self._backward_seen.clear()
+        self._clear_open_buffers()
         if self.compact_grads and not self.update_in_backward:
             for p, state in self.state.items():
                 if is_selected(state):

@@ -41,7 +41,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             baseline). Equal scores go to the lower flat index on every device.
         seed: seed of `selection="random"`.
         maximize: maximise the objective instead.
-        compact_grads: memory-efficient mode (SIFT Fig. 4). A post-accumulate-grad hook on
+        compact_grads: memory-efficient mode (SIFT Fig. 4); default (None): on when
+            `update_in_backward` is, else off. A post-accumulate-grad hook on
             each sparse weight gathers `grad[indices]` into a compact fp32 buffer and frees
             the dense gradient at once, so at most one dense weight gradient exists at a
             time. Micro-batch accumulation adds into the compact buffers. Until a weight's
@@ -71,19 +72,23 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             table, bf16 moments by stochastic rounding, an int8 sub-ulp residual for bf16/fp16
             weights; no `delta`, see the module docstring for what is exact). Not with
             `keep_base`. `load_state_dict` adopts the saved setting.
-        update_in_backward: with `compact_grads=True`, step each selected sparse weight as soon
-            as its gradient is complete: inside its gradient hook (after the gather), or, with
-            the sparse backward, right after the layer wrote its compact gradient. Its [k]
-            gradient lives in one scratch buffer per device, sized to the largest k and reused
-            by every weight, so no per-weight compact gradient buffer outlives its layer's
-            backward (`state_bytes()["compact_grad_bytes"]` counts the scratch). The selection
-            step(s) still run in `step()` on dense gradients (and apply the first update there);
+        update_in_backward: step each selected sparse weight as soon as its gradient is
+            complete (implies `compact_grads=True`): once per backward, after every use of the
+            weight in the forward has contributed (a layer applied twice, a head tied to an
+            embedding, shared layers), from a pre-hook on its gradient accumulator or, with the
+            sparse backward, from the [k] gradient its layers wrote. That [k] gradient lives in one
+            scratch buffer per device, sized to the largest k and reused by every weight (a weight
+            whose uses interleave with another's gets its own buffer until its last use), so no
+            per-weight compact gradient buffer outlives its layer's backward
+            (`state_bytes()["compact_grad_bytes"]` counts the scratch). The selection step(s)
+            still run in `step()` on dense gradients (and apply the first update there);
             afterwards `step()` only steps dense groups and keeps the books. One backward per
             `step()`: a second backward reaching a weight before `step()` raises RuntimeError
-            (no micro-batch accumulation). `max_grad_norm` clips per tensor: each weight's
-            compact gradient (and each dense group's gradient) is scaled to norm at most
-            `max_grad_norm` on its own, since no global norm exists while layers are still
-            being stepped; `sift.clip_grad_norm_` raises in this mode. Not with a
+            (no micro-batch accumulation; nor reentrant checkpointing of segments that share a
+            weight, whose nested backwards each see part of its gradient). `max_grad_norm` clips
+            per tensor: each weight's compact gradient (and each dense group's gradient) is
+            scaled to norm at most `max_grad_norm` on its own, since no global norm exists while
+            layers are still being stepped; `sift.clip_grad_norm_` raises in this mode. Not with a
             `process_group` (the ranks' gradients would have to be averaged inside backward)
             nor with GradScaler (a weight stepped in backward cannot be unstepped when the
             scaler finds inf/NaN afterwards).
@@ -116,7 +121,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         selection: str = "magnitude",
         seed: int = 0,
         maximize: bool = False,
-        compact_grads: bool = False,
+        compact_grads: bool | None = None,
         max_grad_norm: float | None = None,
         process_group: Any = None,
         backend: str | None = None,
@@ -128,9 +133,12 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         check_hyper(lr, betas, eps, weight_decay, density)
         if not isinstance(update_in_backward, bool):
             raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
-        if update_in_backward and not compact_grads:
-            raise ValueError("update_in_backward=True needs compact_grads=True (the update runs in the gradient "
-                             "hooks of compact_grads mode)")
+        if compact_grads is not None and not isinstance(compact_grads, bool):
+            raise TypeError(f"compact_grads must be a bool or None, got {compact_grads!r}")
+        if update_in_backward and compact_grads is False:
+            raise ValueError("update_in_backward=True runs in the gradient hooks of compact_grads mode: leave "
+                             "compact_grads unset (it is implied) or True")
+        compact_grads = bool(compact_grads) or update_in_backward
         if update_in_backward and process_group is not None:
             raise ValueError("update_in_backward=True does not support a process_group: each weight is stepped "
                              "inside backward, before its gradient could be averaged across ranks")
@@ -178,6 +186,11 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         # the sparse params a backward reached since the last step() (a second backward raises).
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._backward_seen: set[torch.Tensor] = set()
+        # update_in_backward: the [k] gradients still receiving parts from a weight's uses (param ->
+        # buffer), which weight holds each device's scratch, and each hooked param's AccumulateGrad.
+        self._open: dict[torch.Tensor, torch.Tensor] = {}
+        self._scratch_owner: dict[torch.device, torch.Tensor | None] = {}
+        self._grad_accumulators: dict[torch.Tensor, Any] = {}
         # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
         # as long as this optimizer (never in state_dict, pickles or copies).
         self._kernel_cache: dict = {}
@@ -379,6 +392,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._init_step_caches()
         self._grad_ready.clear()
         self._backward_seen.clear()
+        self._clear_open_buffers()
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)

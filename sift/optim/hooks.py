@@ -4,11 +4,17 @@ across the ranks of a `process_group`.
 In `compact_grads` mode a post-accumulate-grad hook on each selected sparse weight gathers
 `grad[indices]` into a [k] fp32 buffer and frees the dense gradient; a sparse backward
 (`sift.sparse_backward`) writes those buffers directly through `compact_grad_target`. With
-`update_in_backward` the weight is stepped as soon as its [k] gradient is complete, from one
-scratch buffer per device.
+`update_in_backward` the weight is stepped as soon as its [k] gradient is complete: a pre-hook on
+the weight's gradient accumulator (autograd's AccumulateGrad node) runs once per backward, after
+every use of the weight in the forward has sent its part (a Linear applied twice, tied embeddings
+and head, shared layers), so the update sees the whole gradient. The dense part arrives as the
+node's input and is gathered there, never accumulated into `.grad`; a sparse backward's part is
+already in the weight's open [k] buffer.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -37,21 +43,36 @@ class HooksMixin:
         sparse_ids = {id(p) for p in sparse}
         for p in [q for q in self._hook_handles if id(q) not in sparse_ids]:
             self._hook_handles.pop(p).remove()
+            self._grad_accumulators.pop(p, None)
         # torch refuses hooks on tensors that do not require grad: those get theirs when unfrozen.
         self._unhooked = []
         for p in sparse:
             if p in self._hook_handles:
                 continue
             if p.requires_grad:
-                self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+                self._hook_handles[p] = self._register_grad_hook(p)
             else:
                 self._unhooked.append(p)
+
+    def _register_grad_hook(self, p: torch.Tensor):
+        """compact_grads: a post-accumulate-grad hook on p. update_in_backward: a pre-hook on p's
+        AccumulateGrad node, which autograd runs once per backward after all of p's uses."""
+        if not self.update_in_backward:
+            return p.register_post_accumulate_grad_hook(self._grad_hook)
+        with torch.enable_grad():
+            accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+        # A tensor holds its accumulator weakly: this reference keeps the node (and its hook) the
+        # one autograd uses for p in every later forward.
+        self._grad_accumulators[p] = accumulator
+        return accumulator.register_prehook(functools.partial(self._accumulator_prehook, p))
 
     def _hook_unfrozen(self) -> None:
         """compact_grads: hook the sparse params unfrozen since the last step."""
         for p in [q for q in self._unhooked if q.requires_grad]:
             self._unhooked.remove(p)
-            self._hook_handles[p] = p.register_post_accumulate_grad_hook(self._grad_hook)
+            self._hook_handles[p] = self._register_grad_hook(p)
+            if self.update_in_backward:
+                continue  # a gradient that arrived before the hook is dense: step() selects from it
             # This step's gradient arrived before the hook existed: gather (and free) it now.
             self._grad_hook(p)
             if self._dense_grads_unscaled():  # scaler.unscale_ saw it as a `.grad`
@@ -62,6 +83,7 @@ class HooksMixin:
         for handle in self._hook_handles.values():
             handle.remove()
         self._hook_handles.clear()
+        self._grad_accumulators.clear()
         self._unhooked = []
         self._hooks_ready = False
 
@@ -72,17 +94,10 @@ class HooksMixin:
             return
         if grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        if self.update_in_backward:
-            self._mark_backward(p)
         state = self.state[p]
         if not is_selected(state):
             # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
             # selects from it, so micro-batches and skipped steps count exactly as there.
-            return
-        if self.update_in_backward:
-            compact = self._gather_scratch(p, grad)
-            p.grad = None  # freed before the step, so at most one dense weight gradient exists
-            self._update_now(p, compact)
             return
         compact = self._compact[p]
         flat = grad.reshape(-1)
@@ -141,9 +156,9 @@ class HooksMixin:
         if not self.compact_grads or not is_selected(state):
             return None
         if self.update_in_backward:
-            self._mark_backward(param)
+            # Each use adds its part; the accumulator's pre-hook steps once all uses have.
             indices = self.indices_of(param)
-            return indices, self._scratch_for(param, indices.numel()).zero_()
+            return indices, self._open_buffer(param, indices.numel())
         buffer = self._compact[param]
         if param not in self._grad_ready:
             buffer.zero_()
@@ -151,13 +166,68 @@ class HooksMixin:
         self._scaled_compact.add(param)
         return self.indices_of(param), buffer
 
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        """A sparse backward finished writing `param`'s compact gradient (into `compact_grad_target`'s
-        buffer); with update_in_backward, step `param` now."""
-        if self.update_in_backward and is_selected(self.state.get(param, {})):
-            self._update_now(param, self._scratch_for(param, num_entries(self.state[param])))
-
     # ----------------------------------------------------- update in backward
+
+    @torch.no_grad()
+    def _accumulator_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
+        """update_in_backward: p's AccumulateGrad node is about to run, so every use of p in this
+        backward has contributed (its dense part is `grad_inputs[0]`, a sparse backward's part is in
+        p's open buffer). Step p on the whole gradient and let no dense gradient accumulate."""
+        grad = grad_inputs[0]
+        buffer = self._open.get(p)
+        if grad is None and buffer is None:
+            return None
+        if grad is not None and grad.is_sparse:
+            raise ValueError("sparse-layout gradients are not supported; use dense gradients")
+        self._mark_backward(p)
+        if not is_selected(self.state[p]):
+            return None  # accumulated as in plain mode: the selection in step() reads it
+        if grad is not None:
+            indices = self.indices_of(p)
+            flat = local_tensor(grad).reshape(-1)
+            if buffer is None:
+                buffer = self._open_buffer(p, indices.numel(), zero=False)
+                if flat.dtype == torch.float32:
+                    torch.index_select(flat, 0, indices, out=buffer)
+                else:
+                    buffer.copy_(torch.index_select(flat, 0, indices))
+            else:
+                buffer.add_(torch.index_select(flat, 0, indices))
+        try:
+            self._update_now(p, buffer)
+        finally:
+            self._close_buffer(p)
+        return (None,)
+
+    def _open_buffer(self, p: torch.Tensor, k: int, zero: bool = True) -> torch.Tensor:
+        """p's [k] fp32 gradient for this backward, open until its accumulator's pre-hook steps it.
+
+        The device's scratch when no other weight holds it (a weight used once is stepped right after
+        its layer's backward, so one buffer serves every such weight); a buffer of its own while
+        another weight's uses are still arriving (shared layers).
+        """
+        buffer = self._open.get(p)
+        if buffer is not None:
+            return buffer
+        if self._scratch_owner.get(p.device) is None:
+            buffer = self._scratch_for(p, k)
+            self._scratch_owner[p.device] = p
+        else:
+            buffer = torch.empty(k, dtype=torch.float32, device=p.device)
+        if zero:
+            buffer.zero_()
+        self._open[p] = buffer
+        return buffer
+
+    def _close_buffer(self, p: torch.Tensor) -> None:
+        self._open.pop(p, None)
+        if self._scratch_owner.get(p.device) is p:
+            self._scratch_owner[p.device] = None
+
+    def _clear_open_buffers(self) -> None:
+        """Forget open gradients (end of a step, a load, a copy)."""
+        self._open = {}
+        self._scratch_owner = {}
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         """update_in_backward: record that a backward reached `p`; a second one before step() raises."""
