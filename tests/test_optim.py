@@ -1525,3 +1525,55 @@ def test_reference_step_checks_list_lengths():
     with pytest.raises(ValueError, match=r"grads must have one tensor per param \(got 1 for 2\)"):
         _ops.sparse_adamw_ref(*inputs, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, maximize=False,
                               compact_grads=False)
+
+
+def _two_weights():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Tanh(), torch.nn.Linear(64, 32, bias=False))
+
+
+def _two_weight_steps(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(step)).to(model[0].weight.dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("state", ["exact", "lean"])
+def test_load_state_dict_matches_params_by_name(state):
+    """Regression: params were matched by position only, so a state saved with the params in the other order
+    loaded onto the other weight; with param_names on both sides it now loads onto the weight it belongs to."""
+    model = _two_weights().to(torch.bfloat16)
+    named = lambda order: [(f"{i}.weight", model[i].weight) for i in order]  # noqa: E731
+    opt = SparseAdamW(named([0, 2]), lr=1e-2, density=0.05, state=state)
+    _two_weight_steps(model, opt, 2)
+    saved, params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    _two_weight_steps(model, opt, 2, start=2)
+    expected = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, p0 in zip(model.parameters(), params):
+            p.copy_(p0)
+    swapped = SparseAdamW(named([2, 0]), lr=1e-2, density=0.05, state=state)
+    swapped.load_state_dict(saved)
+    assert torch.equal(swapped.indices_of(model[0].weight), opt.indices_of(model[0].weight))
+    _two_weight_steps(model, swapped, 2, start=2)
+    for p, e in zip(model.parameters(), expected):
+        assert torch.equal(p, e)
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["by-position", "other-names"])
+def test_load_state_dict_refuses_another_weights_state(named):
+    """Regression: a sparse state was checked against the element count only, so [64, 32]'s state loaded onto
+    [32, 64] by position; now refused with both params named, and nothing changes."""
+    model = _two_weights()
+    params = lambda order, names: [(n, model[i].weight) for i, n in zip(order, names)] if named else \
+        [model[i].weight for i in order]  # noqa: E731
+    opt = SparseAdamW(params([0, 2], ["0.weight", "2.weight"]), lr=1e-2, density=0.05)
+    _two_weight_steps(model, opt, 1)
+    saved = opt.state_dict()
+    other = SparseAdamW(params([2, 0], ["up.weight", "down.weight"]), lr=1e-2, density=0.05)
+    match = r"'0.weight'.*'up.weight'" if named else r"state of param 0.*shape \(64, 32\).*shape \(32, 64\)"
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(saved)
+    assert not other.state and other.param_groups[0]["params"][0] is model[2].weight

@@ -88,8 +88,11 @@ class CheckpointMixin:
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, plus this optimizer's selection settings under "sift"."""
         sd = super().state_dict()
+        # Each param's shape, so that a load can tell a state meant for another weight of equal size.
+        shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], self.param_groups)
+                  for pid, p in zip(saved["params"], group["params"])}
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "keep_base": self.keep_base, "state": self.state_layout, "format": 1}
+                      "keep_base": self.keep_base, "state": self.state_layout, "format": 1, "param_shapes": shapes}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -124,8 +127,9 @@ class CheckpointMixin:
                 check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
-            id_map.update((pid, (p, float(merged["density"]))) for pid, p in zip(saved["params"], group["params"]))
+            id_map.update((pid, (p, float(merged["density"]))) for pid, p in _match_params(gi, saved, group))
         meta = state_dict.get("sift", {})
+        _check_shapes(meta.get("param_shapes"), id_map, saved_groups, self.param_groups)
         keep_base = meta.get("keep_base", False)  # states saved before the option kept no fp32 base
         if not isinstance(keep_base, bool):
             raise ValueError(f"state_dict['sift']['keep_base'] must be a bool, got {keep_base!r}")
@@ -167,6 +171,40 @@ class CheckpointMixin:
             self._sync_hooks()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _match_params(gi: int, saved: dict[str, Any], group: dict[str, Any]) -> list[tuple[Any, torch.Tensor]]:
+    """(saved id, param) pairs of group `gi`: by `param_names` when both sides carry them, else by position.
+
+    Raises:
+        ValueError: the names differ (naming the first saved and the first own name that disagree).
+    """
+    saved_names, names = saved.get("param_names"), group.get("param_names")
+    if saved_names is None or names is None:
+        return list(zip(saved["params"], group["params"]))
+    if sorted(saved_names) != sorted(names):
+        missing = [n for n in names if n not in saved_names]
+        extra = [n for n in saved_names if n not in names]
+        raise ValueError(f"param group {gi}: the state_dict holds state for {extra[0]!r}, this optimizer trains "
+                         f"{missing[0]!r} there (the params must be the same, by name)")
+    by_name = dict(zip(saved_names, saved["params"]))
+    return [(by_name[name], p) for name, p in zip(names, group["params"])]
+
+
+def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[torch.Tensor, float]],
+                  saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Refuse a state saved for a param of another shape (two weights of equal size swapped by position)."""
+    if shapes is None:  # saved before shapes were recorded
+        return
+    saved_name = {pid: name for saved in saved_groups for pid, name in zip(saved["params"], saved.get("param_names", ()))}
+    own_name = {id(p): name for group in groups for p, name in zip(group["params"], group.get("param_names", ()))}
+    for pid, (p, _) in id_map.items():
+        shape = shapes.get(pid)
+        if shape is not None and tuple(shape) != tuple(local_tensor(p).shape):
+            theirs = f"{saved_name[pid]!r}" if pid in saved_name else f"param {pid}"
+            ours = f"{own_name[id(p)]!r}" if id(p) in own_name else "the param at its position"
+            raise ValueError(f"the state_dict's state of {theirs} was saved for shape {tuple(shape)}, but would load "
+                             f"onto {ours} of shape {tuple(local_tensor(p).shape)}")
 
 
 def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,

@@ -267,6 +267,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             raise TypeError("params must be an ordered collection (list or tuple), not a set: a set's order "
                             "changes between runs, and state_dict() identifies params by position")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if params and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+            # torch's named form, `named_parameters()`: the names become the group's param_names.
+            param_group = {**param_group, "param_names": [name for name, _ in params]}
+            params = [p for _, p in params]
         merged = {**self.defaults, **param_group} if hasattr(self, "defaults") else param_group
         check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
         seen: dict[int, int] = {}
