@@ -266,6 +266,12 @@ def for_model(
     """
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
+    compact = optimizer_kwargs.get("compact_grads") or optimizer_kwargs.get("update_in_backward")
+    if compact and isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("model is wrapped in DistributedDataParallel, which averages .grad, but compact_grads mode "
+                         "(hook mode, the sparse backward, update_in_backward) frees or never forms .grad, so the "
+                         "replicas would drift apart: pass the unwrapped model and "
+                         "process_group=torch.distributed.group.WORLD, or train in plain mode under DDP")
     plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
     groups = []
     if plan.sparse:

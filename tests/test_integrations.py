@@ -151,6 +151,45 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
+def _ddp_refusal_worker(rank: int, world: int, init_file: str, mode: str, out: str) -> None:
+    """One rank of a DDP-wrapped model in a compact mode: records the error and whether any weight moved."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        model = _model()
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        error = None
+        try:
+            if mode == "for-model":
+                SparseAdamW.for_model(net, density=0.2, compact_grads=True, target_modules=["module.0"])
+            else:
+                opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, compact_grads=True,
+                                  update_in_backward=mode == "update-in-backward")
+                if mode == "sparse-backward":
+                    sift.enable_sparse_backward(model, opt)
+                _train_on_shard(net, opt, rank, world, 1)
+        except (RuntimeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        torch.save({"error": error, "changed": changed}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["hook", "sparse-backward", "update-in-backward", "for-model"])
+def test_ddp_wrapping_in_a_compact_mode_is_refused_before_any_update(tmp_path, mode):
+    """Regression: a DDP-wrapped model in hook mode or with the sparse backward trained without error while
+    its compact gradients were never averaged, and the replicas drifted apart (0.073 after 6 steps)."""
+    out = str(tmp_path / "result")
+    mp.spawn(_ddp_refusal_worker, args=(2, str(tmp_path / "init"), mode, out), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}", weights_only=True)
+        assert result["error"] is not None and "process_group" in result["error"], result
+        assert "DistributedDataParallel" in result["error"]
+        assert not result["changed"]
+
+
 @pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
 def test_trainer_fine_tunes_sparsely(tmp_path, compact):
     from sift.integrations.hf import SparseTrainer

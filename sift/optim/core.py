@@ -274,22 +274,28 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         merged = {**self.defaults, **param_group} if hasattr(self, "defaults") else param_group
         check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
         seen: dict[int, int] = {}
+        names = param_group.get("param_names")
         for j, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"params must be tensors, got {type(p).__name__} at position {j}")
+            label = f"param {names[j]!r}" if names is not None and j < len(names) else f"param {j} of the new group"
             if id(p) in seen:
                 # torch steps such a param twice (and warns); the fused kernels would race on it.
                 raise ValueError(f"params lists the same tensor twice (positions {seen[id(p)]} and {j}); "
                                  "list tied weights once")
             seen[id(p)] = j
+            if p.device.type == "meta":
+                raise ValueError(f"{label} is on the meta device, which holds no values to train: materialise the "
+                                 "model first (load its weights, or `to_empty(device=...)` and initialise it)")
             if not p.is_floating_point():
-                raise ValueError(f"params must be floating point; param {j} of the new group has dtype {p.dtype}")
+                raise ValueError(f"params must be floating point; {label} has dtype {p.dtype} (a quantized weight "
+                                 "cannot be trained in place)")
             if merged["density"] < 1.0 and p.dtype not in SPARSE_DTYPES:
                 raise ValueError(
-                    f"sparse groups support float32, bfloat16 and float16 params; param {j} has dtype {p.dtype}"
+                    f"sparse groups support float32, bfloat16 and float16 params; {label} has dtype {p.dtype}"
                 )
             if merged["density"] < 1.0 and not local_tensor(p).is_contiguous():
-                raise ValueError(f"sparse groups need contiguous params; param {j} is not contiguous")
+                raise ValueError(f"sparse groups need contiguous params; {label} is not contiguous")
             if getattr(self, "compact_grads", False) and is_dtensor(p):
                 raise ValueError(
                     "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
@@ -327,8 +333,23 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
 
     # -------------------------------------------------------------------- step
 
+    def _check_data_parallel(self) -> None:
+        """compact_grads in a job of several processes needs `process_group`: DDP averages `.grad`,
+        which this mode frees or never forms, so unaveraged replicas would silently drift apart."""
+        if not self.compact_grads or self.process_group is not None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"compact_grads mode (hook mode, the sparse backward, update_in_backward) in a job of "
+                f"{dist.get_world_size()} processes needs process_group: its compact gradients are not averaged "
+                "by DistributedDataParallel, which reduces .grad. Pass process_group=torch.distributed.group.WORLD "
+                "(and do not wrap the model in DDP), or train in plain mode under DDP")
+
     def _validate_grads(self) -> None:
         """Check what this step will read, before anything (selection included) changes."""
+        self._check_data_parallel()
         devices = set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
