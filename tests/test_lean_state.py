@@ -102,7 +102,79 @@ def test_stochastic_rounding_is_unbiased():
 # ------------------------------------------------------------------ the op
 
 
+KERNELS = [b for b in BACKENDS if b.values[0] != "torch"]  # the backends that are not the reference itself
+
+
+def _ulp_over_256(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """unit(w) written from the formats' definitions: ulp(w) / 256 in fp64, with the documented floors
+    (fp16: its subnormal spacing 2**-24 / 256; bf16: 2**-126)."""
+    _, exponent = torch.frexp(w.double())  # |w| = mantissa * 2**exponent, mantissa in [0.5, 1)
+    mantissa_bits, floor = (7, 2.0**-126) if dtype == torch.bfloat16 else (10, 2.0**-32)
+    return torch.pow(2.0, (exponent - 1 - mantissa_bits - 8).double()).clamp(min=floor)
+
+
+def _assert_matches_fp64_adamw(before: list, after: list, lr: float, beta1: float, beta2: float, eps: float,
+                               weight_decay: float, maximize: bool, compact: bool) -> None:
+    """The lean step against AdamW in fp64 with the documented rounding: each moment is one of the two bf16
+    values around the exact one (stochastic rounding), and a 16-bit weight plus its residual * unit is the
+    exact new value to one unit (to half an fp32 ulp for fp32 weights, which keep no residual)."""
+    params0, grads, lows, offsets, m0s, v0s, r0s, steps = before
+    params1, _, _, _, m1s, v1s, r1s, _ = after
+    for i, p0 in enumerate(params0):
+        idx = _ops.decode_lean_indices(lows[i], offsets[i])
+        g = grads[i].double() if compact else grads[i].reshape(-1)[idx].double()
+        g = -g if maximize else g
+        m = beta1 * m0s[i].double() + (1 - beta1) * g
+        v = beta2 * v0s[i].double() + (1 - beta2) * g * g
+        # The step sums the two terms in fp32: where they cancel, its error is theirs, not the result's.
+        m_terms = (beta1 * m0s[i].double()).abs() + ((1 - beta1) * g).abs()
+        v_terms = (beta2 * v0s[i].double()).abs() + (1 - beta2) * g * g
+        t = float(steps[i])
+        stored0 = p0.reshape(-1)[idx]
+        w = stored0.double()
+        if r0s:
+            w = w + r0s[i].double() * _ulp_over_256(stored0, p0.dtype)
+        denominator = v.sqrt() / (1 - beta2**t) ** 0.5 + eps
+        upd = -lr * weight_decay * w - lr / (1 - beta1**t) * m / denominator
+        expected = w + upd
+        # fp32 arithmetic: a few roundings of the update's terms (m's own terms where they cancel) and of the sum.
+        slack = (lr / (1 - beta1**t) * m_terms / denominator + (lr * weight_decay * w).abs() + upd.abs()) * 2.0**-20 \
+            + expected.abs() * 2.0**-23
+        for name, got, exact, terms in (("exp_avg", m1s[i], m, m_terms), ("exp_avg_sq", v1s[i], v, v_terms)):
+            bf16_ulp = torch.pow(2.0, (torch.frexp(exact)[1] - 8).double())
+            ok = (got.double() - exact).abs() <= bf16_ulp + terms * 2.0**-22
+            assert bool(ok.all()), f"{name}[{i}]: {got[~ok][:3]} against {exact[~ok][:3]}"
+        stored1 = params1[i].reshape(-1)[idx]
+        if r1s:
+            unit = _ulp_over_256(stored1, p0.dtype)
+            value = stored1.double() + r1s[i].double() * unit
+            bound = unit + slack
+        else:
+            value = stored1.double()
+            bound = slack
+        ok = (value - expected).abs() <= bound
+        assert bool(ok.all()), f"params[{i}]: {value[~ok][:3]} against {expected[~ok][:3]} (from {w[~ok][:3]})"
+        untouched = torch.ones(p0.numel(), dtype=torch.bool)
+        untouched[idx] = False
+        assert torch.equal(params1[i].reshape(-1)[untouched], p0.reshape(-1)[untouched]), f"params[{i}] elsewhere"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
+@pytest.mark.parametrize("step", [1.0, 7.0, 1000.0], ids=["t1", "t7", "t1000"])
+def test_every_backend_matches_fp64_adamw(backend, dtype, compact, step):
+    """Regression: the torch row of the kernel test compared the reference with itself. Each backend, the
+    reference included, now meets an fp64 AdamW written out here."""
+    got = _lean_operands(dtype, seed=1, compact=compact, step=step)
+    before = copy.deepcopy(got)
+    hyper = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, maximize=False)
+    _, fn = _ops.resolve("sparse_adamw_lean_", "cpu", backend)
+    fn(*got, **hyper, compact_grads=compact)
+    _assert_matches_fp64_adamw(before, got, **hyper, compact=compact)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
 @pytest.mark.parametrize("step", [1.0, 7.0, 1000.0], ids=["t1", "t7", "t1000"])
@@ -124,15 +196,17 @@ def test_kernel_matches_reference(backend, dtype, compact, step):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_maximize_and_tensor_lr(backend):
     got = _lean_operands(torch.bfloat16, seed=2, compact=False)
-    want = copy.deepcopy(got)
-    _ops.sparse_adamw_lean_ref(*want, lr=2e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, maximize=True,
-                               compact_grads=False)
+    before = copy.deepcopy(got)
+    hyper = dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, maximize=True)
     _, fn = _ops.resolve("sparse_adamw_lean_", "cpu", backend)
-    fn(*got, lr=torch.tensor(2e-3), beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.0, maximize=True,
-       compact_grads=False)
-    for gs, ws in zip(got, want):
-        for g, w in zip(gs, ws):
-            assert torch.equal(g, w)
+    fn(*got, lr=torch.tensor(2e-3), **hyper, compact_grads=False)
+    _assert_matches_fp64_adamw(before, got, lr=float(torch.tensor(2e-3)), **hyper, compact=False)
+    if backend != "torch":
+        want = copy.deepcopy(before)
+        _ops.sparse_adamw_lean_ref(*want, lr=2e-3, **hyper, compact_grads=False)
+        for gs, ws in zip(got, want):
+            for g, w in zip(gs, ws):
+                assert torch.equal(g, w)
 
 
 def test_residual_is_the_sub_ulp_part_of_the_exact_value():
