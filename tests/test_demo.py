@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import math
 
 import pytest
@@ -145,3 +147,16 @@ def test_a_method_in_its_own_process_gives_what_it_gives_in_this_one():
 def test_unknown_method_is_refused():
     with pytest.raises(ValueError, match="unknown methods"):
         demo.run_demo(["nope"], isolate=False)
+
+
+def test_save_without_matplotlib_writes_the_table_and_says_the_plot_was_skipped(tmp_path, monkeypatch, capsys):
+    """Regression: without the [demo] extra the demo trained every method, then died importing matplotlib
+    before it printed or saved its table."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    rows = [{"method": "probe", "accuracy_mean": 0.7, "accuracy_std": 0.0, "trainable": 770}]
+    stem = demo.save(rows, "| method |\n| probe |", {"steps": 1}, quick=True)
+    assert open(stem + ".md").read() == "| method |\n| probe |\n"
+    assert json.loads(open(stem + ".json").read())["rows"] == rows
+    assert not os.path.exists(stem + ".png")
+    assert capsys.readouterr().out.count("plot was skipped") == 1

@@ -352,9 +352,21 @@ def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
                           save_strategy="steps", save_steps=2), train_dataset=data, density=0.05)
     first.train()
     resumed = _tiny_bert_classifier()
+    with torch.no_grad():  # the resume must overwrite these: ignoring it would train from other weights
+        for p in resumed.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.01)
+
+    class CountSteps(transformers.TrainerCallback):
+        steps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    counter = CountSteps()
     trainer = SparseTrainer(model=resumed, args=_train_args(tmp_path / "b", max_steps=4), train_dataset=data,
-                            density=0.05)
+                            density=0.05, callbacks=[counter])
     trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert counter.steps == [3, 4], "only the steps after the checkpoint run"
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert isinstance(opt, SparseAdamW) and any("indices" in s for s in opt.state.values())
     for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):

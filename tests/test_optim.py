@@ -1577,3 +1577,29 @@ def test_load_state_dict_refuses_another_weights_state(named):
     with pytest.raises(ValueError, match=match):
         other.load_state_dict(saved)
     assert not other.state and other.param_groups[0]["params"][0] is model[2].weight
+
+
+def test_meta_device_params_are_refused_at_construction():
+    """Regression: a model on the meta device was accepted and failed later inside torch."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="'weight' is on the meta device"):
+        SparseAdamW(list(model.named_parameters()), density=0.1)
+    with pytest.raises(ValueError, match="param 0 of the new group is on the meta device"):
+        SparseAdamW(model.parameters(), density=0.1)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, num_labels=2)
+    with torch.device("meta"):
+        bert = transformers.BertForSequenceClassification(config)
+    flags = {name: p.requires_grad for name, p in bert.named_parameters()}
+    with pytest.raises(ValueError, match="query.weight' is on the meta device"):
+        SparseAdamW.for_model(bert, density=0.1)
+    assert flags == {name: p.requires_grad for name, p in bert.named_parameters()}
+
+
+def test_an_integer_weight_is_refused_by_name():
+    """Regression: an int8 weight's error gave its position only, not the param."""
+    weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match="param 'layer.weight' has dtype torch.int8"):
+        SparseAdamW([("layer.weight", weight)], density=0.1)
