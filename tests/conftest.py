@@ -132,3 +132,24 @@ def capture_step(opt) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph):
         opt.step()
     return graph
+
+
+def spawned_rank(worker):
+    """Decorate a `torch.multiprocessing.spawn` worker so that a rank that returns exits at once.
+
+    The worker destroys its process group itself; what is left of gloo's threads can then abort
+    the process during interpreter teardown (SIGABRT, "terminate called without an active
+    exception"), failing a rank whose work succeeded. A worker that raises is unchanged: the
+    exception propagates and spawn reports it.
+    """
+    import functools
+    import sys
+
+    @functools.wraps(worker)
+    def run(*args):
+        worker(*args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run

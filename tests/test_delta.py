@@ -13,7 +13,7 @@ import torch
 
 from sift import SparseAdamW, SparseDelta, _ops, merge_deltas
 from sift.delta import BaseFingerprint, DeltaEntry, DeltaError
-from conftest import cpp_available, requires_cpp, requires_triton
+from conftest import cpp_available, requires_cpp, requires_triton, spawned_rank
 
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
@@ -785,6 +785,7 @@ def test_from_optimizer_ignores_buffers_changed_by_training():
         torch.testing.assert_close(target.get_parameter(name), p, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@spawned_rank
 def _fsdp2_from_optimizer_worker(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

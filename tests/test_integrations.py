@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sift
+from conftest import spawned_rank
 from sift import SparseAdamW
 
 
@@ -44,6 +45,7 @@ def _train_on_shard(net, opt, rank: int, world: int, steps: int) -> None:
         opt.step()
 
 
+@spawned_rank
 def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -56,6 +58,8 @@ def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: s
             net = model
             opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5, compact_grads=True,
                               process_group=dist.group.WORLD)
+            if mode == "sparse-backward-process-group":
+                sift.enable_sparse_backward(model, opt)
         _train_on_shard(net, opt, rank, world, steps)
         if rank == 0:
             torch.save([p.detach().clone() for p in model.parameters()], out)
@@ -63,7 +67,7 @@ def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: s
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mode", ["ddp-plain", "hook-process-group"])
+@pytest.mark.parametrize("mode", ["ddp-plain", "hook-process-group", "sparse-backward-process-group"])
 def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path, mode):
     steps = 4
     out = str(tmp_path / "params.pt")
@@ -73,6 +77,7 @@ def test_two_ranks_equal_one_process_on_the_full_batch(tmp_path, mode):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@spawned_rank
 def _fsdp_worker(rank: int, world: int, init_file: str, steps: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -151,6 +156,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
+@spawned_rank
 def _ddp_refusal_worker(rank: int, world: int, init_file: str, mode: str, out: str) -> None:
     """One rank of a DDP-wrapped model in a compact mode: records the error and whether any weight moved."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

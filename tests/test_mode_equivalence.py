@@ -1,0 +1,147 @@
+"""The modes that promise plain mode's result, against plain mode, in the hard cases.
+
+Hook mode (`compact_grads`), the sparse backward and the update in backward (alone and with the
+sparse backward) each promise the update plain mode computes from the same gradients; the lean
+and exact states each keep that promise within their own layout. One model holds every way a
+weight can be used more than once (a head tied to the embedding, a layer applied twice), and
+each case adds one hard part: gradient accumulation, several selection steps, global clipping,
+GradScaler with and without a dense group, activation checkpointing, and a `state_dict` saved and
+loaded into a fresh optimizer mid-run. Every step compares params and every state tensor.
+Combinations a mode refuses (accumulation, global clipping or GradScaler with the update in
+backward) are tested as refusals where the mode is defined.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import sift
+from sift import SparseAdamW
+
+VOCAB, HIDDEN = 23, 12
+STEPS, RELOAD_AT = 4, 2
+# The sparse backward sums each entry's gradient over tokens in another order than the dense matmul.
+TOL = dict(rtol=1e-5, atol=1e-6)
+MODES = ["hook", "sparse-backward", "update-in-backward", "update-in-backward+sparse-backward"]
+CASES = ["basic", "accumulation", "select-2-steps", "clip", "scaler-with-dense-group", "scaler-sparse-only",
+         "checkpointing", "reload"]
+# The update in backward steps each weight inside backward: one backward per step, per-tensor clipping,
+# no GradScaler (each refused, and tested as such in test_update_in_backward.py and test_grad_scaler.py).
+UNDEFINED = {("update-in-backward", case) for case in ("accumulation", "clip", "scaler-with-dense-group",
+                                                        "scaler-sparse-only")}
+UNDEFINED |= {("update-in-backward+sparse-backward", case) for _, case in UNDEFINED}
+
+
+class TiedAndShared(nn.Module):
+    """Embedding -> shared layer twice -> projection -> head tied to the embedding."""
+
+    def __init__(self, dense_biases: bool, checkpointing: bool):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.shared = nn.Linear(HIDDEN, HIDDEN, bias=dense_biases)
+        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=dense_biases)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.checkpointing = checkpointing
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(self.embed(ids)))
+        h = torch.tanh(self.shared(h))
+        h = checkpoint(self.proj, h, use_reentrant=False) if self.checkpointing else self.proj(h)
+        return self.head(h)
+
+
+def _build(mode: str, state: str, case: str):
+    torch.manual_seed(0)
+    model = TiedAndShared(dense_biases=case != "scaler-sparse-only", checkpointing=case == "checkpointing")
+    groups = [{"params": [model.embed.weight, model.shared.weight, model.proj.weight]}]
+    biases = [p for p in (model.shared.bias, model.proj.bias) if p is not None]
+    if biases:
+        groups.append({"params": biases, "density": 1.0})
+    kwargs = dict(lr=1e-2, density=0.2, state=state, select_steps=2 if case == "select-2-steps" else 1,
+                  max_grad_norm=0.3 if case == "clip" else None)
+    if mode != "plain":
+        kwargs["compact_grads"] = True
+    if mode.startswith("update-in-backward"):
+        kwargs["update_in_backward"] = True
+    opt = SparseAdamW(groups, **kwargs)
+    if mode.endswith("sparse-backward"):
+        opt.sparse_backward_handle = sift.enable_sparse_backward(model, opt)
+    return model, opt
+
+
+def _micro_batches(step: int, case: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return [torch.randint(0, VOCAB, (3, 5), generator=g) for _ in range(2 if case == "accumulation" else 1)]
+
+
+def _train_step(model, opt, step: int, case: str, scaler) -> None:
+    for ids in _micro_batches(step, case):
+        logits = model(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+
+
+def _reloaded(model, opt, mode: str, state: str, case: str):
+    """A fresh optimizer over the same params, loaded from `opt`'s state_dict (saved through a copy)."""
+    saved = copy.deepcopy(opt.state_dict())
+    handle = getattr(opt, "sparse_backward_handle", None)
+    if handle is not None:
+        handle.remove()
+    opt.remove_hooks()
+    groups = [{"params": g["params"], "density": g["density"]} for g in opt.param_groups]
+    fresh = SparseAdamW(groups, lr=1e-2, state=state, compact_grads=opt.compact_grads,
+                        update_in_backward=opt.update_in_backward, max_grad_norm=opt.max_grad_norm)
+    fresh.load_state_dict(saved)
+    if mode.endswith("sparse-backward"):
+        fresh.sparse_backward_handle = sift.enable_sparse_backward(model, fresh)
+    return fresh
+
+
+def _assert_same(model, opt, ref_model, ref, where: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{where} {name}: {m}")
+        sa, sb = opt.state.get(p, {}), ref.state.get(q, {})
+        assert sa.keys() == sb.keys(), f"{where} {name}"
+        for key, value in sa.items():
+            if not isinstance(value, torch.Tensor):
+                assert value == sb[key], f"{where} {name}.{key}"
+            elif value.dtype in (torch.int16, torch.int32, torch.int64):
+                assert torch.equal(value, sb[key]), f"{where} {name}.{key}: other entries"
+            elif value.dtype == torch.bfloat16:  # lean moments: stochastic rounding of nearly equal values
+                torch.testing.assert_close(value.float(), sb[key].float(), rtol=1e-2, atol=1e-6,
+                                           msg=lambda m: f"{where} {name}.{key}: {m}")
+            else:
+                torch.testing.assert_close(value, sb[key], **TOL, msg=lambda m: f"{where} {name}.{key}: {m}")
+
+
+@pytest.mark.parametrize("state", ["exact", "lean"])
+@pytest.mark.parametrize("mode,case", [pytest.param(m, c, id=f"{m}-{c}") for m in MODES for c in CASES
+                                       if (m, c) not in UNDEFINED])
+def test_mode_equals_plain_mode(mode, state, case):
+    model, opt = _build(mode, state, case)
+    ref_model, ref = _build("plain", state, case)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.startswith("scaler") else None
+               for _ in range(2)]
+    for step in range(STEPS):
+        if case == "reload" and step == RELOAD_AT:
+            opt = _reloaded(model, opt, mode, state, case)
+            ref = _reloaded(ref_model, ref, "plain", state, case)
+        _train_step(model, opt, step, case, scalers[0])
+        _train_step(ref_model, ref, step, case, scalers[1])
+        _assert_same(model, opt, ref_model, ref, f"step {step}")
+    sparse = opt.param_groups[0]["params"]
+    assert all(float(opt.state[p]["step"]) == STEPS - (case == "select-2-steps") for p in sparse)
+    if scalers[0] is not None:
+        assert scalers[0].get_scale() == scalers[1].get_scale()
