@@ -27,6 +27,7 @@ from torch import nn
 
 from sift._index import entries_for
 from sift.optim import SparseAdamW
+from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear4bit
 from sift.optim.state import is_selected as _selected
 from sift.optim.state import local_tensor as _local
 from sift.optim.state import num_entries as _num_entries
@@ -273,6 +274,11 @@ def for_model(
                          "replicas would drift apart: pass the unwrapped model and "
                          "process_group=torch.distributed.group.WORLD, or train in plain mode under DDP")
     plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
+    modules = dict(model.named_modules())
+    # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).
+    quantized = [name for name in plan.target_modules if is_linear4bit(modules[name])]
+    for name in quantized:
+        plan.sparse = {key: p for key, p in plan.sparse.items() if p is not modules[name].weight}
     groups = []
     if plan.sparse:
         groups.append({"params": list(plan.sparse.values()), "param_names": list(plan.sparse),
@@ -280,8 +286,20 @@ def for_model(
     if plan.dense:
         groups.append({"params": list(plan.dense.values()), "param_names": list(plan.dense),
                        "density": 1.0, "name": "dense"})
-    optimizer = optimizer_cls(groups, lr=lr, density=float(density), selection=selection, **optimizer_kwargs)
+    deltas = attach_deltas(model, quantized, float(density)) if quantized else {}
+    if deltas:
+        groups.append({"params": list(deltas.values()), "param_names": list(deltas), "density": 1.0,
+                       "name": "quantized"})
+    try:
+        optimizer = optimizer_cls(groups, lr=lr, density=float(density), selection=selection, **optimizer_kwargs)
+    except BaseException:
+        detach_deltas(model, quantized)
+        raise
     plan.apply_requires_grad(model)
+    for values in deltas.values():
+        values.requires_grad_(True)
+    if quantized:
+        optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
     return optimizer
 
 
@@ -309,7 +327,7 @@ def _state_tensor_bytes(state: dict[str, Any]) -> int:
 def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by: str = "kind") -> str:
     """A markdown table of what `optimizer` trains in `model`, and how much state it keeps.
 
-    Columns: name, shape, mode (sparse / dense / frozen), trainable entries, optimizer-state
+    Columns: name, shape, mode (sparse / dense / 4-bit delta / frozen), trainable entries, optimizer-state
     bytes. A sparse weight not selected yet (before the first `step()`) shows the planned
     `ceil(density * numel)` entries, marked "pending"; its state bytes count once it exists.
     A last line gives the totals and the trainable share of all params. Works with any torch
@@ -351,6 +369,9 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         pending = 0
         if group is None or not p.requires_grad:
             mode, entries = "frozen", 0
+        elif group.get("name") == "quantized":  # the [k] values of a 4-bit layer's sparse delta
+            mode, entries = "4-bit delta", numel
+            pending = int("delta_indices" not in state)
         elif group.get("density", 1.0) >= 1.0:
             mode, entries = "dense", numel
         else:

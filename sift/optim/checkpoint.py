@@ -68,6 +68,7 @@ class CheckpointMixin:
         self._backward_seen = set()
         self._clear_open_buffers()
         self._grad_accumulators = {}
+        self._quantized = {}  # the routes belong to the original's model (a copy has none)
         self.process_group = None
         self.grad_scaler = None
         if had_process_group:
@@ -143,8 +144,10 @@ class CheckpointMixin:
             if pid not in id_map:
                 raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
             p, density = id_map[pid]
+            route = self._quantized.get(p)
             new_state[p] = _load_param_state(p, saved_state, density, needs_base(p, keep_base),
-                                                  f"state of param {pid}", lean=layout == "lean")
+                                                  f"state of param {pid}", lean=layout == "lean",
+                                                  delta_numel=route.numel if route is not None else None)
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -208,8 +211,17 @@ def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[t
 
 
 def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
-                      what: str, lean: bool = False) -> dict[str, Any]:
+                      what: str, lean: bool = False, delta_numel: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if "delta_indices" in saved:  # a 4-bit layer's delta (sift.quantized): its [k] entries of the base weight
+        if delta_numel is None:
+            raise ValueError(f"{what}: delta_indices, but the param is not a 4-bit layer's delta")
+        indices = saved["delta_indices"]
+        if not isinstance(indices, torch.Tensor) or indices.shape != (p.numel(),):
+            raise ValueError(f"{what}: delta_indices must have shape ({p.numel()},) to match the values")
+        _check_indices(indices, delta_numel, f"{what}: delta_indices")
+        out["delta_indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(delta_numel)).clone()
+        saved = {key: value for key, value in saved.items() if key != "delta_indices"}
     if density < 1.0 and (lean or "indices_low" in saved) and is_selected(saved):
         return _load_lean_state(p, saved, lean, what)
     stray = [k for k in RETIRED_KEYS if k in saved and "indices" not in saved]

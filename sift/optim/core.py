@@ -191,6 +191,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._open: dict[torch.Tensor, torch.Tensor] = {}
         self._scratch_owner: dict[torch.device, torch.Tensor | None] = {}
         self._grad_accumulators: dict[torch.Tensor, Any] = {}
+        # 4-bit layers' sparse deltas (sift.quantized): values param -> its route, set by for_model.
+        self._quantized: dict[torch.Tensor, Any] = {}
         # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
         # as long as this optimizer (never in state_dict, pickles or copies).
         self._kernel_cache: dict = {}
@@ -330,6 +332,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         super().zero_grad(set_to_none)
         self._grad_ready.clear()
         self._init_step_caches()
+        for route in self._quantized.values():
+            route.discard()  # a 4-bit layer's tentative entries came with the gradients just dropped
 
     # -------------------------------------------------------------------- step
 
@@ -395,6 +399,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             return loss
         # The only place entries are chosen: a step GradScaler skips never gets here.
         self._select()
+        for route in self._quantized.values():
+            route.commit()
         self._amp_unscale_after_selection()
         if self.max_grad_norm is not None and self.update_in_backward:
             # No global norm exists once layers were stepped in backward: each dense grad on its own.
@@ -418,6 +424,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._grad_ready.clear()
         self._backward_seen.clear()
         self._clear_open_buffers()
+        for route in self._quantized.values():
+            route.discard()
 
     def _sparse_step(self, group: dict[str, Any]) -> None:
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
@@ -497,7 +505,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         capturable = isinstance(lr, torch.Tensor) and any(p.is_cuda for p in params)
         for p in params:
             state = self.state[p]
-            if not state:
+            if "exp_avg" not in state:  # a 4-bit delta's state holds its indices before its moments
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

