@@ -4,9 +4,10 @@
 - `heads`: HiFi head scoring and selection (`sift.heads.score_heads`, ...).
 - `SparseDelta`, `merge_deltas`: fine-tunes as index-sorted deltas.
 - `enable_sparse_backward`: sparse weights' gradients computed only at their chosen entries.
+- `quantized`: sparse deltas over a frozen bitsandbytes 4-bit base (`for_model` on a 4-bit model).
 """
 
-from sift import heads
+from sift import heads, quantized
 from sift._ops import sparse_weight_grad
 from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
@@ -16,4 +17,4 @@ from sift.targets import trainable_summary
 __version__ = "0.1.0"
 
 __all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "enable_sparse_backward", "heads",
-           "merge_deltas", "sparse_weight_grad", "trainable_summary", "__version__"]
+           "merge_deltas", "quantized", "sparse_weight_grad", "trainable_summary", "__version__"]

@@ -335,6 +335,11 @@ class SparseDelta:
         A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: it raises
         ValueError; use `SparseDelta.from_diff(base_model, tuned_model)` instead.
 
+        The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
+        `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
+        into the 16-bit model, `sift.quantized.attach_delta_` puts them back on the 4-bit one.
+        Such a delta has no base fingerprint (no one fingerprint describes both models).
+
         Args:
             optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
             model: the trained model; names come from `model.named_parameters()`.
@@ -362,10 +367,20 @@ class SparseDelta:
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None
         entries, problems, skipped = {}, [], []
+        # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
+        quantized = getattr(optimizer, "_quantized", {})
+        for values, route in quantized.items():
+            indices = route.indices
+            if indices is not None:
+                entries[f"{route.name}.weight"] = DeltaEntry((route.module.out_features, route.module.in_features),
+                                                             route.base_dtype, indices.cpu().clone(),
+                                                             values.detach().float().cpu().clone())
         known: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (positions, base values)
         unknown: dict[str, torch.Tensor | None] = {}  # name -> positions of unknown base (None: all)
         for group in optimizer.param_groups:
             for p in group["params"]:
+                if p in quantized:
+                    continue
                 name = names.get(p)
                 if name is None:
                     problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
@@ -405,7 +420,11 @@ class SparseDelta:
                 f"unknown without the base values ({', '.join(skipped)}); pass base= to include them",
                 stacklevel=2,
             )
-        if base_state is not None:
+        if quantized:
+            # A 4-bit fine-tune's delta applies to the 4-bit model and to the 16-bit model it was quantized
+            # from, whose tensors differ: no one fingerprint describes both.
+            fingerprint = None
+        elif base_state is not None:
             fingerprint = BaseFingerprint.of(base_state)
         else:
             fingerprint = BaseFingerprint.of(state)

@@ -73,10 +73,19 @@ class QuantizedRoute:
         self.score: torch.Tensor | None = None  # select_steps > 1: the committed steps' sum
         self.reached = False  # a backward reached this layer since the last step
 
+    fixed_indices: torch.Tensor | None = None  # a delta attached without an optimizer (`attach_delta_`)
+
     @property
     def indices(self) -> torch.Tensor | None:
         """The [k] chosen flat indices (sorted), or None before selection."""
+        if self.optimizer is None:
+            return self.fixed_indices
         return self.optimizer.state.get(self.values, {}).get("delta_indices")
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The dtype the weight had before it was quantized (what a 16-bit copy of the model holds)."""
+        return getattr(self.module.weight.quant_state, "dtype", None) or torch.float32
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -224,3 +233,54 @@ def bind_deltas(model: nn.Module, names: list[str], optimizer: Any) -> list[Quan
         module.forward = types.MethodType(_forward, module)
         routes.append(route)
     return routes
+
+
+def attach_delta_(model: nn.Module, delta: Any) -> None:
+    """Put a `SparseDelta` from a 4-bit fine-tune back on a freshly loaded 4-bit model, for inference.
+
+    Each entry of a 4-bit layer's weight becomes that layer's sparse delta (its values frozen, its
+    indices fixed: the packed weights stay as they are); entries of 16-bit weights (a head trained
+    with the base given) are applied with `SparseDelta.apply_`. Everything is checked first; on
+    error nothing changes.
+
+    Args:
+        model: the 4-bit model, loaded as the fine-tune's base was.
+        delta: the `SparseDelta` (`SparseDelta.from_optimizer` of the 4-bit fine-tune).
+
+    Raises:
+        ValueError: a 4-bit layer's entry of another shape, or invalid indices or values.
+
+    Example:
+        >>> delta = sift.SparseDelta.from_optimizer(opt, model4bit)  # doctest: +SKIP
+        >>> sift.quantized.attach_delta_(fresh_model4bit, delta)  # doctest: +SKIP
+    """
+    from sift.delta import DeltaError, SparseDelta
+
+    modules = dict(model.named_modules())
+    quantized, rest, problems = {}, {}, []
+    for name, entry in delta.entries.items():
+        module_name = name[: -len(".weight")] if name.endswith(".weight") else None
+        module = modules.get(module_name) if module_name is not None else None
+        if module is None or not is_linear4bit(module):
+            rest[name] = entry
+            continue
+        shape = (module.out_features, module.in_features)
+        problems += entry.problems(name)
+        if tuple(entry.shape) != shape:
+            problems.append(f"{name}: shape mismatch: delta {tuple(entry.shape)}, 4-bit layer {shape}")
+        if hasattr(module, "_sift_quantized"):
+            problems.append(f"{name}: the 4-bit layer already has a sparse delta")
+        quantized[module_name] = entry
+    if problems:
+        raise DeltaError("cannot attach the sparse delta; the model is unchanged", problems)
+    if rest:
+        SparseDelta(rest, delta.base).apply_(model)
+    for module_name, entry in quantized.items():
+        module = modules[module_name]
+        device = module.weight.device
+        module.register_parameter(DELTA, nn.Parameter(entry.values.to(device=device, dtype=torch.float32).clone(),
+                                                      requires_grad=False))
+        route = QuantizedRoute(module, module_name, None, 0, entry.nnz)
+        route.fixed_indices = entry.indices.to(device=device, dtype=index_dtype(route.numel)).clone()
+        module._sift_quantized = route
+        module.forward = types.MethodType(_forward, module)

