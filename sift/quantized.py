@@ -34,6 +34,7 @@ from torch import nn
 
 from sift import _ops
 from sift._index import entries_for, index_dtype, top_k_positions
+from sift.sparse_backward import weight_gradient_wanted
 
 DELTA = "sift_delta"  # the trained [k] values, registered on each 4-bit module
 
@@ -183,7 +184,7 @@ class _QuantizedSparseLinear(torch.autograd.Function):
             grad_x = (dy @ weight).reshape(*grad_out.shape[:-1], weight.shape[1]).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.sum(0).to(route.module.bias.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and weight_gradient_wanted():
             if selected:
                 grad_values = _ops.call("sparse_weight_grad", dy, x2, route.indices, check_values=False)
             else:

@@ -50,6 +50,21 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
+def weight_gradient_wanted() -> bool:
+    """Inside a custom Function's backward: whether this backward delivers its second input's gradient.
+
+    False under `torch.autograd.grad(..., inputs=...)` for other tensors (a gradient penalty, say):
+    a compact buffer or a selection must not take a gradient that nobody asked for.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return True
+    accumulator = node.next_functions[1][0]
+    return accumulator is None or torch._C._will_engine_execute_node(accumulator)
+
+
 class _SparseLinearFunction(torch.autograd.Function):
     """y = x W^T + b (or x W + b for Conv1D) whose backward feeds the compact gradient of W."""
 
@@ -85,7 +100,7 @@ class _SparseLinearFunction(torch.autograd.Function):
             grad_x = (torch.matmul(grad_out, wc.t()) if route.transposed else torch.matmul(grad_out, wc)).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and weight_gradient_wanted():
             dy = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = xc.reshape(-1, xc.shape[-1])
             target = route.optimizer.compact_grad_target(weight)

@@ -196,3 +196,22 @@ def test_enable_sparse_backward_bad_input():
         sift.enable_sparse_backward(model, opt)
     with pytest.raises(ValueError, match="needs compact_grads=True"):
         SparseAdamW.for_model(_tiny("bert"), sparse_backward=True, compact_grads=False)
+
+
+def test_a_gradient_for_other_inputs_leaves_the_compact_gradients_alone():
+    """Regression: `torch.autograd.grad(loss, inputs=[x])` (a gradient penalty) ran the sparse backward's
+    weight product into the compact buffers, so the next backward's step used that gradient twice."""
+    model, ref = _tiny("llama"), _tiny("llama")
+    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, sparse_backward=True)
+    ref_opt = SparseAdamW.for_model(ref, density=0.1, lr=1e-2, sparse_backward=True)
+    _train(model, opt, 1)
+    _train(ref, ref_opt, 1)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    x = model.get_input_embeddings()(_batch(7)["input_ids"]).detach().requires_grad_(True)
+    torch.autograd.grad(model(inputs_embeds=x).logits.square().sum(), [x])
+    assert all(opt.compact_grad(p) is None for g in opt.param_groups if g["density"] < 1.0 for p in g["params"])
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(**_batch(1)).loss.backward()
+        o.step()
+    _assert_same_training(model, opt, ref, ref_opt)
