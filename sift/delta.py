@@ -32,7 +32,6 @@ import json
 import math
 import os
 import uuid
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +48,8 @@ from sift.optim.state import increments, is_dense_stepped, is_dtensor
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
 FORMAT = "sift.sparse_delta"
-FORMAT_VERSION = 1
+# 2: dense parts (`<name>.dense`) and the "dense" metadata; version 1 files read as before.
+FORMAT_VERSION = 2
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MERGE_METHODS = ("sum", "mean", "ties")
 # Fixed positions per tensor whose base values go into the fingerprint (first, last, two inner).
@@ -255,15 +255,22 @@ class _Application:
     params: list[torch.Tensor]
     indices: list[torch.Tensor]  # on the params' devices
     originals: list[torch.Tensor]  # the overwritten values, in the params' dtypes
+    dense_names: list[str] = field(default_factory=list)
+    dense_params: list[torch.Tensor] = field(default_factory=list)
+    dense_originals: list[torch.Tensor] = field(default_factory=list)  # whole copies of the replaced params
+    checksum: str = ""  # of the delta's tensors: the same delta loaded twice is the same delta
 
 
 class SparseDelta:
-    """A sparse fine-tune: per weight name, sorted unique flat indices and fp32 increments.
+    """A fine-tune: per sparse weight, sorted unique flat indices and fp32 increments; per densely
+    trained param (a task head), the whole trained tensor.
 
     Args:
         entries: name -> `DeltaEntry` (tensors on the CPU; they are validated when the delta
             is applied, merged or saved).
-        base: fingerprint of the base model, or None to skip the base checks.
+        base: fingerprint of the base model, or None to skip the base checks. It never covers
+            the dense parts, which replace whatever the base holds there.
+        dense: name -> the trained tensor that replaces the param whole (a head trained densely).
 
     Example:
         >>> base = torch.nn.Linear(4, 3)
@@ -273,9 +280,13 @@ class SparseDelta:
         >>> delta.remove_(base)
     """
 
-    def __init__(self, entries: Mapping[str, DeltaEntry] | None = None, base: BaseFingerprint | None = None):
+    def __init__(self, entries: Mapping[str, DeltaEntry] | None = None, base: BaseFingerprint | None = None,
+                 dense: Mapping[str, torch.Tensor] | None = None):
         self.entries: dict[str, DeltaEntry] = dict(entries or {})
         self.base = base
+        self.dense: dict[str, torch.Tensor] = dict(dense or {})
+        # What the fine-tune was (density, selection, targets; set by from_optimizer), for its config file.
+        self.info: dict = {}
 
     # ---------------------------------------------------------------- container
 
@@ -297,11 +308,28 @@ class SparseDelta:
         return sum(e.nnz for e in self.entries.values())
 
     def __repr__(self) -> str:
-        return f"SparseDelta({len(self)} tensors, {self.nnz} entries, base={'known' if self.base else 'unknown'})"
+        dense = f", {len(self.dense)} dense" if self.dense else ""
+        return (f"SparseDelta({len(self)} tensors, {self.nnz} entries{dense}, "
+                f"base={'known' if self.base else 'unknown'})")
 
     def problems(self) -> list[str]:
         """Everything wrong inside this delta (dtypes, sortedness, range, finiteness)."""
-        return [p for name, e in self.entries.items() for p in e.problems(name)]
+        out = [p for name, e in self.entries.items() for p in e.problems(name)]
+        for name, t in self.dense.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                out.append(f"{name}: a dense part must be a floating-point tensor")
+            elif not bool(torch.isfinite(t).all()):
+                out.append(f"{name}: the dense part holds NaN or infinite values")
+            if name in self.entries:
+                out.append(f"{name}: both a sparse entry and a dense part")
+        return out
+
+    def checksum(self) -> str:
+        """A blake2b digest of the delta's tensors (names, indices, values, dense parts)."""
+        tensors = {f"{n}.indices": e.indices for n, e in self.entries.items()}
+        tensors.update({f"{n}.values": e.values for n, e in self.entries.items()})
+        tensors.update({f"{n}.dense": t for n, t in self.dense.items()})
+        return _checksum({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
 
     def to_dense(self, name: str) -> torch.Tensor:
         """The delta of weight `name` as a dense fp32 tensor of the weight's shape.
@@ -327,10 +355,10 @@ class SparseDelta:
 
         Sparse weights give their chosen `indices` and `delta` state (the total increment
         since selection), merged with the entries `set_indices` retired (`retired_indices`,
-        `retired_delta`), so a selection changed mid-training loses nothing. Weights of dense
-        groups (`density=1.0`) carry no record of their increments: without `base` they are
-        skipped with one warning naming them; with `base` (the state dict before training)
-        their full difference to it is stored.
+        `retired_delta`), so a selection changed mid-training loses nothing. Params of dense
+        groups (`density=1.0`, a task head) are stored whole as dense parts: `apply_` puts the
+        trained tensor in place (whatever the base holds there, a freshly initialised head
+        included) and `remove_` restores the replaced one.
 
         A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: it raises
         ValueError; use `SparseDelta.from_diff(base_model, tuned_model)` instead.
@@ -343,7 +371,8 @@ class SparseDelta:
         Args:
             optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
             model: the trained model; names come from `model.named_parameters()`.
-            base: the model's state before training, only needed for dense groups.
+            base: the model's state before training (optional): fingerprints the base from it
+                instead of from the untouched entries of `model`.
 
         Returns:
             The delta, fingerprinted with the base values it can know: untouched entries of
@@ -366,7 +395,8 @@ class SparseDelta:
         names = {p: n for n, p in model.named_parameters()}
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None
-        entries, problems, skipped = {}, [], []
+        entries, problems = {}, []
+        dense: dict[str, torch.Tensor] = {}
         # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
         quantized = getattr(optimizer, "_quantized", {})
         for values, route in quantized.items():
@@ -401,31 +431,19 @@ class SparseDelta:
                     else:
                         unknown[name] = idx
                 elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
-                    if base_state is None:
-                        skipped.append(name)
-                        unknown[name] = None
-                        continue
-                    if name not in base_state or base_state[name].shape != p.shape:
-                        problems.append(f"{name}: missing from base or of another shape")
-                        continue
-                    diff = p.detach().float().cpu().reshape(-1) - base_state[name].detach().float().cpu().reshape(-1)
-                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype,
-                                               torch.arange(numel, dtype=_index_dtype(numel)), diff)
+                    dense[name] = p.detach().cpu().clone()
+                    unknown[name] = None
                 # else: never stepped, or sparse selection still accumulating: nothing changed.
         if problems:
             raise DeltaError("cannot build a delta from this optimizer and model", problems)
-        if skipped:
-            warnings.warn(
-                f"SparseDelta.from_optimizer: skipped {len(skipped)} dense-group weight(s) whose increments are "
-                f"unknown without the base values ({', '.join(skipped)}); pass base= to include them",
-                stacklevel=2,
-            )
         if quantized:
             # A 4-bit fine-tune's delta applies to the 4-bit model and to the 16-bit model it was quantized
             # from, whose tensors differ: no one fingerprint describes both.
             fingerprint = None
         elif base_state is not None:
             fingerprint = BaseFingerprint.of(base_state)
+            for name in dense:  # replaced whole: the base may hold anything there (a new head)
+                fingerprint.samples.pop(name, None)
         else:
             fingerprint = BaseFingerprint.of(state)
             # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
@@ -445,7 +463,9 @@ class SparseDelta:
                     j = _find(positions, pos)
                     if j is not None:
                         fingerprint.samples[name][pos] = float(values[j]).hex()
-        return cls(entries, fingerprint)
+        delta = cls(entries, fingerprint, dense)
+        delta.info = _optimizer_info(optimizer)
+        return delta
 
     @classmethod
     def from_diff(cls, base: nn.Module | Mapping[str, torch.Tensor], tuned: nn.Module | Mapping[str, torch.Tensor],
@@ -514,9 +534,9 @@ class SparseDelta:
         """Writes the delta to a safetensors file, atomically.
 
         Layout: tensors `<name>.indices` (int32 where the weight has < 2**31 elements) and
-        `<name>.values` (fp32), so about 8 bytes per entry; metadata with the format version,
-        each weight's shape and dtype, the base fingerprint and a blake2b checksum of the
-        tensors. The file is written under a temporary name in the same directory and renamed
+        `<name>.values` (fp32), so about 8 bytes per entry, and `<name>.dense` for each dense
+        part (in its dtype); metadata with the format version, each weight's shape and dtype,
+        the dense parts' names, the base fingerprint and a blake2b checksum of the tensors. The file is written under a temporary name in the same directory and renamed
         over `path`, so a crash never leaves a partial file under `path`.
 
         Args:
@@ -546,10 +566,13 @@ class SparseDelta:
                 storages.add(t.untyped_storage().data_ptr())
                 tensors[key] = t
             meta_entries[name] = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype)}
+        for name, t in self.dense.items():
+            tensors[f"{name}.dense"] = t.detach().cpu().contiguous().clone()
         metadata = {
             "format": FORMAT,
             "format_version": str(FORMAT_VERSION),
             "entries": json.dumps(meta_entries, separators=(",", ":")),
+            "dense": json.dumps(sorted(self.dense), separators=(",", ":")),
             "checksum": _checksum(tensors),
         }
         if self.base is not None:
@@ -617,6 +640,9 @@ class SparseDelta:
             base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
             if not isinstance(meta_entries, dict):
                 raise TypeError(f"entries is a {type(meta_entries).__name__}, not a mapping")
+            dense_names = json.loads(metadata.get("dense", "[]"))
+            if not (isinstance(dense_names, list) and all(isinstance(n, str) for n in dense_names)):
+                raise TypeError("dense is not a list of names")
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
         entries, expected = {}, set()
@@ -637,10 +663,18 @@ class SparseDelta:
                 problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
                 continue
             entries[name] = DeltaEntry(tuple(shape), dtype, tensors[keys[0]], tensors[keys[1]])
+        dense = {}
+        for name in dense_names:
+            key = f"{name}.dense"
+            expected.add(key)
+            if key not in tensors:
+                problems.append(f"{name}: the dense part is missing from the file")
+                continue
+            dense[name] = tensors[key]
         extra = sorted(set(tensors) - expected)
         if extra:
             problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
-        delta = cls(entries, base)
+        delta = cls(entries, base, dense)
         problems += delta.problems()
         if problems:
             raise DeltaError(what, problems)
@@ -648,8 +682,8 @@ class SparseDelta:
 
     # ---------------------------------------------------------------- apply / remove
 
-    def apply_(self, model: nn.Module, scale: float = 1.0, *, check_base: bool = True) -> None:
-        """Adds `scale * values` to the model's weights in place.
+    def apply_(self, model: nn.Module, scale: float = 1.0, *, check_base: bool = True, stack: bool = False) -> None:
+        """Adds `scale * values` to the model's weights in place, and puts the dense parts in place.
 
         Everything is validated first (names, shapes, dtypes, contiguity, index range and
         order, finite values and scale, the base fingerprint); on any problem a `DeltaError`
@@ -662,6 +696,8 @@ class SparseDelta:
             scale: multiplier of the values (computed in fp32).
             check_base: compare the model with the delta's base fingerprint. Positions changed
                 by deltas already applied to `model` are not compared.
+            stack: allow applying a delta that is already applied to `model` (its increments then
+                count twice); without it that is refused.
 
         Example:
             >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
@@ -676,6 +712,15 @@ class SparseDelta:
         problems = self.problems()
         if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
             problems.append(f"scale must be a finite number, got {scale!r}")
+        if not stack and any(a.delta is self or a.checksum == self.checksum() for a in _APPLIED.get(model, [])):
+            problems.append("this delta is already applied to the model (pass stack=True to add it again)")
+        for name, t in self.dense.items():
+            p = state.get(name)
+            if p is None:
+                problems.append(f"{name}: no such param in the model (a dense part)")
+            elif tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+                problems.append(f"{name}: the dense part is {t.dtype} {tuple(t.shape)}, the model's param "
+                                f"{p.dtype} {tuple(p.shape)}")
         owners: dict[tuple, str] = {}
         for name, e in self.entries.items():
             p = state.get(name)
@@ -702,11 +747,18 @@ class SparseDelta:
         indices = [self.entries[n].indices.to(p.device).contiguous() for n, p in zip(names, params)]
         values = [self.entries[n].values.to(p.device).contiguous() for n, p in zip(names, params)]
         originals = _ops.originals_like(params, indices)
+        dense_names = list(self.dense)
+        dense_params = [state[n].detach() for n in dense_names]
         with torch.no_grad():
             for device, members in _by_device(params).items():
                 _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
                           [values[i] for i in members], float(scale), [originals[i] for i in members], device=device)
-        _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals))
+            dense_originals = [p.clone() for p in dense_params]
+            for p, name in zip(dense_params, dense_names):
+                p.copy_(self.dense[name])
+        _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals,
+                                                           dense_names, dense_params, dense_originals,
+                                                           self.checksum()))
 
     def remove_(self, model: nn.Module) -> None:
         """Takes the delta off `model` again, restoring the exact values `apply_` overwrote.
@@ -739,7 +791,7 @@ class SparseDelta:
         app = stack[-1]
         state = _state_of(model, "model")
         problems = []
-        for name, p in zip(app.names, app.params):
+        for name, p in zip(app.names + app.dense_names, app.params + app.dense_params):
             now = state.get(name)
             if now is None or now.data_ptr() != p.data_ptr() or now.shape != p.shape or now.dtype != p.dtype:
                 problems.append(f"{name}: the weight was replaced since the delta was applied")
@@ -749,12 +801,15 @@ class SparseDelta:
             for device, members in _by_device(app.params).items():
                 _ops.call("sparse_delta_restore_", [app.params[i] for i in members], [app.indices[i] for i in members],
                           [app.originals[i] for i in members], device=device)
+            for p, original in zip(app.dense_params, app.dense_originals):
+                p.copy_(original)
         stack.pop()
 
     # ---------------------------------------------------------------- arithmetic
 
     def scaled(self, factor: float) -> SparseDelta:
-        """A copy with every value multiplied by `factor` (in fp32).
+        """A copy with every value multiplied by `factor` (in fp32); dense parts are kept as they are
+        (a trained head is a replacement, not an increment).
 
         Example:
             >>> d = SparseDelta.from_diff({"w": torch.zeros(2)}, {"w": torch.ones(2)}, density=1.0)
@@ -764,7 +819,9 @@ class SparseDelta:
         factor = float(factor)
         entries = {n: DeltaEntry(e.shape, e.dtype, e.indices.clone(), e.values * factor)
                    for n, e in self.entries.items()}
-        return SparseDelta(entries, self.base)
+        scaled = SparseDelta(entries, self.base, {n: t.clone() for n, t in self.dense.items()})
+        scaled.info = dict(self.info)
+        return scaled
 
     def __mul__(self, factor: object) -> SparseDelta:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
@@ -811,7 +868,9 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
                  trim step is the deltas' own sparsity)
 
     Reductions run in float64 and round to fp32 once. The k-way merge runs in C++ on the CPU
-    (torch's sort elsewhere).
+    (torch's sort elsewhere). Dense parts (trained heads) are replacements, not increments: the
+    merge carries each through unchanged, and refuses a param that two deltas replace with
+    different tensors.
 
     Args:
         deltas: one or more deltas; weights shared by several must agree in shape and dtype,
@@ -862,6 +921,18 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
             shape, dtype, j = layout.setdefault(name, (e.shape, e.dtype, i))
             if (shape, dtype) != (e.shape, e.dtype):
                 problems.append(f"{name}: delta {i} has {e.dtype} {e.shape}, delta {j} has {dtype} {shape}")
+    dense: dict[str, torch.Tensor] = {}
+    dense_from: dict[str, int] = {}
+    for i, d in enumerate(deltas):
+        for name, t in d.dense.items():
+            if name in layout:
+                problems.append(f"{name}: a dense part in delta {i} and a sparse entry in another")
+            elif name in dense and not torch.equal(dense[name], t):
+                problems.append(f"{name}: deltas {dense_from[name]} and {i} replace it with different tensors "
+                                "(merge the heads by hand)")
+            else:
+                dense.setdefault(name, t.clone())
+                dense_from.setdefault(name, i)
     if problems:
         raise DeltaError("cannot merge these deltas", problems)
     names = list(layout)
@@ -879,10 +950,21 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
         for name, idx, val in zip(names, out_idx, out_val):
             shape, dtype, _ = layout[name]
             entries[name] = DeltaEntry(shape, dtype, idx.to(_index_dtype(math.prod(shape))), val)
-    return SparseDelta(entries, base)
+    return SparseDelta(entries, base, dense)
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:
+    """What a fine-tune's config records of its optimizer: rule, state layout, and per group its density."""
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({"name": group.get("name"), "density": float(group.get("density", 1.0)),
+                       "params": len(group["params"])})
+    return {"selection": getattr(optimizer, "selection", None), "state": getattr(optimizer, "state_layout", None),
+            "select_steps": getattr(optimizer, "select_steps", None), "groups": groups,
+            "quantized": bool(getattr(optimizer, "_quantized", {}))}
 
 
 def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:

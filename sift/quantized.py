@@ -274,8 +274,8 @@ def attach_delta_(model: nn.Module, delta: Any) -> None:
         quantized[module_name] = entry
     if problems:
         raise DeltaError("cannot attach the sparse delta; the model is unchanged", problems)
-    if rest:
-        SparseDelta(rest, delta.base).apply_(model)
+    if rest or delta.dense:
+        SparseDelta(rest, delta.base, delta.dense).apply_(model)
     for module_name, entry in quantized.items():
         module = modules[module_name]
         device = module.weight.device

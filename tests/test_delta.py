@@ -514,23 +514,59 @@ def test_from_optimizer_after_set_indices_reproduces_training(dtype, compact):
             delta.apply_(model)
 
 
-def test_from_optimizer_dense_groups_warn_or_use_base():
+def test_from_optimizer_keeps_dense_params_whole():
+    """Regression: densely trained params were left out of the delta with a warning (a reloaded fine-tune
+    lost its head), or, with base=, stored as differences that a freshly initialised head refused."""
     original = _model()
     model = copy.deepcopy(original)
     opt = SparseAdamW([{"params": [model[0].weight, model[2].weight], "density": 0.2},
                        {"params": [model[0].bias, model[2].bias], "density": 1.0}], lr=1e-2)
     _train(model, opt, steps=3)
-    with pytest.warns(UserWarning, match=r"skipped 2 dense-group weight\(s\).*0\.bias, 2\.bias"):
-        delta = SparseDelta.from_optimizer(opt, model)
-    assert sorted(delta) == ["0.weight", "2.weight"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        full = SparseDelta.from_optimizer(opt, model, base=original)
-    assert full["0.bias"].nnz == 19
+        delta = SparseDelta.from_optimizer(opt, model)
+        with_base = SparseDelta.from_optimizer(opt, model, base=original)
+    assert sorted(delta) == ["0.weight", "2.weight"] and sorted(delta.dense) == ["0.bias", "2.bias"]
+    for d in (delta, with_base):
+        target = copy.deepcopy(original)
+        with torch.no_grad():  # another initialisation of the dense params: they are replaced whole
+            target[0].bias.normal_()
+            target[2].bias.normal_()
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        d.apply_(target)
+        for (name, got), want in zip(target.state_dict().items(), model.state_dict().values()):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+        assert torch.equal(target[0].bias, model[0].bias)
+        with pytest.raises(DeltaError, match="already applied"):
+            d.apply_(target)
+        d.remove_(target)
+        for name, value in target.state_dict().items():
+            assert torch.equal(value, before[name]), name
+
+
+def test_dense_parts_survive_save_load_and_merges(tmp_path):
+    original = _model()
+    model = copy.deepcopy(original)
+    opt = SparseAdamW([{"params": [model[0].weight], "density": 0.2},
+                       {"params": [model[2].bias], "density": 1.0}], lr=1e-2)
+    _train(model, opt, steps=2)
+    delta = SparseDelta.from_optimizer(opt, model)
+    delta.save(tmp_path / "d.safetensors")
+    loaded = SparseDelta.load(tmp_path / "d.safetensors")
+    assert torch.equal(loaded.dense["2.bias"], delta.dense["2.bias"]) and loaded.checksum() == delta.checksum()
+    merged = merge_deltas([delta, loaded * 0.5])
+    assert torch.equal(merged.dense["2.bias"], delta.dense["2.bias"])  # carried through, not scaled
+    other = SparseDelta(dict(delta.entries), delta.base, {"2.bias": delta.dense["2.bias"] + 1})
+    with pytest.raises(DeltaError, match="replace it with different tensors"):
+        merge_deltas([delta, other])
     target = copy.deepcopy(original)
-    full.apply_(target)
-    for (name, got), want in zip(target.state_dict().items(), model.state_dict().values()):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    delta.apply_(target)
+    with pytest.raises(DeltaError, match="already applied"):  # the same fine-tune, loaded again
+        loaded.apply_(target)
+    loaded.apply_(target, stack=True)  # on purpose
+    loaded.remove_(target)
+    delta.remove_(target)
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), original.state_dict().values()))
 
 
 # ----------------------------------------------------------------- bad input: clear error, nothing changed

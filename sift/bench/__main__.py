@@ -21,6 +21,7 @@ SUITES = {
     "delta": "sift.bench.delta",
     "heads": "sift.bench.heads",
     "memory": "sift.bench.memory",
+    "quantized": "sift.bench.quantized",
 }
 
 

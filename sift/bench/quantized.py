@@ -1,0 +1,518 @@
+"""`python -m sift.bench quantized`: SIFT over a frozen 4-bit base against QLoRA and SHiRA.
+
+Every base is bitsandbytes NF4 (`Linear4bit`, compute dtype bf16, no double quantization: the
+`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bf16)`
+defaults), quantized from random bf16 weights; the 7 linears of every decoder layer (q, k, v, o,
+gate, up, down) are the targets; embeddings, norms and the untied lm_head stay bf16 and frozen.
+
+    sift 1% exact, sift 5% exact   `SparseAdamW.for_model(model, density, target_modules=the 7)`: a [k] fp32
+                                   delta per 4-bit linear (`sift.quantized`)
+    QLoRA r=16, r=64               peft `LoraConfig(r, lora_alpha=2r, lora_dropout=0)` on the 4-bit linears
+                                   (peft's bitsandbytes LoRA layer, fp32 adapters), `torch.optim.AdamW`
+    SHiRA                          peft `ShiraConfig(r)` (random mask) on the same linears, `torch.optim.AdamW`;
+                                   one r for all targets (peft's SHiRA has no per-module r), the integer
+                                   nearest to (sift 1%'s entries) / sum(out + in) over the targets, so that its
+                                   r * (out + in) entries add up to about sift 1%'s count
+
+Part 1, memory. A 1-layer `LlamaForCausalLM` at Llama-7B's real shapes (hidden 4096, intermediate
+11008, 32 heads, 32 KV heads, vocab 32000) and another at Llama-2-70B's (hidden 8192, intermediate
+28672, 64 heads, 8 KV heads, vocab 32000), each measured for real: per configuration a fresh copy
+of the 4-bit model, one warm-up step (SIFT selects its entries on it), then one measured training
+step (seq 16, batch 1), once without and once with gradient checkpointing. The accounting is the
+memory suite's (`sift.bench.memory.measure_cpu`, with sparse saved tensors counted too): Params are the bytes of all params and buffers
+(packed 4-bit weights, and their quant state, which is neither), plus the adapters (sift's [k]
+values, LoRA's A and B, SHiRA's values and its int32 index table); Grad, the gradient bytes held
+after backward; Optim, the optimizer state bytes (`state_bytes()` for SparseAdamW, which counts
+the 4-bit deltas' fp32 moments and their int32 `delta_indices`; the state tensors for AdamW);
+Activation, the bytes autograd saved for backward, deduplicated by storage (saved-tensor hooks);
+RSS rise, the process's peak RSS over the step minus RSS before it (rough: transient dequantized
+weights show there, not in the four columns).
+
+Each configuration's checkpointed row is then PROJECTED to the full model (32 layers for 7B, 80 for
+70B; seq 2048, batch 1) with `sift.bench.memory.project`: the layer's bytes times the depth, the
+non-layer bytes (bf16 embeddings, lm_head, final norm) as measured, and for the activations what
+is saved outside the layers plus one layer's saved bytes (recomputed in backward), linear in the
+sequence, plus every layer's [seq, hidden] bf16 input kept by the checkpoint. The targets
+(7B at 1% within 6.0 GiB and within QLoRA r=16 + 0.25 GiB; 70B at 1% within 46 GiB) are printed
+with pass or miss.
+
+Part 2, speed. One training step (forward, backward, `optimizer.step()`, `zero_grad`) of a 4-layer
+Llama (hidden 1024, intermediate 2752, 16 heads, vocab 32000, NF4 base, seq 128, batch 4) for sift
+1%, QLoRA r=16 and SHiRA at sift 1%'s count, each on its own copy of the model: two warm-up steps
+each, then rounds of one step per method, the order rotated every round, timed with
+`time.perf_counter`; median, p20 and p80 per method and the ratios sift / QLoRA and SHiRA / sift of
+the medians.
+
+`--quick`: tiny shapes (hidden 64), one round; the figures are not comparable.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from sift._index import entries_for
+from sift.bench import memory
+from sift.bench._harness import markdown_table, reset_peak_rss, rss_kib, save_results, summary
+from sift.optim import SparseAdamW
+
+GIB = 2**30
+MIB = 2**20
+MODULES = memory.LORA_MODULES  # q, k, v, o, gate, up, down: every linear of a decoder layer
+LR = 1e-4
+
+# (label, method, argument): density for sift, r for QLoRA; SHiRA's r is matched to sift 1%'s count.
+CONFIGS = (
+    ("sift 1% exact", "sift", 0.01),
+    ("sift 5% exact", "sift", 0.05),
+    ("QLoRA r=16", "lora", 16),
+    ("QLoRA r=64", "lora", 64),
+    ("SHiRA (sift 1% count)", "shira", 0.01),
+)
+TIMED = ("sift 1% exact", "QLoRA r=16", "SHiRA (sift 1% count)")
+
+# The full models each 1-layer measurement is projected to.
+LLAMA_7B = dict(name="Llama-7B", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, target_layers=32)
+LLAMA_70B = dict(name="Llama-2-70B", hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                 num_key_value_heads=8, vocab_size=32000, target_layers=80)
+QUICK_7B = dict(name="tiny (7B-like)", hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=256, target_layers=32)
+QUICK_70B = dict(name="tiny (70B-like, GQA)", hidden_size=128, intermediate_size=448, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=256, target_layers=80)
+MEASURED_SEQ, TARGET_SEQ = 16, 2048
+
+STEP_MODEL = dict(hidden_size=1024, num_hidden_layers=4, intermediate_size=2752, num_attention_heads=16,
+                  num_key_value_heads=16, vocab_size=32000, seq=128, batch=4)
+QUICK_STEP_MODEL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=256, seq=32, batch=2)
+ROUNDS, QUICK_ROUNDS = 10, 1
+WARMUP_STEPS = 2
+
+# Targets: 7B at 1% (GiB, and GiB over QLoRA r=16), 70B at 1% (GiB); step time ratios.
+TARGET_7B_GIB = 6.0
+TARGET_7B_OVER_QLORA_GIB = 0.25
+TARGET_70B_GIB = 46.0
+TARGET_SIFT_OVER_QLORA = 1.1
+TARGET_SHIRA_OVER_SIFT = 1.5
+
+MEASURED_COLUMNS = ("config", "layer shape", "GC", "trainable entries", "Params", "Grad", "Optim", "Activation",
+                    "Total", "RSS rise", "step s")
+PROJECTED_COLUMNS = ("config", "model", "projected Params", "projected Grad", "projected Optim",
+                     "projected Activation", "projected Total")
+TIMING_COLUMNS = ("config", "trainable entries", "median ms", "p20 ms", "p80 ms", "x vs QLoRA r=16", "x vs sift 1%")
+
+
+# ------------------------------------------------------------------ the 4-bit model
+
+
+def quantize_linears_(model: nn.Module, names: tuple[str, ...] | list[str] = MODULES) -> nn.Module:
+    """Replace every `nn.Linear` whose name ends in one of `names` by an NF4 `Linear4bit` of its weight.
+
+    Args:
+        model: a model with bf16 linears (e.g. `memory.build_model`); changed in place.
+        names: the module name suffixes to quantize.
+
+    Returns:
+        `model`, its targets 4-bit (compute dtype bf16, no double quantization), everything frozen.
+    """
+    import bitsandbytes as bnb
+
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        # On the meta device: no fp32 [out, in] init weight that would be thrown away at once.
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                                  device="meta")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=False,
+                                         quant_type="nf4")
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        setattr(parent, attr, layer.to(linear.weight.device))  # bitsandbytes quantizes on the move
+        del linear
+    for p in model.parameters():
+        p.requires_grad_(False)
+    # peft picks its bitsandbytes LoRA layer (the QLoRA path) from this flag, as from_pretrained sets it.
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def build_quantized(sizes: dict[str, Any], seed: int = 0) -> nn.Module:
+    """A randomly initialised bf16 `LlamaForCausalLM` of `sizes`, its decoder linears then NF4.
+
+    Args:
+        sizes: LlamaConfig fields plus "seq" (what `memory.build_model` takes; other keys are ignored).
+        seed: the seed of the random weights.
+
+    Example:
+        >>> m = build_quantized(dict(QUICK_STEP_MODEL, num_hidden_layers=1))  # doctest: +SKIP
+        >>> type(m.model.layers[0].mlp.up_proj).__name__  # doctest: +SKIP
+        'Linear4bit'
+    """
+    torch.manual_seed(seed)
+    fields = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "seq")
+    model = memory.build_model({k: sizes[k] for k in fields}, torch.device("cpu"), torch.bfloat16)
+    return quantize_linears_(model)
+
+
+def quant_state_bytes(model: nn.Module) -> int:
+    """Bytes of the 4-bit weights' quant state (absmax, code, nested state): tensors that are no param or buffer."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        while state is not None:
+            for value in vars(state).values():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                    seen.add(value.untyped_storage().data_ptr())
+                    total += value.untyped_storage().nbytes()
+            state = getattr(state, "state2", None)
+    return total
+
+
+def model_bytes(model: nn.Module) -> tuple[int, int]:
+    """(all bytes of params, buffers and quant state; the part outside the decoder layers)."""
+    outside = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+                  if ".layers." not in name)
+    return memory._param_bytes(model) + quant_state_bytes(model), outside
+
+
+def shapes_of(model: nn.Module) -> list[tuple[int, int]]:
+    """[out, in] of every 4-bit target of `model`."""
+    return [(m.out_features, m.in_features) for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in MODULES and isinstance(m, nn.Linear)]
+
+
+def sift_entries(model: nn.Module, density: float) -> int:
+    """The entries `SparseAdamW.for_model(density=...)` trains over the targets: ceil(density * out * in) each."""
+    return sum(max(1, entries_for(density, out * inp)) for out, inp in shapes_of(model))
+
+
+def shira_rank(model: nn.Module, density: float) -> int:
+    """SHiRA's r whose r * (out + in) entries per target add up nearest to sift's count at `density`.
+
+    peft's SHiRA takes one r for every target; the count is matched over the targets together.
+    """
+    return max(1, round(sift_entries(model, density) / sum(out + inp for out, inp in shapes_of(model))))
+
+
+# ------------------------------------------------------------------ one method on one model
+
+
+class Method:
+    """One configuration on its own 4-bit model: the (peft) model to run, its optimizer, its trainables.
+
+    Args:
+        model: a 4-bit model from `build_quantized` (changed: adapters attached).
+        kind: "sift", "lora" or "shira".
+        arg: the density (sift, and SHiRA's count to match) or the LoRA rank.
+    """
+
+    def __init__(self, model: nn.Module, kind: str, arg: float):
+        self.model, self.kind, self.peft = model, kind, None
+        self.rank: int | None = None
+        extra = 0  # tensors an adapter holds that are no param or buffer (SHiRA's index table)
+        if kind == "sift":
+            self.opt: torch.optim.Optimizer = SparseAdamW.for_model(model, density=arg, lr=LR,
+                                                                    target_modules=list(MODULES), dense_modules=[])
+            self.params = [p for p in model.parameters() if p.requires_grad]
+        else:
+            from peft import LoraConfig, ShiraConfig, get_peft_model
+
+            if kind == "lora":
+                self.rank = int(arg)
+                config = LoraConfig(r=self.rank, lora_alpha=2 * self.rank, lora_dropout=0.0,
+                                    target_modules=list(MODULES))
+            elif kind == "shira":
+                self.rank = shira_rank(model, arg)
+                config = ShiraConfig(r=self.rank, target_modules=list(MODULES), random_seed=0)
+            else:
+                raise ValueError(f"unknown method {kind!r}")
+            self.peft = get_peft_model(model, config)
+            self.params = [p for p in self.peft.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(self.params, lr=LR, fused=True)
+            extra = sum(t.numel() * t.element_size() for m in self.peft.modules()
+                        for t in getattr(m, "shira_indices", {}).values())
+        self.entries = sum(p.numel() for p in self.params)
+        self.adapter_bytes = sum(p.numel() * p.element_size() for p in self.params) + extra
+
+    @property
+    def forward_model(self) -> nn.Module:
+        return self.peft if self.peft is not None else self.model
+
+    def step(self, batch: torch.Tensor) -> None:
+        """One training step: forward (causal LM loss), backward, `optimizer.step()`, `zero_grad`."""
+        memory._train_step(self.forward_model, self.opt, batch)
+
+    def release(self) -> None:
+        """Drop the optimizer and gradients (the model copy is thrown away by the caller)."""
+        for p in self.params:
+            p.grad = None
+        self.opt = None
+        gc.collect()
+
+
+# ------------------------------------------------------------------ part 1: memory
+
+
+def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of the storages behind `t`; a sparse COO tensor (SHiRA's delta) has two."""
+    if t.layout == torch.sparse_coo:
+        return [*_storages(t._indices()), *_storages(t._values())]
+    storage = t.untyped_storage()
+    return [(storage.data_ptr(), storage.nbytes())]
+
+
+@contextmanager
+def _count_saved_tensors(exclude: set[int]) -> Iterator[dict[int, int]]:
+    """`memory._count_saved_tensors` that also counts sparse tensors (their indices and values)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        for ptr, nbytes in _storages(t):
+            if ptr not in exclude:
+                seen[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def measure_step(method: Method, batch: torch.Tensor, base_bytes: int) -> dict[str, float]:
+    """`memory.measure_cpu` for one configuration: a warm-up step, then the measured one, counted.
+
+    Returns:
+        Bytes of params (`base_bytes` plus the adapters), grad (held after backward), optim and
+        activation (saved for backward), the RSS rise over the step, and its seconds.
+    """
+    model, opt = method.forward_model, method.opt
+    method.step(batch)  # warm-up: sift selects, AdamW allocates its state
+    gc.collect()
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    marks: dict[str, int] = {}
+
+    def backward_done() -> None:
+        marks["grad"] = memory._grad_bytes(method.params)
+
+    rss_reset = reset_peak_rss()
+    rss_before = (rss_kib("VmRSS") or 0) * 1024
+    t0 = time.perf_counter()
+    with _count_saved_tensors(exclude) as saved:
+        memory._train_step(model, opt, batch, on_backward_done=backward_done)
+    seconds = time.perf_counter() - t0
+    peak_rss = memory._peak_rss_bytes()
+    state, compact = memory._state_bytes(opt)
+    out = {"params": base_bytes + method.adapter_bytes, "grad": marks["grad"] + compact, "optim": state,
+           "activation": sum(saved.values()), "rss_rise": peak_rss - rss_before if rss_reset else float("nan"),
+           "peak_rss": peak_rss, "seconds": seconds}
+    method.release()
+    return out
+
+
+def layer_sizes(full: dict[str, Any]) -> dict[str, Any]:
+    """The 1-layer measurement of `full` and what `memory.project` needs to scale it."""
+    return {**{k: v for k, v in full.items() if k != "name"}, "num_hidden_layers": 1, "seq": MEASURED_SEQ,
+            "target_seq": TARGET_SEQ}
+
+
+def measure_memory(full: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Measured rows (per configuration, GC off and on) of one layer of `full`, and their projection.
+
+    Returns:
+        (measured rows, projected rows); byte counts under "raw_bytes" / "projected_bytes".
+    """
+    sizes = layer_sizes(full)
+    template = build_quantized(sizes)
+    base_bytes, outside_bytes = model_bytes(template)
+    layer_bytes = base_bytes - outside_bytes  # one layer
+    shape = (f"hidden {sizes['hidden_size']}, intermediate {sizes['intermediate_size']}, "
+             f"{sizes['num_attention_heads']}/{sizes['num_key_value_heads']} heads")
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, sizes["vocab_size"], (1, MEASURED_SEQ), generator=gen)
+    rows, projected = [], []
+    for label, kind, arg in CONFIGS:
+        measured = {}
+        for checkpointing in (False, True):
+            model = copy.deepcopy(template)
+            memory._set_checkpointing(model, checkpointing)
+            method = Method(model, kind, arg)
+            entries, rank = method.entries, method.rank
+            m = measure_step(method, batch, base_bytes)
+            m["checkpointing"] = checkpointing
+            measured[checkpointing] = m
+            total = m["params"] + m["grad"] + m["optim"] + m["activation"]
+            rows.append({"config": _label(label, kind, rank), "layer shape": shape, "model": full["name"],
+                         "GC": "yes" if checkpointing else "no", "trainable entries": entries,
+                         "Params": m["params"] / MIB, "Grad": m["grad"] / MIB, "Optim": m["optim"] / MIB,
+                         "Activation": m["activation"] / MIB, "Total": total / MIB, "RSS rise": m["rss_rise"] / MIB,
+                         "step s": m["seconds"], "raw_bytes": {k: v for k, v in m.items() if k != "seconds"}})
+            del method, model
+            gc.collect()
+        p = memory.project(measured[True], sizes, layer_bytes, outside_bytes, measured[False]["activation"],
+                           measured[True]["activation"])
+        projected.append({"config": _label(label, kind, rank), "model": f"{full['name']} ({sizes['target_layers']} "
+                          f"layers, seq {TARGET_SEQ}, GC)", "key": (label, full["name"]),
+                          "projected Params": p["params"] / GIB, "projected Grad": p["grad"] / GIB,
+                          "projected Optim": p["optim"] / GIB, "projected Activation": p["activation"] / GIB,
+                          "projected Total": p["total"] / GIB, "projected_bytes": p})
+    del template
+    gc.collect()
+    return rows, projected
+
+
+def _label(label: str, kind: str, rank: int | None) -> str:
+    return f"SHiRA r={rank} (sift 1% count)" if kind == "shira" else label
+
+
+# ------------------------------------------------------------------ part 2: speed
+
+
+def time_steps(sizes: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
+    """Round-robin step times of the `TIMED` configurations on copies of one 4-bit Llama of `sizes`."""
+    template = build_quantized(sizes)
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, sizes["vocab_size"], (sizes["batch"], sizes["seq"]), generator=gen)
+    methods = {}
+    for label, kind, arg in CONFIGS:
+        if label in TIMED:
+            methods[label] = Method(copy.deepcopy(template), kind, arg)
+    del template
+    for method in methods.values():
+        for _ in range(WARMUP_STEPS):  # sift selects on the first
+            method.step(batch)
+    samples: dict[str, list[float]] = {label: [] for label in methods}
+    order = list(methods)
+    for r in range(rounds):
+        # Rotated each round: no method always follows the same one.
+        for label in order[r % len(order):] + order[: r % len(order)]:
+            t0 = time.perf_counter()
+            methods[label].step(batch)
+            samples[label].append((time.perf_counter() - t0) * 1e3)
+    rows = []
+    for label, kind, _ in CONFIGS:
+        if label in methods:
+            rows.append({"config": _label(label, kind, methods[label].rank), "key": label,
+                         "trainable entries": methods[label].entries, **summary(samples[label]),
+                         "samples_ms": samples[label]})
+    median = {row["key"]: row["median_ms"] for row in rows}
+    for row in rows:
+        row["median ms"], row["p20 ms"], row["p80 ms"] = row["median_ms"], row["p20_ms"], row["p80_ms"]
+        row["x vs QLoRA r=16"] = row["median_ms"] / median["QLoRA r=16"]
+        row["x vs sift 1%"] = row["median_ms"] / median["sift 1% exact"]
+    return rows
+
+
+# ------------------------------------------------------------------ targets
+
+
+def targets(projected: list[dict[str, Any]], timing: list[dict[str, Any]], big: str, small: str) -> list[dict[str, Any]]:
+    """Each target with its figure and whether it is met (figures projected for memory, measured for time)."""
+    gib = {row["key"]: row["projected Total"] for row in projected}
+    ms = {row["key"]: row["median_ms"] for row in timing}
+    sift7, lora7, sift70 = gib[("sift 1% exact", small)], gib[("QLoRA r=16", small)], gib[("sift 1% exact", big)]
+    ratio_lora = ms["sift 1% exact"] / ms["QLoRA r=16"]
+    ratio_shira = ms["SHiRA (sift 1% count)"] / ms["sift 1% exact"]
+    return [
+        {"target": f"{small} sift 1% projected Total <= {TARGET_7B_GIB:g} GiB", "figure": f"{sift7:.2f} GiB (projected)",
+         "met": sift7 <= TARGET_7B_GIB},
+        {"target": f"{small} sift 1% projected Total <= QLoRA r=16's projected Total + {TARGET_7B_OVER_QLORA_GIB:g} GiB",
+         "figure": f"{sift7:.2f} vs {lora7:.2f} + {TARGET_7B_OVER_QLORA_GIB:g} = {lora7 + TARGET_7B_OVER_QLORA_GIB:.2f} "
+                   f"GiB (projected)", "met": sift7 <= lora7 + TARGET_7B_OVER_QLORA_GIB},
+        {"target": f"{big} sift 1% projected Total <= {TARGET_70B_GIB:g} GiB", "figure": f"{sift70:.2f} GiB (projected)",
+         "met": sift70 <= TARGET_70B_GIB},
+        {"target": f"sift 1% step <= {TARGET_SIFT_OVER_QLORA:g}x QLoRA r=16's (medians)",
+         "figure": f"{ratio_lora:.3f}x (measured)", "met": ratio_lora <= TARGET_SIFT_OVER_QLORA},
+        {"target": f"SHiRA step >= {TARGET_SHIRA_OVER_SIFT:g}x sift 1%'s (medians)",
+         "figure": f"{ratio_shira:.3f}x (measured)", "met": ratio_shira >= TARGET_SHIRA_OVER_SIFT},
+    ]
+
+
+# ------------------------------------------------------------------ run
+
+
+def run(quick: bool = False) -> str:
+    """Measure and project the memory of each configuration, time their steps, report against the targets.
+
+    Args:
+        quick: tiny shapes and one timing round (seconds; figures not comparable).
+
+    Returns:
+        The markdown: measured per-layer MiB, projected GiB, step times, the targets.
+
+    Example:
+        >>> print(run(quick=True))  # doctest: +SKIP
+    """
+    torch.manual_seed(0)
+    small, big = (QUICK_7B, QUICK_70B) if quick else (LLAMA_7B, LLAMA_70B)
+    t0 = time.perf_counter()
+    rows, projected = [], []
+    for full in (small, big):
+        measured, proj = measure_memory(full)
+        rows += measured
+        projected += proj
+    memory_seconds = time.perf_counter() - t0
+    step_sizes = QUICK_STEP_MODEL if quick else STEP_MODEL
+    t0 = time.perf_counter()
+    timing = time_steps(step_sizes, QUICK_ROUNDS if quick else ROUNDS)
+    timing_seconds = time.perf_counter() - t0
+    checks = targets(projected, timing, big["name"], small["name"])
+    tag = " [quick]" if quick else ""
+    base = ("NF4 Linear4bit base (compute bf16, no double quantization) on q, k, v, o, gate, up, down; bf16 "
+            "embeddings, norms, lm_head, frozen")
+    measured_title = (f"Memory of one training step, one decoder layer measured for real (MiB; seq {MEASURED_SEQ}, "
+                      f"batch 1, vocab {small['vocab_size']}): {base}{tag}")
+    projected_title = (f"PROJECTED to the full models (GiB, every figure projected, not measured; seq {TARGET_SEQ}, "
+                       f"batch 1, gradient checkpointing) from each configuration's measured GC row: "
+                       f"{small['name']} from its measured layer, {big['name']} from its own measured layer "
+                       f"(not extrapolated from {small['name']}){tag}")
+    s = step_sizes
+    timing_title = (f"One training step (forward + backward + step), measured: Llama hidden {s['hidden_size']}, "
+                    f"{s['num_hidden_layers']} layers, intermediate {s['intermediate_size']}, {s['num_attention_heads']} "
+                    f"heads, vocab {s['vocab_size']}, NF4 base, seq {s['seq']}, batch {s['batch']}; "
+                    f"{WARMUP_STEPS} warm-up steps each, {QUICK_ROUNDS if quick else ROUNDS} round-robin rounds{tag}")
+    shira_rows = [r for r in rows if r["config"].startswith("SHiRA")]
+    match = "; ".join(
+        f"{r['model']}: {r['config'].split(' (')[0]}, {r['trainable entries']} entries against sift 1%'s "
+        f"{next(x['trainable entries'] for x in rows if x['model'] == r['model'] and x['config'] == 'sift 1% exact')}"
+        for r in shira_rows if r["GC"] == "no")
+    lines = [
+        markdown_table(measured_title, MEASURED_COLUMNS, rows), "",
+        "Params: bytes of every param and buffer (packed 4-bit weights, bf16 embeddings, norms, lm_head), the 4-bit "
+        "quant state (absmax, code) and the adapters: sift's [k] fp32 values, LoRA's fp32 A and B, SHiRA's fp32 values "
+        "and its int32 [2, n] index table. Grad: gradient bytes held after backward. Optim: SparseAdamW.state_bytes() "
+        "(fp32 exp_avg and exp_avg_sq, the int32 delta_indices, the step), the state tensors of torch AdamW(fused). "
+        "Activation: bytes saved for backward, once per storage (with GC only what is saved outside the checkpointed "
+        "layer is seen). Total: the four added. RSS rise: peak RSS over the measured step minus RSS before it (rough; "
+        "the transient dequantized weights and sift's selection show here only). Each row ran on a fresh copy of the "
+        "4-bit model: one warm-up step (sift selects), then the measured step.",
+        f"SHiRA's r matched to sift 1%'s entry count over the 7 targets together (one r for all: peft's SHiRA takes no "
+        f"per-module r): {match}.", "",
+        markdown_table(projected_title, PROJECTED_COLUMNS, projected), "",
+        "How (sift.bench.memory.project): " + " ".join(memory.project.__doc__.split("\n\n")[1].split()), "",
+        markdown_table(timing_title, TIMING_COLUMNS, timing), "",
+        "Each method on its own copy of the 4-bit model; x columns are ratios of the medians.", "",
+        "Targets (memory figures projected, step ratios measured):", "",
+        *[f"- {c['target']}: {c['figure']}: {'met' if c['met'] else 'MISSED'}" for c in checks], "",
+        f"Memory part took {memory_seconds:.0f} s, timing part {timing_seconds:.0f} s.",
+    ]
+    markdown = "\n".join(lines)
+    save_results("quantized", rows, markdown, quick=quick, extra={
+        "projected": [{k: v for k, v in row.items() if k != "key"} for row in projected],
+        "timing": [{k: v for k, v in row.items() if k != "key"} for row in timing],
+        "targets": checks,
+        "config": {"measured_seq": MEASURED_SEQ, "target_seq": TARGET_SEQ, "models": [small, big],
+                   "step_model": step_sizes, "rounds": QUICK_ROUNDS if quick else ROUNDS, "warmup": WARMUP_STEPS,
+                   "lr": LR, "quick": quick, "quant_type": "nf4", "compute_dtype": "bfloat16",
+                   "double_quant": False, "targets": list(MODULES)}})
+    return markdown
