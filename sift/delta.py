@@ -590,6 +590,29 @@ class SparseDelta:
                 os.remove(tmp)
             raise
 
+    def save_pretrained(self, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
+        """Write the fine-tune as a directory: tensors, `sift_config.json`, a model card
+        (`sift.pretrained.save_pretrained`).
+
+        Example:
+            >>> delta.save_pretrained("my-fine-tune", model)  # doctest: +SKIP
+        """
+        from sift.pretrained import save_pretrained
+
+        save_pretrained(self, directory, model)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> SparseDelta:
+        """Read a directory written by `save_pretrained`, refusing one it cannot trust
+        (`sift.pretrained.from_pretrained`).
+
+        Example:
+            >>> delta = SparseDelta.from_pretrained("my-fine-tune")  # doctest: +SKIP
+        """
+        from sift.pretrained import from_pretrained
+
+        return from_pretrained(directory)
+
     @classmethod
     def load(cls, path: str | os.PathLike) -> SparseDelta:
         """Reads a delta written by `save`, checking everything in it.
