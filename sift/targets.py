@@ -7,7 +7,7 @@ the task head densely, and freezes everything else:
     model family        sparse targets (their `.weight`)                 dense head
     BERT / RoBERTa      query, key, value, attention.output.dense        classifier, qa_outputs
     GPT-2               c_attn (fused QKV, a Conv1D), attn.c_proj        score
-    Llama family        q_proj, k_proj, v_proj, o_proj (GQA too)         score, untied lm_head
+    Llama family        q_proj, k_proj, v_proj, o_proj (GQA too)         score (lm_head: only if named)
 
 Module names are matched as peft matches `target_modules`: a plain dotted name matches a
 module whose full name equals it or ends with "." + name; a pattern with other regex
@@ -45,8 +45,9 @@ _FAMILY_OF_TYPE = {
     "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "llama", "qwen3": "llama",
     "gemma": "llama", "gemma2": "llama", "olmo": "llama", "olmo2": "llama", "smollm3": "llama",
 }
-# The heads transformers adds on top of a pretrained body (randomly initialised for a new task).
-DEFAULT_HEADS: tuple[str, ...] = ("classifier", "score", "qa_outputs", "lm_head")
+# The heads transformers adds on top of a pretrained body (randomly initialised for a new task). A
+# causal LM's lm_head is pretrained: trained only when named in dense_modules (peft's habit).
+DEFAULT_HEADS: tuple[str, ...] = ("classifier", "score", "qa_outputs")
 _PLAIN_NAME = re.compile(r"[\w.]+")
 
 
@@ -117,17 +118,31 @@ def _is_linear(module: nn.Module) -> bool:
     return (isinstance(module, nn.Linear) or conv1d) and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
-def _untied_heads(model: nn.Module) -> list[str]:
-    """The default dense modules present in `model` (lm_head only when not tied to the embeddings)."""
+def _default_heads(model: nn.Module) -> list[str]:
+    """The default dense modules present in `model`: its new task head (never a causal LM's lm_head)."""
     present = dict(model.named_modules())
-    heads = []
-    for name in DEFAULT_HEADS:
-        if name not in present:
+    return [name for name in DEFAULT_HEADS if name in present]
+
+
+def head_fate(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """One line per head module of `model`: how `optimizer` trains it (or why not)."""
+    trained = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    lines = []
+    for name, module in model.named_modules():
+        if name not in (*DEFAULT_HEADS, "lm_head"):
             continue
-        if name == "lm_head" and _lm_head_is_tied(model):
-            continue
-        heads.append(name)
-    return heads
+        params = list(module.parameters())
+        groups = {trained[id(p)].get("name") or ("dense" if trained[id(p)].get("density", 1.0) >= 1.0 else "sparse")
+                  for p in params if id(p) in trained and p.requires_grad}
+        if groups:
+            lines.append(f"{name}: trained ({', '.join(sorted(groups))})")
+        elif name == "lm_head" and _lm_head_is_tied(model):
+            lines.append(f"{name}: frozen (tied to the input embeddings; it trains with them if they are targets)")
+        elif name == "lm_head":
+            lines.append(f"{name}: frozen (pretrained; name it in dense_modules to train it)")
+        else:
+            lines.append(f"{name}: frozen")
+    return lines
 
 
 def _lm_head_is_tied(model: nn.Module) -> bool:
@@ -178,8 +193,9 @@ def plan_targets(
         model: any `nn.Module`; the defaults need a BERT/RoBERTa, GPT-2 or Llama-family model.
         target_modules: modules whose `.weight` is trained sparsely (names or regexes, see the
             module docstring). Default: the attention Q, K, V and output projections.
-        dense_modules: modules trained densely (all their params). Default: the task head
-            (`classifier`, `score`, `qa_outputs`, or an untied `lm_head`) when there is one.
+        dense_modules: modules trained densely (all their params). Default: the new task head
+            (`classifier`, `score`, `qa_outputs`) when there is one; a causal LM's `lm_head`
+            only when named here.
 
     Returns:
         The `TargetPlan`.
@@ -204,7 +220,7 @@ def plan_targets(
             )
         target_modules = DEFAULT_TARGETS[family]
     targets = _resolve(model, target_modules, "target_modules")
-    dense_names = _untied_heads(model) if dense_modules is None else _resolve(model, dense_modules, "dense_modules")
+    dense_names = _default_heads(model) if dense_modules is None else _resolve(model, dense_modules, "dense_modules")
     modules = dict(model.named_modules())
     not_linear = [name for name in targets if not _is_linear(modules[name])]
     if not_linear:
@@ -405,6 +421,9 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     share = 100.0 * total_entries / total_params if total_params else 0.0
     lines.append(f"| **total** ({len(seen)} params, {total_params:,} elements) | | | "
                  f"**{total_entries:,}** ({share:.3g}% of all) | **{total_bytes:,}** |")
+    fates = head_fate(model, optimizer)
+    if fates:
+        lines += ["", "Heads: " + "; ".join(fates) + "."]
     return "\n".join(lines)
 
 

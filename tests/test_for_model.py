@@ -123,20 +123,29 @@ def test_gqa_key_value_weights_keep_their_narrower_shape():
     assert opt.state[k_proj]["indices"].numel() == math.ceil(0.1 * 16 * 32)
 
 
-def test_lm_head_is_dense_only_when_untied():
+def test_lm_head_is_trained_only_when_named():
+    """Behaviour change: an untied lm_head was trained densely by default (131M params and about 1 GB of AdamW
+    state for a 7B Llama), a tied one not at all. Now neither is, unless named in dense_modules, and the summary
+    says what became of it."""
     torch.manual_seed(0)
     tied = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=24, n_layer=1, n_head=4,
                                                                 n_positions=32, bos_token_id=0, eos_token_id=0))
     opt = SparseAdamW.for_model(tied)
     assert [g["name"] for g in opt.param_groups] == ["sparse"]
     assert not tied.lm_head.weight.requires_grad
+    assert "lm_head: frozen (tied to the input embeddings" in sift.trainable_summary(tied, opt)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     untied = transformers.LlamaForCausalLM(config)
     opt = SparseAdamW.for_model(untied)
+    assert [g["name"] for g in opt.param_groups] == ["sparse"]
+    assert not untied.lm_head.weight.requires_grad
+    assert "lm_head: frozen (pretrained; name it in dense_modules" in sift.trainable_summary(untied, opt)
+    opt = SparseAdamW.for_model(untied, dense_modules=["lm_head"])
     dense = next(g for g in opt.param_groups if g["name"] == "dense")
     assert dense["param_names"] == ["lm_head.weight"]
     assert not untied.model.embed_tokens.weight.requires_grad
+    assert "lm_head: trained (dense)" in sift.trainable_summary(untied, opt)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +247,7 @@ def test_family_detected_by_names_without_config():
 
 
 def _summary_rows(table: str) -> list[list[str]]:
-    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:] if line.startswith("|")]
 
 
 def test_trainable_summary_counts_planned_then_real_state():

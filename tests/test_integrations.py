@@ -414,3 +414,23 @@ def test_trainer_indices_for_unknown_or_frozen_params_raise_before_touching_the_
     bad = {"no.such.weight": torch.tensor([0]), "bert.embeddings.word_embeddings.weight": torch.tensor([0])}
     with pytest.raises(ValueError, match=r"unknown \['no.such.weight'\], frozen \['bert.embeddings"):
         SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=1), indices=bad)
+
+
+def test_trainer_default_trains_what_for_model_trains(tmp_path):
+    """Behaviour change: with no target_modules the trainer trained every weight matrix (the word embeddings,
+    the MLP, the pooler, 8 entries of the new classifier) and every bias densely; it now follows for_model."""
+    from sift.integrations.hf import SparseTrainer
+
+    reference = _tiny_bert_classifier()
+    SparseAdamW.for_model(reference, density=0.05)
+    model = _tiny_bert_classifier()
+    trainer = SparseTrainer(model=model, args=_train_args(tmp_path, max_steps=1), train_dataset=_tiny_train_data(),
+                            density=0.05)
+    trainer.train()
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == \
+        {n: p.requires_grad for n, p in reference.named_parameters()}
+    groups = {g["name"]: g["param_names"] for g in opt.param_groups}
+    assert groups["dense"] == ["classifier.weight", "classifier.bias"]
+    assert all(n.endswith(("query.weight", "key.weight", "value.weight", "attention.output.dense.weight"))
+               for n in groups["sparse"])

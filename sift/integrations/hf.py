@@ -3,6 +3,7 @@ Trainer's own arguments and clips the gradients the optimizer actually uses."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +15,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
 
 from sift.optim import SparseAdamW, clip_grad_norm_
-from sift.targets import plan_targets
+from sift.targets import model_family, plan_targets
+
+logger = logging.getLogger(__name__)
 
 
 class _ReportSkippedSteps(TrainerCallback):
@@ -34,8 +37,12 @@ class _ReportSkippedSteps(TrainerCallback):
 class SparseTrainer(Trainer):
     """A `transformers.Trainer` that fine-tunes with `sift.SparseAdamW`.
 
-    Weights (params with two or more dimensions) are trained sparsely at `density`;
-    biases and norm scales (one dimension) densely, unless `dense_1d=False`. Learning rate,
+    It trains what `SparseAdamW.for_model` trains (one plan for both): the attention projections'
+    weights sparsely at `density`, the new task head densely, everything else frozen. For a model
+    whose family `for_model` does not know, and without `target_modules`, it falls back (with one
+    log line) to a rule by dimension: weights (two or more dimensions) sparsely, biases and norm
+    scales densely unless `dense_1d=False`; so does a trainer given `indices` without
+    `target_modules`. Learning rate,
     betas, eps and weight decay (with the Trainer's usual no-decay set) come from
     `TrainingArguments`; the Trainer's LR scheduler drives the optimizer unchanged.
     `max_grad_norm` clips with `sift.clip_grad_norm_`, i.e. over the entries the optimizer
@@ -49,18 +56,17 @@ class SparseTrainer(Trainer):
             loss scaling the optimizer is given the Trainer's scaler (`grad_scaler`), so the
             compact gradients are unscaled and checked for inf/NaN like `.grad`.
         select_steps: `SparseAdamW(select_steps=...)`.
-        dense_1d: train one-dimensional params densely.
+        dense_1d: in the fallback rule by dimension, train one-dimensional params densely.
         indices: {param name: [k] sorted flat positions (or a bool mask of the param's shape)}
             to train instead of a top-|grad| choice, e.g. HiFi's
             `sift.heads.trainable_indices(model, sift.heads.select_heads(...))`. The other
             params follow `density` and `dense_1d` as usual; to train only these entries,
             freeze the rest (`requires_grad_(False)`) first. With `target_modules`, they must
             name target weights.
-        target_modules: train the model as `SparseAdamW.for_model` does: these modules'
-            weights sparsely at `density`, `dense_modules` densely, everything else frozen
-            (set when the optimizer is built). Give either to take this path; `None` for
-            both keeps the per-dimension rule above. Weight decay then applies to every
-            trained param (`TrainingArguments.weight_decay`, default 0).
+        target_modules: these modules' weights sparsely at `density` (default: `for_model`'s,
+            the attention projections), `dense_modules` densely, everything else frozen (set
+            when the optimizer is built). Weight decay applies to every trained param
+            (`TrainingArguments.weight_decay`, default 0).
         dense_modules: see `target_modules` (default there: the task head).
         selection: `SparseAdamW(selection=...)`, e.g. "magnitude" or "random".
         **kwargs: passed to `transformers.Trainer`.
@@ -87,7 +93,13 @@ class SparseTrainer(Trainer):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         model = kwargs.get("model", args[0] if args else None)
-        by_targets = target_modules is not None or dense_modules is not None
+        # Given indices (HiFi's heads, their biases too) say what trains: they keep the rule by dimension.
+        by_targets = target_modules is not None or dense_modules is not None or (
+            indices is None and model is not None and model_family(model) is not None)
+        if not by_targets and indices is None and model is not None:
+            logger.warning("SparseTrainer: for_model does not know the attention projections of %s; training every "
+                           "weight sparsely and every 1-D param densely (pass target_modules to choose)",
+                           type(model).__name__)
         if by_targets and model is not None:
             # Planned now so that a bad pattern fails before Trainer.__init__ touches the model;
             # the freezing itself waits for create_optimizer (before any DDP wrapping).
