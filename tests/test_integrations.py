@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 import sift
 from conftest import spawned_rank
-from sift import SparseAdamW
+from sift import SparseAdamW, SparseDelta
 
 
 def _model() -> torch.nn.Module:
@@ -347,7 +347,8 @@ def test_trainer_compact_grads_misuse_errors_before_touching_the_model(tmp_path,
 
 
 def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
-    """Stopping at a checkpoint and resuming (optimizer indices and moments reloaded) equals never stopping."""
+    """Stopping at a checkpoint (the fine-tune's delta directory, not the model) and resuming on the base model
+    (optimizer indices and moments reloaded) equals never stopping, bit for bit."""
     from sift.integrations.hf import SparseTrainer
 
     data = _tiny_train_data(24)
@@ -358,9 +359,8 @@ def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
                           save_strategy="steps", save_steps=2), train_dataset=data, density=0.05)
     first.train()
     resumed = _tiny_bert_classifier()
-    with torch.no_grad():  # the resume must overwrite these: ignoring it would train from other weights
-        for p in resumed.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.01)
+    with torch.no_grad():  # another head initialisation: the checkpoint's head must replace it
+        resumed.classifier.weight.normal_(generator=torch.Generator().manual_seed(7))
 
     class CountSteps(transformers.TrainerCallback):
         steps = []
@@ -373,6 +373,8 @@ def test_trainer_resume_from_checkpoint_continues_identically(tmp_path):
                             density=0.05, callbacks=[counter])
     trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     assert counter.steps == [3, 4], "only the steps after the checkpoint run"
+    checkpoint = sorted(os.listdir(tmp_path / "b" / "checkpoint-2"))
+    assert "sift_config.json" in checkpoint and "model.safetensors" not in checkpoint, checkpoint
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert isinstance(opt, SparseAdamW) and any("indices" in s for s in opt.state.values())
     for (name, a), b in zip(resumed.named_parameters(), straight.parameters()):
@@ -434,3 +436,22 @@ def test_trainer_default_trains_what_for_model_trains(tmp_path):
     assert groups["dense"] == ["classifier.weight", "classifier.bias"]
     assert all(n.endswith(("query.weight", "key.weight", "value.weight", "attention.output.dense.weight"))
                for n in groups["sparse"])
+
+
+def test_trainer_save_model_writes_the_fine_tune(tmp_path):
+    """trainer.save_model() writes the delta directory (kilobytes), not a copy of the model."""
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    trainer = SparseTrainer(model=model, args=_train_args(tmp_path / "run", max_steps=2), train_dataset=_tiny_train_data(),
+                            density=0.05)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    files = sorted(os.listdir(tmp_path / "final"))
+    assert "delta.safetensors" in files and "model.safetensors" not in files, files
+    fresh = _tiny_bert_classifier()
+    with torch.no_grad():  # another head initialisation: the fine-tune's head replaces it
+        fresh.classifier.weight.normal_()
+    SparseDelta.from_pretrained(tmp_path / "final").apply_(fresh)
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)

@@ -4,6 +4,7 @@ Trainer's own arguments and clips the gradients the optimizer actually uses."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.targets import model_family, plan_targets
 
 logger = logging.getLogger(__name__)
+TRAINED_VALUES = "sift_trained_values.safetensors"  # in checkpoints: the trained entries' exact values
 
 
 class _ReportSkippedSteps(TrainerCallback):
@@ -191,6 +193,68 @@ class SparseTrainer(Trainer):
         for name, idx in self.sift_indices.items():
             optimizer.set_indices(params[name], idx)
         return optimizer
+
+    # ------------------------------------------------------------------ the fine-tune on disk
+
+    def _sparse_optimizer(self) -> SparseAdamW | None:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        return optimizer if isinstance(optimizer, SparseAdamW) else None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Write the fine-tune, not the model: the delta directory (`SparseDelta.save_pretrained`),
+        the processing class and the training arguments. Checkpoints also keep the trained entries'
+        exact values (`sift_trained_values.safetensors`, 4 bytes an entry) so that a resume
+        continues bit for bit where base + increment would round differently (fp32 weights)."""
+        optimizer = self._sparse_optimizer()
+        if optimizer is None or not self.args.should_save:
+            return super()._save(output_dir, state_dict)
+        from safetensors.torch import save_file
+
+        from sift.delta import SparseDelta
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        SparseDelta.from_optimizer(optimizer, model).save_pretrained(output_dir, model)
+        if getattr(self, "_sift_checkpointing", False):
+            names = {p: n for n, p in model.named_parameters()}
+            exact = {}
+            for p, state in optimizer.state.items():
+                if "indices" in state and p in names:
+                    exact[f"{names[p]}.values"] = p.detach().reshape(-1)[state["indices"].long()].cpu().contiguous()
+            save_file(exact, os.path.join(output_dir, TRAINED_VALUES))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        self._sift_checkpointing = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._sift_checkpointing = False
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """A checkpoint holding a fine-tune directory: apply its delta to the (base) model, then the
+        trained entries' exact values; any other checkpoint as the Trainer loads it."""
+        from sift.pretrained import CONFIG_NAME
+
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, CONFIG_NAME)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+
+        from sift.delta import SparseDelta
+
+        model = self.model if model is None else model
+        SparseDelta.from_pretrained(resume_from_checkpoint).apply_(model)
+        exact_file = os.path.join(resume_from_checkpoint, TRAINED_VALUES)
+        if os.path.isfile(exact_file):
+            delta = SparseDelta.from_pretrained(resume_from_checkpoint)
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for key, values in load_file(exact_file).items():
+                    name = key[: -len(".values")]
+                    params[name].view(-1)[delta[name].indices.long()] = values.to(params[name].dtype)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
