@@ -12,8 +12,8 @@ No arithmetic inverse could promise that: `w + d - d` rounds, in bf16 most of al
 
 Deltas come from a trained `sift.SparseAdamW` (`SparseDelta.from_optimizer`: the optimizer's
 exact increments, no copy of the base model needed) or from two state dicts (`from_diff`,
-top-|difference| per tensor). They save to safetensors (`save` / `load`, about 8 bytes per
-entry) and combine with `merge_deltas` (sum, mean, or TIES-style sign election), `+` and `*`.
+top-|difference| per tensor). They save to safetensors (`save` / `load`, 6 bytes per entry,
+bit-exact) or as a fine-tune directory (`save_pretrained`) and combine with `merge_deltas` (sum, mean, or TIES-style sign election), `+` and `*`.
 
 Every delta remembers a fingerprint of the base model it was made for: a hash of the names,
 shapes and dtypes of all its floating-point tensors, and the values of the base at a few fixed
@@ -48,8 +48,9 @@ from sift.optim.state import increments, is_dense_stepped, is_dtensor
 __all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
 
 FORMAT = "sift.sparse_delta"
-# 2: dense parts (`<name>.dense`) and the "dense" metadata; version 1 files read as before.
-FORMAT_VERSION = 2
+# 2: dense parts (`<name>.dense`) and the "dense" metadata. 3: indices as 16-bit halves under a
+# window table (`<name>.indices_low`, `<name>.window_offsets`). Older files read as before.
+FORMAT_VERSION = 3
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MERGE_METHODS = ("sum", "mean", "ties")
 # Fixed positions per tensor whose base values go into the fingerprint (first, last, two inner).
@@ -533,9 +534,10 @@ class SparseDelta:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the delta to a safetensors file, atomically.
 
-        Layout: tensors `<name>.indices` (int32 where the weight has < 2**31 elements) and
-        `<name>.values` (fp32), so about 8 bytes per entry, and `<name>.dense` for each dense
-        part (in its dtype); metadata with the format version, each weight's shape and dtype,
+        Layout: per sparse weight, its sorted indices as their low 16 bits (`<name>.indices_low`,
+        int16) under a table of where each 65536-element window starts (`<name>.window_offsets`,
+        int32), and `<name>.values` (fp32): 6 bytes per entry and 4 per 65536 weight elements,
+        bit-exact on reload; `<name>.dense` for each dense part (in its dtype); metadata with the format version, each weight's shape and dtype,
         the dense parts' names, the base fingerprint and a blake2b checksum of the tensors. The file is written under a temporary name in the same directory and renamed
         over `path`, so a crash never leaves a partial file under `path`.
 
@@ -557,7 +559,9 @@ class SparseDelta:
             raise DeltaError("refusing to save an invalid delta", problems)
         tensors, meta_entries, storages = {}, {}, set()
         for name, e in self.entries.items():
-            for key, t in ((f"{name}.indices", e.indices.to(_index_dtype(e.numel))), (f"{name}.values", e.values)):
+            low, offsets = _ops.encode_lean_indices(e.indices.cpu(), e.numel)
+            for key, t in ((f"{name}.indices_low", low), (f"{name}.window_offsets", offsets),
+                           (f"{name}.values", e.values)):
                 t = t.detach().cpu().contiguous()
                 # safetensors refuses tensors that share memory (slices of one user tensor).
                 ptr = t.untyped_storage().data_ptr()
@@ -670,7 +674,8 @@ class SparseDelta:
             raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
         entries, expected = {}, set()
         for name, info in meta_entries.items():
-            keys = (f"{name}.indices", f"{name}.values")
+            keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
+                f"{name}.values",)
             expected.update(keys)
             # The checksum covers the tensors only: the metadata is checked field by field.
             shape = info.get("shape") if isinstance(info, dict) else None
@@ -685,7 +690,13 @@ class SparseDelta:
             if missing:
                 problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
                 continue
-            entries[name] = DeltaEntry(tuple(shape), dtype, tensors[keys[0]], tensors[keys[1]])
+            if version >= 3:
+                indices = _decode_indices(tensors[keys[0]], tensors[keys[1]], math.prod(shape), name, problems)
+                if indices is None:
+                    continue
+            else:
+                indices = tensors[keys[0]]
+            entries[name] = DeltaEntry(tuple(shape), dtype, indices, tensors[keys[-1]])
         dense = {}
         for name in dense_names:
             key = f"{name}.dense"
@@ -977,6 +988,22 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _decode_indices(low: torch.Tensor, offsets: torch.Tensor, numel: int, name: str,
+                    problems: list[str]) -> torch.Tensor | None:
+    """A file's (indices_low, window_offsets) as sorted positions, or None with the problem recorded."""
+    windows = _ops.lean_num_windows(numel)
+    if low.dtype != torch.int16 or low.dim() != 1:
+        problems.append(f"{name}: indices_low must be a 1-D int16 tensor")
+        return None
+    if offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
+        problems.append(f"{name}: window_offsets must be int32 of shape ({windows + 1},)")
+        return None
+    if int(offsets[0]) != 0 or int(offsets[-1]) != low.numel() or bool((offsets.diff() < 0).any()):
+        problems.append(f"{name}: window_offsets must rise from 0 to the {low.numel()} entries")
+        return None
+    return _ops.decode_lean_indices(low, offsets, _index_dtype(numel))
 
 
 def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:
