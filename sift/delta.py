@@ -34,6 +34,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -361,8 +362,9 @@ class SparseDelta:
         trained tensor in place (whatever the base holds there, a freshly initialised head
         included) and `remove_` restores the replaced one.
 
-        A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: it raises
-        ValueError; use `SparseDelta.from_diff(base_model, tuned_model)` instead.
+        A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: give `base` (the
+        state before training), and its chosen entries' increments are the tuned values minus
+        the base values there (in fp32: exact for bf16/fp16 weights).
 
         The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
         `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
@@ -390,9 +392,10 @@ class SparseDelta:
             >>> SparseDelta.from_optimizer(opt, model).nnz
             14
         """
-        if getattr(optimizer, "state_layout", "exact") == "lean":
-            raise ValueError("SparseDelta.from_optimizer needs the exact increments of SparseAdamW(state='exact'); "
-                             "a lean optimizer keeps none: use SparseDelta.from_diff(base_model, tuned_model)")
+        lean = getattr(optimizer, "state_layout", "exact") == "lean"
+        if lean and base is None:
+            raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
+                             "needs base= (the model's state before training); or use SparseDelta.from_diff")
         names = {p: n for n, p in model.named_parameters()}
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None
@@ -423,7 +426,7 @@ class SparseDelta:
                     continue
                 st = optimizer.state.get(p, {})
                 numel = p.numel()
-                exact = increments(st, numel)
+                exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
                 if exact is not None:
                     idx, values, base_values = exact
                     entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
@@ -988,6 +991,21 @@ def merge_deltas(deltas: Sequence[SparseDelta], weights: Sequence[float] | None 
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A lean state's chosen entries, tuned minus base values there, and the base values (on the CPU)."""
+    if "indices_low" not in state:
+        return None
+    if base is None or base.shape != p.shape:
+        raise DeltaError("cannot build a delta from this optimizer and model",
+                         [f"a lean sparse param of shape {tuple(p.shape)} is missing from base or of another shape"])
+    numel = p.numel()
+    idx = _ops.decode_lean_indices(state["indices_low"].cpu(), state["window_offsets"].cpu(), _index_dtype(numel))
+    base_values = base.detach().reshape(-1)[idx.long()].cpu()
+    tuned = p.detach().reshape(-1)[idx.long().to(p.device)].cpu()
+    return idx, tuned.float() - base_values.float(), base_values
 
 
 def _decode_indices(low: torch.Tensor, offsets: torch.Tensor, numel: int, name: str,
