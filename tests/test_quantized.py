@@ -329,3 +329,34 @@ def test_the_lean_state_is_refused_for_4_bit_layers_and_the_model_is_untouched()
         SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], state="lean")
     assert [p.requires_grad for p in quantized.parameters()] == flags
     assert not hasattr(quantized[0], "sift_delta") and "forward" not in quantized[0].__dict__
+
+
+def test_autocast_computes_as_the_layers_compute_dtype():
+    """bf16 autocast over fp32-compute 4-bit layers trains exactly as bf16-compute layers without autocast."""
+    runs = []
+    for autocast in (True, False):
+        quantized, _ = _pair(compute_dtype=torch.float32 if autocast else torch.bfloat16)
+        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
+        for step in range(3):
+            x, y = _batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = quantized(x)
+            (out.float() - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([_effective(quantized, i) for i in (0, 2)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward", "update_in_backward"])
+def test_the_memory_modes_train_4_bit_deltas_as_plain_mode(mode):
+    """The 4-bit deltas are [k] params of their own: every memory mode trains them as plain mode does."""
+    runs = []
+    for kwargs in ({}, {mode: True}):
+        quantized, _ = _pair()
+        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], **kwargs)
+        _train(quantized, opt, 3)
+        runs.append([_effective(quantized, i) for i in (0, 2)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
