@@ -6,23 +6,23 @@
 #
 # The machine needs torch, triton and pytest already installed (nothing is downloaded).
 # Results are packed after every step, so a run cut short still returns what it finished.
-# The default (install, GPU tests, the adamw suite, which times fp32 with and without
-# keep_base and under the L2 fetch-granularity bound, and the random-sector ceilings) is
-# sized for one call of under 10 minutes; the launch sweep and the heads and memory suites
-# (unchanged on the GPU path since their last GPU run) take a second one:
-#     SUITES="heads memory" EXTRAS="sweep" RUN_TESTS=0 bash bench/gpu_check.sh
+# The default first call (under 10 minutes) runs what has never run on a GPU first: the GPU
+# tests, then the backward, quantized (4-bit bases) and memory suites, then the adamw suite, each
+# suite cut at BENCH_TIMEOUT. The sector ceilings, the launch sweep and the heads suite take a
+# second call:
+#     SUITES="heads" EXTRAS="ceiling sweep" RUN_TESTS=0 bash bench/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-run}
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SIFT_BENCH_DIR="$WORK" MAX_JOBS=${MAX_JOBS:-16}
-SUITES=${SUITES-"adamw"}                  # also: heads memory (delta is a CPU benchmark)
+SUITES=${SUITES-"backward quantized memory adamw"}  # also: heads (delta is a CPU benchmark)
 RUN_TESTS=${RUN_TESTS:-1}
 BENCH_ARGS=${BENCH_ARGS:-}               # e.g. --quick for a dry run of the plumbing
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}             # per suite
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-100}             # per suite: 4 suites, tests and install in 10 minutes
 EXTRA_TIMEOUT=${EXTRA_TIMEOUT:-120}             # per extra script
-EXTRAS=${EXTRAS-"ceiling"}               # also: sweep (bench/adamw_gpu_sweep.py); "" skips
+EXTRAS=${EXTRAS-""}                      # ceiling (bench/gpu_sector_ceiling.py), sweep (bench/adamw_gpu_sweep.py)
 
 pack() {
   {
