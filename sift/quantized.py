@@ -7,7 +7,9 @@ Each targeted 4-bit linear layer trains a sparse delta S at k chosen entries of 
 The packed weights never change. The trained parameter is the [k] fp32 vector of S's values
 (`module.sift_delta`, a dense param of the optimizer); its [k] sorted flat indices into the
 [out, in] weight are chosen on the first step(s) as for a 16-bit weight and kept in the
-optimizer's state (`delta_indices`), so `state_dict` round-trips them.
+optimizer's state, so `state_dict` round-trips them. Per entry: the exact state keeps int32
+indices and fp32 moments (16 bytes with the value); `state="lean"` keeps 16-bit index halves
+under a window table and bf16 moments by stochastic rounding (10 bytes with the value).
 
 Memory: nothing weight-sized outlives one layer's forward or backward. The forward dequantizes
 Wq into a transient [out, in] tensor, adds S into it (a scatter of k entries) and multiplies;
@@ -81,7 +83,11 @@ class QuantizedRoute:
         """The [k] chosen flat indices (sorted), or None before selection."""
         if self.optimizer is None:
             return self.fixed_indices
-        return self.optimizer.state.get(self.values, {}).get("delta_indices")
+        state = self.optimizer.state.get(self.values, {})
+        if "delta_indices_low" in state:  # the lean state keeps them as 16-bit halves (2 bytes an entry)
+            return _ops.decode_lean_indices(state["delta_indices_low"], state["delta_window_offsets"],
+                                            index_dtype(self.numel))
+        return state.get("delta_indices")
 
     @property
     def base_dtype(self) -> torch.dtype:
@@ -136,9 +142,13 @@ class QuantizedRoute:
     def commit(self) -> None:
         """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
         state = self.optimizer.state[self.values]
-        if "delta_indices" not in state and self.reached:
+        if self.indices is None and self.reached:
             state["selection_calls"] = state.get("selection_calls", 0) + 1
-            if self.tentative is not None:
+            if self.tentative is not None and self.optimizer.state_layout == "lean":
+                state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(
+                    self.tentative, self.numel)
+                self.score = None
+            elif self.tentative is not None:
                 state["delta_indices"] = self.tentative
                 self.score = None
             elif self.step_score is not None:

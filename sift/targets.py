@@ -293,10 +293,6 @@ def for_model(
     modules = dict(model.named_modules())
     # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).
     quantized = [name for name in plan.target_modules if is_linear4bit(modules[name])]
-    if quantized and optimizer_kwargs.get("state", "exact") != "exact":
-        raise ValueError(f"state={optimizer_kwargs['state']!r} is not available for 4-bit layers yet ({quantized[0]} "
-                         "and others): their sparse deltas keep fp32 values and moments (16 bytes per entry with "
-                         "the index); use state='exact'")
     for name in quantized:
         plan.sparse = {key: p for key, p in plan.sparse.items() if p is not modules[name].weight}
     groups = []

@@ -322,13 +322,38 @@ def test_a_4_bit_fine_tunes_delta_reloads_on_4_bits_and_merges_into_16_bits():
         sift.quantized.attach_delta_(fresh, delta)
 
 
-def test_the_lean_state_is_refused_for_4_bit_layers_and_the_model_is_untouched():
-    quantized, _ = _pair()
-    flags = [p.requires_grad for p in quantized.parameters()]
-    with pytest.raises(ValueError, match="state='lean' is not available for 4-bit layers"):
-        SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], state="lean")
-    assert [p.requires_grad for p in quantized.parameters()] == flags
-    assert not hasattr(quantized[0], "sift_delta") and "forward" not in quantized[0].__dict__
+def test_the_lean_state_keeps_10_bytes_an_entry_and_follows_the_exact_one():
+    """state="lean" over 4-bit layers: 16-bit index halves and bf16 moments, 10 bytes an entry with the fp32
+    value; the same entries as the exact state, the weights within bf16 moment rounding of it, and a state_dict
+    round trip that continues identically."""
+    runs = {}
+    for state in ("exact", "lean"):
+        quantized, _ = _pair()
+        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state)
+        _train(quantized, opt, 3)
+        runs[state] = (quantized, opt)
+    (exact, opt_e), (lean, opt_l) = runs["exact"], runs["lean"]
+    for i in (0, 2):
+        assert torch.equal(lean[i]._sift_quantized.indices.long(), exact[i]._sift_quantized.indices.long())
+        torch.testing.assert_close(_effective(lean, i), _effective(exact, i), rtol=0, atol=2e-3)
+        state = opt_l.state[lean[i].sift_delta]
+        assert state["exp_avg"].dtype == torch.bfloat16 and "delta_indices" not in state
+    entries = opt_l.state_bytes()["trainable_entries"]
+    values = sum(lean[i].sift_delta.numel() * 4 for i in (0, 2))
+    assert (opt_l.state_bytes()["state_bytes"] + values) / entries <= 10.5  # + each tensor's step and window table
+    saved = copy.deepcopy(opt_l.state_dict())
+    values = [lean[i].sift_delta.detach().clone() for i in (0, 2)]
+    _train(lean, opt_l, 2, start=3)
+    expected = [_effective(lean, i) for i in (0, 2)]
+    again, _ = _pair()
+    opt2 = SparseAdamW.for_model(again, density=0.1, lr=1e-2, target_modules=["0", "2"], state="lean")
+    with torch.no_grad():
+        for i, v in zip((0, 2), values):
+            again[i].sift_delta.copy_(v)
+    opt2.load_state_dict(saved)
+    _train(again, opt2, 2, start=3)
+    for i, e in zip((0, 2), expected):
+        assert torch.equal(_effective(again, i), e)
 
 
 def test_autocast_computes_as_the_layers_compute_dtype():

@@ -213,15 +213,8 @@ def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[t
 def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
                       what: str, lean: bool = False, delta_numel: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if "delta_indices" in saved:  # a 4-bit layer's delta (sift.quantized): its [k] entries of the base weight
-        if delta_numel is None:
-            raise ValueError(f"{what}: delta_indices, but the param is not a 4-bit layer's delta")
-        indices = saved["delta_indices"]
-        if not isinstance(indices, torch.Tensor) or indices.shape != (p.numel(),):
-            raise ValueError(f"{what}: delta_indices must have shape ({p.numel()},) to match the values")
-        _check_indices(indices, delta_numel, f"{what}: delta_indices")
-        out["delta_indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(delta_numel)).clone()
-        saved = {key: value for key, value in saved.items() if key != "delta_indices"}
+    if delta_numel is not None:
+        return _load_delta_state(p, saved, delta_numel, what, lean)
     if density < 1.0 and (lean or "indices_low" in saved) and is_selected(saved):
         return _load_lean_state(p, saved, lean, what)
     stray = [k for k in RETIRED_KEYS if k in saved and "indices" not in saved]
@@ -271,6 +264,50 @@ def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, ha
         out["selection_calls"] = int(saved["selection_calls"])
     out.update(_load_retired(p, saved, out["indices"], has_base, what))
     return out
+
+def _load_delta_state(p: torch.Tensor, saved: dict[str, Any], numel: int, what: str, lean: bool) -> dict[str, Any]:
+    """The validated state of a 4-bit layer's [k] delta values (`sift.quantized`): its chosen entries of
+    the base weight (int32/int64 exact, 16-bit halves lean), moments (fp32 exact, bf16 lean), step."""
+    k = p.numel()
+    out: dict[str, Any] = {}
+    index_keys = ("delta_indices_low", "delta_window_offsets") if lean else ("delta_indices",)
+    stray = [key for key in ("delta_indices", "delta_indices_low", "delta_window_offsets")
+             if key in saved and key not in index_keys]
+    if stray:
+        raise ValueError(f"{what}: {', '.join(stray)} do not belong to a {'lean' if lean else 'exact'} state")
+    if "delta_indices" in saved:
+        indices = saved["delta_indices"]
+        if not isinstance(indices, torch.Tensor) or indices.shape != (k,):
+            raise ValueError(f"{what}: delta_indices must have shape ({k},) to match the values")
+        _check_indices(indices, numel, f"{what}: delta_indices")
+        out["delta_indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(numel)).clone()
+    elif "delta_indices_low" in saved:
+        low, offsets = saved["delta_indices_low"], saved.get("delta_window_offsets")
+        windows = _ops.lean_num_windows(numel)
+        if not isinstance(low, torch.Tensor) or low.dtype != torch.int16 or low.shape != (k,):
+            raise ValueError(f"{what}: delta_indices_low must be int16 of shape ({k},)")
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
+            raise ValueError(f"{what}: delta_window_offsets must be int32 of shape ({windows + 1},)")
+        if int(offsets[0]) != 0 or int(offsets[-1]) != k or bool((offsets.diff() < 0).any()):
+            raise ValueError(f"{what}: delta_window_offsets must rise from 0 to k = {k}")
+        _check_indices(_ops.decode_lean_indices(low.cpu(), offsets.cpu()), numel, f"{what}: decoded delta indices")
+        out["delta_indices_low"] = low.detach().to(p.device).clone()
+        out["delta_window_offsets"] = offsets.detach().to(p.device).clone()
+    moment_dtype = torch.bfloat16 if lean else torch.float32
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in saved:
+            value = saved[key]
+            if not isinstance(value, torch.Tensor) or value.shape != (k,) or not value.is_floating_point():
+                raise ValueError(f"{what}: {key} must be a floating-point tensor of shape ({k},)")
+            out[key] = value.detach().to(device=p.device, dtype=moment_dtype).clone()
+    if "step" in saved:
+        # The lean kernel reads its count on the device; torch's AdamW on the CPU.
+        out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(
+            p.device if lean else "cpu")
+    if "selection_calls" in saved:
+        out["selection_calls"] = int(saved["selection_calls"])
+    return out
+
 
 def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: str) -> dict[str, Any]:
     """The validated lean state of a selected sparse param."""

@@ -493,12 +493,60 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             torch._foreach_sub_(steps, 1.0)
             raise
 
+    def _lean_delta_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """The lean step of 4-bit layers' [k] delta values (bf16 moments by stochastic rounding): the
+        lean kernel over each values vector as a weight whose every entry is chosen. The identity
+        indices are views of one shared table per device, not state."""
+        beta1, beta2 = group["betas"]
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            by_device[p.device].append(p)
+        for device, members in by_device.items():
+            _, fn = _ops.resolve("sparse_adamw_lean_", device, self.backend)
+            states = [self.state[p] for p in members]
+            steps = [s["step"] for s in states]
+            lows, offsets = zip(*(self._identity_lean_indices(device, p.numel()) for p in members))
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != device:
+                lr = lr.to(device)
+            torch._foreach_add_(steps, 1.0)
+            try:
+                fn([p.detach() for p in members], [p.grad for p in members], list(lows), list(offsets),
+                   [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], steps, lr=lr,
+                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                   maximize=group["maximize"], compact_grads=False, table_cache=self._kernel_cache)
+            except BaseException:
+                torch._foreach_sub_(steps, 1.0)
+                raise
+
+    def _identity_lean_indices(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lean-encoded 0..k-1: a [k] view of one int16 table per device and its [windows + 1] offsets."""
+        cache = self.__dict__.setdefault("_identity_cache", {})
+        table = cache.get(device)
+        if table is None or table.numel() < k:
+            table = _ops.encode_lean_indices(torch.arange(k, device=device), k)[0]
+            cache[device] = table
+        offsets = cache.get((device, k))
+        if offsets is None:
+            offsets = _ops.encode_lean_indices(torch.arange(k, device=device), k)[1]
+            cache[(device, k)] = offsets
+        return table[:k], offsets
+
     def _dense_step(self, group: dict[str, Any]) -> None:
         """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
         counts on the device, no host read), so a CUDA graph can capture the whole step."""
         from torch.optim.adamw import adamw
 
         params = [p for p in group["params"] if uses_grad(p)]
+        if self.state_layout == "lean" and any(p in self._quantized for p in params):
+            self._lean_delta_step(group, [p for p in params if p in self._quantized])
+            params = [p for p in params if p not in self._quantized]
         if not params:
             return
         lr = group["lr"]
