@@ -24,8 +24,9 @@ it in the forward has added its part: a layer applied twice, a head tied to an e
 layers), and fp16 weights with
 `GradScaler` (the optimizer unscales and checks the compact gradients itself; after an explicit
 `scaler.unscale_(optimizer)` it needs `optimizer.grad_scaler = scaler`, see `sift.optim.amp`).
-Not supported: wrapping the model in DDP (there is no weight gradient for it to reduce: pass
-`process_group` instead).
+Several processes under DDP: enable the sparse backward (or build the optimizer with `for_model`)
+before wrapping the model: the patched weights are excluded from DDP's reduction and the optimizer
+averages their compact gradients over the default process group itself.
 """
 
 from __future__ import annotations
@@ -198,4 +199,16 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
     for m in chosen.values():
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
         m.forward = types.MethodType(_sparse_forward, m)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    exclude_from_ddp(model, [name_of[id(m.weight)] for m in chosen.values() if id(m.weight) in name_of])
     return SparseBackwardHandle(chosen)
+
+
+def exclude_from_ddp(model: nn.Module, names: Iterable[str]) -> None:
+    """Leave these params to the optimizer when `model` is later wrapped in DDP: compact_grads mode frees
+    or never forms their `.grad`, and the optimizer averages their compact gradients itself."""
+    names = list(names)
+    if not names or not torch.distributed.is_available():
+        return
+    ignored = sorted(set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())) | set(names))
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

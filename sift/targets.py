@@ -28,6 +28,7 @@ from torch import nn
 from sift._index import entries_for
 from sift.optim import SparseAdamW
 from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear4bit
+from sift.sparse_backward import exclude_from_ddp
 from sift.optim.state import is_selected as _selected
 from sift.optim.state import local_tensor as _local
 from sift.optim.state import num_entries as _num_entries
@@ -287,8 +288,9 @@ def for_model(
     if compact and isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("model is wrapped in DistributedDataParallel, which averages .grad, but compact_grads mode "
                          "(hook mode, the sparse backward, update_in_backward) frees or never forms .grad, so the "
-                         "replicas would drift apart: pass the unwrapped model and "
-                         "process_group=torch.distributed.group.WORLD, or train in plain mode under DDP")
+                         "replicas would drift apart: call for_model on the unwrapped model and wrap it in DDP "
+                         "afterwards (for_model leaves the sparse weights to the optimizer, which averages them), "
+                         "or train in plain mode under DDP")
     plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
     modules = dict(model.named_modules())
     # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).
@@ -314,6 +316,8 @@ def for_model(
     plan.apply_requires_grad(model)
     for values in deltas.values():
         values.requires_grad_(True)
+    if optimizer.compact_grads:
+        exclude_from_ddp(model, list(plan.sparse))
     if quantized:
         optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
     return optimizer

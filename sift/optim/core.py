@@ -4,6 +4,7 @@ hooks and checkpoints live in the sibling modules it mixes in."""
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -17,6 +18,9 @@ from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import HooksMixin
 from sift.optim.selection import SelectionMixin
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
+
+
+logger = logging.getLogger(__name__)
 
 
 class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, CheckpointMixin, torch.optim.Optimizer):
@@ -338,18 +342,34 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
     # -------------------------------------------------------------------- step
 
     def _check_data_parallel(self) -> None:
-        """compact_grads in a job of several processes needs `process_group`: DDP averages `.grad`,
-        which this mode frees or never forms, so unaveraged replicas would silently drift apart."""
+        """compact_grads in a job of several processes: its compact gradients must be averaged by this
+        optimizer, since DDP averages `.grad`, which this mode frees or never forms.
+
+        When every sparse weight is excluded from DDP (`for_model` and `enable_sparse_backward` mark
+        them before the model is wrapped), the optimizer averages over the default process group
+        itself; otherwise (or with update_in_backward, which cannot average inside backward) it
+        refuses before anything changes, since unaveraged replicas would silently drift apart.
+        """
         if not self.compact_grads or self.process_group is not None:
             return
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(
-                f"compact_grads mode (hook mode, the sparse backward, update_in_backward) in a job of "
-                f"{dist.get_world_size()} processes needs process_group: its compact gradients are not averaged "
-                "by DistributedDataParallel, which reduces .grad. Pass process_group=torch.distributed.group.WORLD "
-                "(and do not wrap the model in DDP), or train in plain mode under DDP")
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        world = dist.get_world_size()
+        excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self._sparse_params())
+        if excluded and not self.update_in_backward:
+            logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
+                        "(the sparse weights are excluded from DDP)", world)
+            self.process_group = dist.group.WORLD
+            return
+        reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
+                  "across ranks: use update_in_backward=False" if self.update_in_backward else
+                  "its compact gradients are not averaged by DistributedDataParallel, which reduces .grad. Build the "
+                  "optimizer with SparseAdamW.for_model (or call sift.enable_sparse_backward) before wrapping the "
+                  "model in DDP, or pass process_group=torch.distributed.group.WORLD and do not wrap the model")
+        raise RuntimeError(f"compact_grads mode (hook mode, the sparse backward, update_in_backward) in a job of "
+                           f"{world} processes: {reason}; or train in plain mode under DDP")
 
     def _validate_grads(self) -> None:
         """Check what this step will read, before anything (selection included) changes."""
