@@ -153,3 +153,13 @@ def spawned_rank(worker):
         os._exit(0)
 
     return run
+
+
+def backward_and_step(opt, loss, scaler=None) -> None:
+    """`loss.backward()` and `opt.step()`, or their GradScaler forms (`scale`, `step`, `update`) with a scaler."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()

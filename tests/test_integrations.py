@@ -35,11 +35,12 @@ def _single_process(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _train_on_shard(net, opt, rank: int, world: int, steps: int) -> None:
-    """Each rank trains on its contiguous slice of the same 8-sample batches."""
+def _train_on_shard(net, opt, rank: int, world: int, steps: int, data=None) -> None:
+    """Each rank trains on its contiguous slice of the same batches (`data(step)`, default `_data`)."""
     for step in range(steps):
-        x, y = _data(step)
-        shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        x, y = (data or _data)(step)
+        n = x.shape[0]
+        shard = slice(rank * n // world, (rank + 1) * n // world)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
         opt.step()
@@ -89,15 +90,10 @@ def _for_model_three_layers(model, mode: str) -> SparseAdamW:
                                  max_grad_norm=0.5, **kwargs)
 
 
-def _train_on_shard_of_12(net, opt, rank: int, world: int, steps: int) -> None:
-    """Each rank trains on its equal slice of the same 12-sample batches (12 splits evenly over 1, 2 and 3)."""
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(12, 12, generator=gen), torch.randint(0, 3, (12,), generator=gen)
-        shard = slice(rank * 12 // world, (rank + 1) * 12 // world)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
-        opt.step()
+def _data_of_12(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 samples a step: they split evenly over 1, 2 and 3 ranks."""
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(12, 12, generator=gen), torch.randint(0, 3, (12,), generator=gen)
 
 
 @spawned_rank
@@ -108,7 +104,7 @@ def _ddp_compact_worker(rank: int, world: int, init_file: str, mode: str, steps:
         model = _three_layers()
         opt = _for_model_three_layers(model, mode)  # before the wrap: it leaves the sparse weights to the optimizer
         net = torch.nn.parallel.DistributedDataParallel(model)
-        _train_on_shard_of_12(net, opt, rank, world, steps)
+        _train_on_shard(net, opt, rank, world, steps, _data_of_12)
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
         state.update({f"{n}.indices": opt.indices_of(p) for n, p in model.named_parameters()
                       if "indices" in opt.state.get(p, {})})
@@ -126,7 +122,7 @@ def test_ddp_wrapped_compact_modes_equal_one_process_on_the_full_batch(tmp_path,
     out = str(tmp_path / "params")
     mp.spawn(_ddp_compact_worker, args=(world, str(tmp_path / "init"), mode, steps, out), nprocs=world, join=True)
     model = _three_layers()
-    _train_on_shard_of_12(model, _for_model_three_layers(model, mode), 0, 1, steps)
+    _train_on_shard(model, _for_model_three_layers(model, mode), 0, 1, steps, _data_of_12)
     ranks = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world)]
     for name, p in model.named_parameters():
         for rank, got in enumerate(ranks):
