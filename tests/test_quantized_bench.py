@@ -45,7 +45,7 @@ def test_quantized_quick(tmp_path, monkeypatch):
     assert list(timing[0]) == list(quantized.TIMING_COLUMNS)
     assert all(column.startswith("projected") for column in quantized.PROJECTED_COLUMNS[2:])
 
-    names = ["sift 1% exact", "sift 5% exact", "QLoRA r=16", "QLoRA r=64", "SHiRA"]
+    names = ["sift 1% exact", "sift 1% lean", "sift 5% exact", "QLoRA r=16", "QLoRA r=64", "SHiRA"]
     small, big = quantized.QUICK_7B["name"], quantized.QUICK_70B["name"]
     # Measured: every configuration on both layer shapes, without and with checkpointing.
     got = sorted((r["config"].split(" r=")[0] if r["config"].startswith("SHiRA") else r["config"], r["GC"])
@@ -66,7 +66,7 @@ def test_quantized_quick(tmp_path, monkeypatch):
     by = {r["config"].split(" r=")[0] if r["config"].startswith("SHiRA") else r["config"]: r for r in timing}
     assert float(by["sift 1% exact"]["x vs sift 1%"]) == 1.0 and float(by["QLoRA r=16"]["x vs QLoRA r=16"]) == 1.0
     # Every target is printed, met or not.
-    assert len(saved["targets"]) == 5
+    assert len(saved["targets"]) == 8  # five, and the three memory ones for the lean state
     for check in saved["targets"]:
         assert f"- {check['target']}: {check['figure']}: {'met' if check['met'] else 'MISSED'}" in markdown
 
@@ -84,6 +84,8 @@ def test_sift_counts_what_the_optimizer_holds():
     m = quantized.measure_step(method, batch, base)
     assert m["params"] == base + 4 * k and m["grad"] == 4 * k
     assert m["optim"] == 12 * k + 4 * len(quantized.shapes_of(model))  # exp_avg, exp_avg_sq, delta_indices; steps
+    # The forward alone saves what the step's backward read (the affine fit of `project` rests on it).
+    assert m["saved_forward"][8] == m["activation"] > 0 and m["saved_forward"][16] > m["activation"]
 
     shapes = quantized.shapes_of(model)
     r = quantized.shira_rank(model, 0.01)
