@@ -91,3 +91,12 @@ def test_sift_counts_what_the_optimizer_holds():
     r = quantized.shira_rank(model, 0.01)
     best = min(range(1, 64), key=lambda q: abs(q * sum(o + i for o, i in shapes) - k))
     assert r == best
+
+
+def test_the_suite_says_it_skipped_without_bitsandbytes(monkeypatch):
+    """`python -m sift.bench` on an install without the [quant] extra: one line, no failure."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert "skipped: bitsandbytes not installed" in quantized.run(quick=True)
