@@ -30,6 +30,8 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from sift.triton_kernels._checks import check_lengths
@@ -707,6 +709,33 @@ def encode_lean_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor
     torch.cumsum(counts, 0, out=offsets[1:])
     low = ((idx & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits as a signed int16 value
     return low.to(torch.int16), offsets
+
+
+def checked_lean_indices(indices_low: Any, window_offsets: Any, numel: int, what: str,
+                         names: tuple[str, str] = ("indices_low", "window_offsets"),
+                         allow_empty: bool = False) -> torch.Tensor:
+    """Validate a saved lean index pair for a weight of `numel` elements; its decoded positions.
+
+    Raises:
+        ValueError: naming `what` and the offending tensor (`names`): wrong dtype or shape, offsets
+            that do not rise from 0 to k, or decoded positions unsorted or out of range.
+    """
+    from sift._index import check_indices
+
+    low_name, offsets_name = names
+    windows = lean_num_windows(numel)
+    if not isinstance(indices_low, torch.Tensor) or indices_low.dtype != torch.int16 or indices_low.dim() != 1:
+        raise ValueError(f"{what}: {low_name} must be a 1-D int16 tensor")
+    if (not isinstance(window_offsets, torch.Tensor) or window_offsets.dtype != torch.int32
+            or window_offsets.shape != (windows + 1,)):
+        raise ValueError(f"{what}: {offsets_name} must be int32 of shape ({windows + 1},) for a param of "
+                         f"{numel} elements")
+    k = indices_low.numel()
+    if int(window_offsets[0]) != 0 or int(window_offsets[-1]) != k or bool((window_offsets.diff() < 0).any()):
+        raise ValueError(f"{what}: {offsets_name} must rise from 0 to k = {k}")
+    decoded = decode_lean_indices(indices_low.cpu(), window_offsets.cpu())
+    check_indices(decoded, numel, f"{what}: decoded {low_name}", allow_empty=allow_empty)
+    return decoded
 
 
 def decode_lean_indices(indices_low: torch.Tensor, window_offsets: torch.Tensor,

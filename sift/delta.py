@@ -1011,17 +1011,11 @@ def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tens
 def _decode_indices(low: torch.Tensor, offsets: torch.Tensor, numel: int, name: str,
                     problems: list[str]) -> torch.Tensor | None:
     """A file's (indices_low, window_offsets) as sorted positions, or None with the problem recorded."""
-    windows = _ops.lean_num_windows(numel)
-    if low.dtype != torch.int16 or low.dim() != 1:
-        problems.append(f"{name}: indices_low must be a 1-D int16 tensor")
+    try:
+        return _ops.checked_lean_indices(low, offsets, numel, name, allow_empty=True).to(_index_dtype(numel))
+    except ValueError as exc:
+        problems.append(str(exc))
         return None
-    if offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
-        problems.append(f"{name}: window_offsets must be int32 of shape ({windows + 1},)")
-        return None
-    if int(offsets[0]) != 0 or int(offsets[-1]) != low.numel() or bool((offsets.diff() < 0).any()):
-        problems.append(f"{name}: window_offsets must rise from 0 to the {low.numel()} entries")
-        return None
-    return _ops.decode_lean_indices(low, offsets, _index_dtype(numel))
 
 
 def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:

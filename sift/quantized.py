@@ -79,8 +79,17 @@ class QuantizedRoute:
     fixed_indices: torch.Tensor | None = None  # a delta attached without an optimizer (`attach_delta_`)
 
     @property
+    def selected(self) -> bool:
+        """Whether the entries are chosen (without decoding the lean state's indices)."""
+        if self.optimizer is None:
+            return self.fixed_indices is not None
+        state = self.optimizer.state.get(self.values, {})
+        return "delta_indices" in state or "delta_indices_low" in state
+
+    @property
     def indices(self) -> torch.Tensor | None:
-        """The [k] chosen flat indices (sorted), or None before selection."""
+        """The [k] chosen flat indices (sorted), or None before selection; the lean state decodes them
+        on each read, so a forward or backward reads them once."""
         if self.optimizer is None:
             return self.fixed_indices
         state = self.optimizer.state.get(self.values, {})
@@ -99,10 +108,9 @@ class QuantizedRoute:
             return torch.get_autocast_dtype(x.device.type)
         return getattr(self.module, "compute_dtype", None) or x.dtype
 
-    def weight(self, dtype: torch.dtype, values: torch.Tensor) -> torch.Tensor:
-        """dequant(Wq) + S in `dtype` (transient, [out, in])."""
+    def weight(self, dtype: torch.dtype, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+        """dequant(Wq) + S in `dtype` (transient, [out, in]); S's `indices` None before selection."""
         dense = _dequantize(self.module, dtype)
-        indices = self.indices
         if indices is not None:
             dense.view(-1).index_add_(0, indices, values.to(dtype))
         return dense
@@ -142,7 +150,7 @@ class QuantizedRoute:
     def commit(self) -> None:
         """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
         state = self.optimizer.state[self.values]
-        if self.indices is None and self.reached:
+        if not self.selected and self.reached:
             state["selection_calls"] = state.get("selection_calls", 0) + 1
             if self.tentative is not None and self.optimizer.state_layout == "lean":
                 state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(
@@ -161,8 +169,6 @@ class QuantizedRoute:
         self.step_score = None
         self.reached = False
 
-    reached = False
-
 
 class _QuantizedSparseLinear(torch.autograd.Function):
     """y = x (dequant(Wq) + S)^T + b, saving x and S's values only."""
@@ -171,7 +177,7 @@ class _QuantizedSparseLinear(torch.autograd.Function):
     def forward(ctx, x, values, bias, route: QuantizedRoute):
         dtype = route.compute_dtype(x)
         xc = x.to(dtype)
-        weight = route.weight(dtype, values)
+        weight = route.weight(dtype, values, route.indices)
         with torch.autocast(x.device.type, enabled=False):
             out = nn.functional.linear(xc, weight, bias.to(dtype) if bias is not None else None)
         del weight  # the transient dequantized weight is not saved for backward
@@ -188,15 +194,15 @@ class _QuantizedSparseLinear(torch.autograd.Function):
         dy = grad_out.to(xc.dtype).reshape(-1, grad_out.shape[-1])
         x2 = xc.reshape(-1, xc.shape[-1])
         grad_x = grad_values = grad_b = None
-        selected = route.indices is not None
-        weight = route.weight(xc.dtype, values) if ctx.needs_input_grad[0] or not selected else None
+        indices = route.indices
+        weight = route.weight(xc.dtype, values, indices) if ctx.needs_input_grad[0] or indices is None else None
         if ctx.needs_input_grad[0]:
             grad_x = (dy @ weight).reshape(*grad_out.shape[:-1], weight.shape[1]).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.sum(0).to(route.module.bias.dtype)
         if ctx.needs_input_grad[1] and weight_gradient_wanted():
-            if selected:
-                grad_values = _ops.call("sparse_weight_grad", dy, x2, route.indices, check_values=False)
+            if indices is not None:
+                grad_values = _ops.call("sparse_weight_grad", dy, x2, indices, check_values=False)
             else:
                 grad_values = route.selection_grad(dy, x2, weight)
         return grad_x, grad_values, grad_b, None

@@ -283,14 +283,9 @@ def _load_delta_state(p: torch.Tensor, saved: dict[str, Any], numel: int, what: 
         out["delta_indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(numel)).clone()
     elif "delta_indices_low" in saved:
         low, offsets = saved["delta_indices_low"], saved.get("delta_window_offsets")
-        windows = _ops.lean_num_windows(numel)
-        if not isinstance(low, torch.Tensor) or low.dtype != torch.int16 or low.shape != (k,):
-            raise ValueError(f"{what}: delta_indices_low must be int16 of shape ({k},)")
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
-            raise ValueError(f"{what}: delta_window_offsets must be int32 of shape ({windows + 1},)")
-        if int(offsets[0]) != 0 or int(offsets[-1]) != k or bool((offsets.diff() < 0).any()):
-            raise ValueError(f"{what}: delta_window_offsets must rise from 0 to k = {k}")
-        _check_indices(_ops.decode_lean_indices(low.cpu(), offsets.cpu()), numel, f"{what}: decoded delta indices")
+        _ops.checked_lean_indices(low, offsets, numel, what, ("delta_indices_low", "delta_window_offsets"))
+        if low.numel() != k:
+            raise ValueError(f"{what}: delta_indices_low must have shape ({k},) to match the values")
         out["delta_indices_low"] = low.detach().to(p.device).clone()
         out["delta_window_offsets"] = offsets.detach().to(p.device).clone()
     moment_dtype = torch.bfloat16 if lean else torch.float32
@@ -323,18 +318,9 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
     missing = [key for key in keys if key not in saved]
     if missing:
         raise ValueError(f"{what}: missing {', '.join(missing)}")
-    low, offsets = saved["indices_low"], saved["window_offsets"]
-    numel = local_tensor(p).numel()
-    windows = _ops.lean_num_windows(numel)
-    if not isinstance(low, torch.Tensor) or low.dtype != torch.int16 or low.dim() != 1:
-        raise ValueError(f"{what}: indices_low must be a 1-D int16 tensor")
-    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (windows + 1,):
-        raise ValueError(f"{what}: window_offsets must be int32 of shape ({windows + 1},) for a param of "
-                         f"{numel} elements")
+    low = saved["indices_low"]
+    _ops.checked_lean_indices(low, saved["window_offsets"], local_tensor(p).numel(), what)
     k = low.numel()
-    if int(offsets[0]) != 0 or int(offsets[-1]) != k or bool((offsets.diff() < 0).any()):
-        raise ValueError(f"{what}: window_offsets must rise from 0 to k = {k}")
-    _check_indices(_ops.decode_lean_indices(low.cpu(), offsets.cpu()), numel, f"{what}: decoded indices")
     dtypes = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "residual": torch.int8}
     for key in keys[2:4] + keys[5:]:
         value = saved[key]

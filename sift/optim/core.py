@@ -474,7 +474,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
     def _fused_step(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, layout: Any,
                     compact: bool, members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One fused sparse step over `members` [(param, grad)], all on `device` in `dtype`, one layout."""
-        beta1, beta2 = group["betas"]
         params = [p for p, _ in members]
         grads = [g for _, g in members]
         states = [self.state[p] for p in params]
@@ -489,26 +488,22 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
                           [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
                           [s["base"] for s in states] if "base" in states[0] else [])
+        self._launch_step(fn, group, device, [local_tensor(p.detach()) for p in params], grads, state_args, steps,
+                          compact)
+
+    def _launch_step(self, fn, group: dict[str, Any], device: torch.device, params: list[torch.Tensor],
+                     grads: list[torch.Tensor], state_args: tuple, steps: list[torch.Tensor], compact: bool) -> None:
+        """Run one step kernel with the group's hyper-parameters; the step counts it reads are
+        incremented first and taken back if the kernel raises."""
+        beta1, beta2 = group["betas"]
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) and lr.device != device:
             lr = lr.to(device)
-        # The kernels read the incremented count; it is taken back if a kernel raises.
         torch._foreach_add_(steps, 1.0)
         try:
-            fn(
-                [local_tensor(p.detach()) for p in params],
-                grads,
-                *state_args,
-                steps,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
-                compact_grads=compact,
-                table_cache=self._kernel_cache,
-            )
+            fn(params, grads, *state_args, steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+               weight_decay=group["weight_decay"], maximize=group["maximize"], compact_grads=compact,
+               table_cache=self._kernel_cache)
         except BaseException:
             torch._foreach_sub_(steps, 1.0)
             raise
@@ -517,7 +512,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         """The lean step of 4-bit layers' [k] delta values (bf16 moments by stochastic rounding): the
         lean kernel over each values vector as a weight whose every entry is chosen. The identity
         indices are views of one shared table per device, not state."""
-        beta1, beta2 = group["betas"]
         for p in params:
             state = self.state[p]
             if "exp_avg" not in state:
@@ -530,32 +524,21 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         for device, members in by_device.items():
             _, fn = _ops.resolve("sparse_adamw_lean_", device, self.backend)
             states = [self.state[p] for p in members]
-            steps = [s["step"] for s in states]
             lows, offsets = zip(*(self._identity_lean_indices(device, p.numel()) for p in members))
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor) and lr.device != device:
-                lr = lr.to(device)
-            torch._foreach_add_(steps, 1.0)
-            try:
-                fn([p.detach() for p in members], [p.grad for p in members], list(lows), list(offsets),
-                   [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], steps, lr=lr,
-                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                   maximize=group["maximize"], compact_grads=False, table_cache=self._kernel_cache)
-            except BaseException:
-                torch._foreach_sub_(steps, 1.0)
-                raise
+            state_args = (list(lows), list(offsets), [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states], [])
+            self._launch_step(fn, group, device, [p.detach() for p in members], [p.grad for p in members],
+                              state_args, [s["step"] for s in states], False)
 
     def _identity_lean_indices(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Lean-encoded 0..k-1: a [k] view of one int16 table per device and its [windows + 1] offsets."""
-        cache = self.__dict__.setdefault("_identity_cache", {})
+        cache = self._kernel_cache.setdefault("identity_lean_indices", {})
         table = cache.get(device)
         if table is None or table.numel() < k:
-            table = _ops.encode_lean_indices(torch.arange(k, device=device), k)[0]
-            cache[device] = table
+            cache[device] = table = _ops.encode_lean_indices(torch.arange(k, device=device), k)[0]
         offsets = cache.get((device, k))
         if offsets is None:
-            offsets = _ops.encode_lean_indices(torch.arange(k, device=device), k)[1]
-            cache[(device, k)] = offsets
+            cache[(device, k)] = offsets = _ops.encode_lean_indices(torch.arange(k, device=device), k)[1]
         return table[:k], offsets
 
     def _dense_step(self, group: dict[str, Any]) -> None:
