@@ -295,8 +295,8 @@ def for_model(
     modules = dict(model.named_modules())
     # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).
     quantized = [name for name in plan.target_modules if is_linear4bit(modules[name])]
-    for name in quantized:
-        plan.sparse = {key: p for key, p in plan.sparse.items() if p is not modules[name].weight}
+    packed = {id(modules[name].weight) for name in quantized}
+    plan.sparse = {key: p for key, p in plan.sparse.items() if id(p) not in packed}
     groups = []
     if plan.sparse:
         groups.append({"params": list(plan.sparse.values()), "param_names": list(plan.sparse),

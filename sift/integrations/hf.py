@@ -246,10 +246,10 @@ class SparseTrainer(Trainer):
         from sift.delta import SparseDelta
 
         model = self.model if model is None else model
-        SparseDelta.from_pretrained(resume_from_checkpoint).apply_(model)
+        delta = SparseDelta.from_pretrained(resume_from_checkpoint)
+        delta.apply_(model)
         exact_file = os.path.join(resume_from_checkpoint, TRAINED_VALUES)
         if os.path.isfile(exact_file):
-            delta = SparseDelta.from_pretrained(resume_from_checkpoint)
             params = dict(model.named_parameters())
             with torch.no_grad():
                 for key, values in load_file(exact_file).items():

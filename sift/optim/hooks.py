@@ -22,6 +22,18 @@ from sift.optim.clip import clip_each_
 from sift.optim.state import is_selected, local_tensor, num_entries, uses_grad
 
 
+def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, accumulate: bool) -> None:
+    """`buffer` [k] fp32 = (or +=) `grad`'s flat values at `indices`; an fp32 gradient is gathered
+    straight into the buffer, no temporary."""
+    flat = local_tensor(grad).reshape(-1)
+    if accumulate:
+        buffer.add_(torch.index_select(flat, 0, indices))
+    elif flat.dtype == torch.float32:
+        torch.index_select(flat, 0, indices, out=buffer)
+    else:
+        buffer.copy_(torch.index_select(flat, 0, indices))
+
+
 class HooksMixin:
     """`SparseAdamW`'s gradient hooks, compact gradient buffers and cross-rank averaging."""
 
@@ -99,17 +111,8 @@ class HooksMixin:
             # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
             # selects from it, so micro-batches and skipped steps count exactly as there.
             return
-        compact = self._compact[p]
-        flat = grad.reshape(-1)
-        indices = self.indices_of(p)
-        if p in self._grad_ready:
-            compact.add_(torch.index_select(flat, 0, indices))
-        elif flat.dtype == torch.float32:
-            torch.index_select(flat, 0, indices, out=compact)
-            self._grad_ready.add(p)
-        else:
-            compact.copy_(torch.index_select(flat, 0, indices))
-            self._grad_ready.add(p)
+        _gather_into(self._compact[p], grad, self.indices_of(p), accumulate=p in self._grad_ready)
+        self._grad_ready.add(p)
         self._scaled_compact.add(p)  # as GradScaler scaled the loss; unscaled once, before the step
         p.grad = None
 
@@ -184,15 +187,10 @@ class HooksMixin:
             return None  # accumulated as in plain mode: the selection in step() reads it
         if grad is not None:
             indices = self.indices_of(p)
-            flat = local_tensor(grad).reshape(-1)
+            accumulate = buffer is not None  # a sparse backward's part is already there
             if buffer is None:
                 buffer = self._open_buffer(p, indices.numel(), zero=False)
-                if flat.dtype == torch.float32:
-                    torch.index_select(flat, 0, indices, out=buffer)
-                else:
-                    buffer.copy_(torch.index_select(flat, 0, indices))
-            else:
-                buffer.add_(torch.index_select(flat, 0, indices))
+            _gather_into(buffer, grad, indices, accumulate)
         try:
             self._update_now(p, buffer)
         finally:
@@ -251,11 +249,7 @@ class HooksMixin:
         """grad[indices] of selected p, in fp32, into the scratch buffer."""
         indices = self.indices_of(p)
         compact = self._scratch_for(p, indices.numel())
-        flat = local_tensor(grad).reshape(-1)
-        if flat.dtype == torch.float32:
-            torch.index_select(flat, 0, indices, out=compact)
-        else:
-            compact.copy_(torch.index_select(flat, 0, indices))
+        _gather_into(compact, grad, indices, accumulate=False)
         return compact
 
     def _update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
