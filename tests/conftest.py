@@ -163,3 +163,24 @@ def backward_and_step(opt, loss, scaler=None) -> None:
         scaler.update()
     else:
         opt.step()
+
+
+def gloo_rank(worker):
+    """A `torch.multiprocessing.spawn` worker `worker(rank, world, *args)` run as one rank of a gloo
+    process group: spawned with `(rank, world, init_file, *args)`, it joins the group through the
+    file, runs on one thread, always leaves the group, and exits at once when it returns
+    (`spawned_rank`)."""
+    import functools
+
+    import torch.distributed as dist
+
+    @functools.wraps(worker)
+    def run(rank, world, init_file, *args):
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        try:
+            worker(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+
+    return spawned_rank(run)

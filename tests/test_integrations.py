@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sift
-from conftest import spawned_rank
+from conftest import gloo_rank
 from sift import SparseAdamW, SparseDelta
 
 
@@ -46,26 +46,21 @@ def _train_on_shard(net, opt, rank: int, world: int, steps: int, data=None) -> N
         opt.step()
 
 
-@spawned_rank
-def _worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        model = _model()
-        if mode == "ddp-plain":
-            net = torch.nn.parallel.DistributedDataParallel(model)
-            opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
-        else:
-            net = model
-            opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5, compact_grads=True,
-                              process_group=dist.group.WORLD)
-            if mode == "sparse-backward-process-group":
-                sift.enable_sparse_backward(model, opt)
-        _train_on_shard(net, opt, rank, world, steps)
-        if rank == 0:
-            torch.save([p.detach().clone() for p in model.parameters()], out)
-    finally:
-        dist.destroy_process_group()
+@gloo_rank
+def _worker(rank: int, world: int, mode: str, steps: int, out: str) -> None:
+    model = _model()
+    if mode == "ddp-plain":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+    else:
+        net = model
+        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5, compact_grads=True,
+                          process_group=dist.group.WORLD)
+        if mode == "sparse-backward-process-group":
+            sift.enable_sparse_backward(model, opt)
+    _train_on_shard(net, opt, rank, world, steps)
+    if rank == 0:
+        torch.save([p.detach().clone() for p in model.parameters()], out)
 
 
 @pytest.mark.parametrize("mode", ["ddp-plain", "hook-process-group", "sparse-backward-process-group"])
@@ -96,21 +91,16 @@ def _data_of_12(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 12, generator=gen), torch.randint(0, 3, (12,), generator=gen)
 
 
-@spawned_rank
-def _ddp_compact_worker(rank: int, world: int, init_file: str, mode: str, steps: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        model = _three_layers()
-        opt = _for_model_three_layers(model, mode)  # before the wrap: it leaves the sparse weights to the optimizer
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        _train_on_shard(net, opt, rank, world, steps, _data_of_12)
-        state = {n: p.detach().clone() for n, p in model.named_parameters()}
-        state.update({f"{n}.indices": opt.indices_of(p) for n, p in model.named_parameters()
-                      if "indices" in opt.state.get(p, {})})
-        torch.save(state, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+@gloo_rank
+def _ddp_compact_worker(rank: int, world: int, mode: str, steps: int, out: str) -> None:
+    model = _three_layers()
+    opt = _for_model_three_layers(model, mode)  # before the wrap: it leaves the sparse weights to the optimizer
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    _train_on_shard(net, opt, rank, world, steps, _data_of_12)
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"{n}.indices": opt.indices_of(p) for n, p in model.named_parameters()
+                  if "indices" in opt.state.get(p, {})})
+    torch.save(state, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -132,22 +122,17 @@ def test_ddp_wrapped_compact_modes_equal_one_process_on_the_full_batch(tmp_path,
                                                   for r in ranks)
 
 
-@spawned_rank
-def _fsdp_worker(rank: int, world: int, init_file: str, steps: int, out: str) -> None:
+@gloo_rank
+def _fsdp_worker(rank: int, world: int, steps: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        model = _model()
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
-        _train_on_shard(model, opt, rank, world, steps)
-        local = [(p.to_local().detach().clone(), opt.state[p]["indices"].clone()) for p in model.parameters()]
-        torch.save(local, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
+    _train_on_shard(model, opt, rank, world, steps)
+    local = [(p.to_local().detach().clone(), opt.state[p]["indices"].clone()) for p in model.parameters()]
+    torch.save(local, f"{out}.{rank}")
 
 
 def test_fsdp2_shards_train_like_one_process_on_their_entries(tmp_path):
@@ -211,31 +196,26 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-@spawned_rank
-def _ddp_refusal_worker(rank: int, world: int, init_file: str, mode: str, out: str) -> None:
+@gloo_rank
+def _ddp_refusal_worker(rank: int, world: int, mode: str, out: str) -> None:
     """One rank of a DDP-wrapped model in a compact mode: records the error and whether any weight moved."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    model = _model()
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    error = None
     try:
-        model = _model()
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        before = [p.detach().clone() for p in model.parameters()]
-        error = None
-        try:
-            if mode == "for-model":
-                SparseAdamW.for_model(net, density=0.2, compact_grads=True, target_modules=["module.0"])
-            else:
-                opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, compact_grads=True,
-                                  update_in_backward=mode == "update-in-backward")
-                if mode == "sparse-backward":
-                    sift.enable_sparse_backward(model, opt)
-                _train_on_shard(net, opt, rank, world, 1)
-        except (RuntimeError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        torch.save({"error": error, "changed": changed}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+        if mode == "for-model":
+            SparseAdamW.for_model(net, density=0.2, compact_grads=True, target_modules=["module.0"])
+        else:
+            opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, compact_grads=True,
+                              update_in_backward=mode == "update-in-backward")
+            if mode == "sparse-backward":
+                sift.enable_sparse_backward(model, opt)
+            _train_on_shard(net, opt, rank, world, 1)
+    except (RuntimeError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    torch.save({"error": error, "changed": changed}, f"{out}.{rank}")
 
 
 @pytest.mark.parametrize("mode", ["hook", "sparse-backward", "update-in-backward", "for-model"])
