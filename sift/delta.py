@@ -749,7 +749,8 @@ class SparseDelta:
         problems = self.problems()
         if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
             problems.append(f"scale must be a finite number, got {scale!r}")
-        if not stack and any(a.delta is self or a.checksum == self.checksum() for a in _APPLIED.get(model, [])):
+        checksum = self.checksum() if not problems else None  # a hash of every tensor: once per apply
+        if not stack and any(a.delta is self or a.checksum == checksum for a in _APPLIED.get(model, [])):
             problems.append("this delta is already applied to the model (pass stack=True to add it again)")
         for name, t in self.dense.items():
             p = state.get(name)
@@ -795,7 +796,7 @@ class SparseDelta:
                 p.copy_(self.dense[name])
         _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals,
                                                            dense_names, dense_params, dense_originals,
-                                                           self.checksum()))
+                                                           checksum))
 
     def remove_(self, model: nn.Module) -> None:
         """Takes the delta off `model` again, restoring the exact values `apply_` overwrote.
