@@ -320,6 +320,7 @@ def for_model(
         exclude_from_ddp(model, list(plan.sparse))
     if quantized:
         optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
+        optimizer._hook_quantized()
     return optimizer
 
 

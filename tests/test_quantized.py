@@ -374,6 +374,30 @@ def test_autocast_computes_as_the_layers_compute_dtype():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("state", ["exact", "lean"])
+def test_update_in_backward_steps_4_bit_deltas_inside_backward(state):
+    """update_in_backward held every 4-bit layer's [k] gradient until step(): each layer's values are
+    now stepped as their backward completes, no `.grad` is left, and training equals plain mode."""
+    runs = []
+    for uib in (False, True):
+        quantized, _ = _pair()
+        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state,
+                                    update_in_backward=uib)
+        values = [quantized[i].sift_delta for i in (0, 2)]
+        for step in range(4):
+            x, y = _batch(step)
+            before = [v.detach().clone() for v in values]
+            (quantized(x) - y).square().mean().backward()
+            if uib and step > 0:  # the first step selects: its gradient is read by step()
+                assert all(v.grad is None for v in values)
+                assert all(not torch.equal(b, v) for b, v in zip(before, values))  # stepped in backward
+            opt.step()
+            opt.zero_grad()
+        runs.append([_effective(quantized, i) for i in (0, 2)] + [opt.state[v]["exp_avg"] for v in values])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward", "update_in_backward"])
 def test_the_memory_modes_train_4_bit_deltas_as_plain_mode(mode):
     """The 4-bit deltas are [k] params of their own: every memory mode trains them as plain mode does."""

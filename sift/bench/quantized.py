@@ -1,13 +1,15 @@
 """`python -m sift.bench quantized`: SIFT over a frozen 4-bit base against QLoRA and SHiRA.
 
-Every base is bitsandbytes NF4 (`Linear4bit`, compute dtype bf16, no double quantization: the
-`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bf16)`
-defaults), quantized from random bf16 weights; the 7 linears of every decoder layer (q, k, v, o,
+Every base is bitsandbytes NF4 with double quantization (`Linear4bit`, compute dtype bf16: QLoRA's
+setting, `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+bnb_4bit_compute_dtype=bf16)`), quantized from random bf16 weights; the 7 linears of every decoder layer (q, k, v, o,
 gate, up, down) are the targets; embeddings, norms and the untied lm_head stay bf16 and frozen.
 
     sift 1% exact, sift 5% exact   `SparseAdamW.for_model(model, density, target_modules=the 7)`: a [k] fp32
                                    delta per 4-bit linear (`sift.quantized`), fp32 moments, int32 indices
     sift 1% lean                   the same with `state="lean"`: bf16 moments, 16-bit index halves
+    sift 1% lean, UIB              lean with `update_in_backward=True`: each layer's [k] values stepped as
+                                   its backward ends, so no layer keeps a gradient after backward
     QLoRA r=16, r=64               peft `LoraConfig(r, lora_alpha=2r, lora_dropout=0)` on the 4-bit linears
                                    (peft's bitsandbytes LoRA layer, fp32 adapters), `torch.optim.AdamW`
     SHiRA                          peft `ShiraConfig(r)` (random mask) on the same linears, `torch.optim.AdamW`;
@@ -42,7 +44,7 @@ with pass or miss.
 
 Part 2, speed. One training step (forward, backward, `optimizer.step()`, `zero_grad`) of a 4-layer
 Llama (hidden 1024, intermediate 2752, 16 heads, vocab 32000, NF4 base, seq 128, batch 4) for sift
-1%, QLoRA r=16 and SHiRA at sift 1%'s count, each on its own copy of the model: two warm-up steps
+1% (exact, and lean with the update in backward), QLoRA r=16 and SHiRA at sift 1%'s count, each on its own copy of the model: two warm-up steps
 each, then rounds of one step per method, the order rotated every round, timed with
 `time.perf_counter`; median, p20 and p80 per method and the ratios sift / QLoRA and SHiRA / sift of
 the medians.
@@ -78,12 +80,13 @@ LR = 1e-4
 CONFIGS = (
     ("sift 1% exact", "sift", 0.01),
     ("sift 1% lean", "sift-lean", 0.01),
+    ("sift 1% lean, UIB", "sift-lean-uib", 0.01),
     ("sift 5% exact", "sift", 0.05),
     ("QLoRA r=16", "lora", 16),
     ("QLoRA r=64", "lora", 64),
     ("SHiRA (sift 1% count)", "shira", 0.01),
 )
-TIMED = ("sift 1% exact", "QLoRA r=16", "SHiRA (sift 1% count)")
+TIMED = ("sift 1% exact", "sift 1% lean, UIB", "QLoRA r=16", "SHiRA (sift 1% count)")
 
 # The full models each 1-layer measurement is projected to.
 LLAMA_7B = dict(name="Llama-7B", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
@@ -129,7 +132,7 @@ def quantize_linears_(model: nn.Module, names: tuple[str, ...] | list[str] = MOD
         names: the module name suffixes to quantize.
 
     Returns:
-        `model`, its targets 4-bit (compute dtype bf16, no double quantization), everything frozen.
+        `model`, its targets 4-bit (compute dtype bf16, double quantization), everything frozen.
     """
     import bitsandbytes as bnb
 
@@ -140,9 +143,9 @@ def quantize_linears_(model: nn.Module, names: tuple[str, ...] | list[str] = MOD
         parent = model.get_submodule(parent_name)
         # On the meta device: no fp32 [out, in] init weight that would be thrown away at once.
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
                                   device="meta")
-        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=False,
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=True,
                                          quant_type="nf4")
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
@@ -193,10 +196,10 @@ def _state_bytes(state: Any, seen: set[int]) -> int:
     return total
 
 
-def double_quant_state_bytes(model: nn.Module) -> int:
-    """What the quant state of `model`'s 4-bit weights would take with double quantization (8-bit absmax).
+def single_quant_state_bytes(model: nn.Module) -> int:
+    """What the quant state of `model`'s 4-bit weights would take without double quantization (fp32 absmax).
 
-    Counted on a requantized copy of each weight (`compress_statistics=True`), then dropped.
+    Counted on a requantized copy of each weight (`compress_statistics=False`), then dropped.
     """
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
@@ -206,10 +209,10 @@ def double_quant_state_bytes(model: nn.Module) -> int:
         if state is None:
             continue
         dense = dequantize_4bit(module.weight.data, state)
-        _, double = quantize_4bit(dense, blocksize=state.blocksize, compress_statistics=True,
+        _, single = quantize_4bit(dense, blocksize=state.blocksize, compress_statistics=False,
                                   quant_type=state.quant_type)
-        total += _state_bytes(double, set())
-        del dense, double
+        total += _state_bytes(single, set())
+        del dense, single
     return total
 
 
@@ -247,7 +250,7 @@ class Method:
 
     Args:
         model: a 4-bit model from `build_quantized` (changed: adapters attached).
-        kind: "sift", "sift-lean", "lora" or "shira".
+        kind: "sift", "sift-lean", "sift-lean-uib", "lora" or "shira".
         arg: the density (sift, and SHiRA's count to match) or the LoRA rank.
     """
 
@@ -255,10 +258,10 @@ class Method:
         self.model, self.kind, self.peft = model, kind, None
         self.rank: int | None = None
         extra = 0  # tensors an adapter holds that are no param or buffer (SHiRA's index table)
-        if kind in ("sift", "sift-lean"):
+        if kind in ("sift", "sift-lean", "sift-lean-uib"):
             self.opt: torch.optim.Optimizer = SparseAdamW.for_model(
                 model, density=arg, lr=LR, target_modules=list(MODULES), dense_modules=[],
-                state="lean" if kind == "sift-lean" else "exact")
+                state="exact" if kind == "sift" else "lean", update_in_backward=kind == "sift-lean-uib")
             self.params = [p for p in model.parameters() if p.requires_grad]
         else:
             from peft import LoraConfig, ShiraConfig, get_peft_model
@@ -464,12 +467,12 @@ def measure_memory(full: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dic
                           "projected Params": p["params"] / GIB, "projected Grad": p["grad"] / GIB,
                           "projected Optim": p["optim"] / GIB, "projected Activation": p["activation"] / GIB,
                           "projected Total": p["total"] / GIB, "projected_bytes": p})
-    double = double_quant_state_bytes(template)
+    single = single_quant_state_bytes(template)
     quant_state = quant_state_bytes(template)
     del template
     gc.collect()
     return rows, projected, {"model": full["name"], "quant_state": quant_state,
-                             "double_quant_state": double}
+                             "single_quant_state": single}
 
 
 def _label(label: str, kind: str, rank: int | None) -> str:
@@ -527,35 +530,38 @@ def time_steps(sizes: dict[str, Any], rounds: int) -> list[dict[str, Any]]:
 
 def targets(projected: list[dict[str, Any]], timing: list[dict[str, Any]], big: str,
             small: str) -> list[dict[str, Any]]:
-    """Each target with its figure and whether it is met (figures projected for memory, measured for time)."""
+    """Each target with its figure and whether it is met (figures projected for memory, measured for time),
+    for every sift 1% configuration measured (lowest-memory first)."""
     gib = {row["key"]: row["projected Total"] for row in projected}
     ms = {row["key"]: row["median_ms"] for row in timing}
-    sift7, lora7, sift70 = gib[("sift 1% exact", small)], gib[("QLoRA r=16", small)], gib[("sift 1% exact", big)]
-    ratio_lora = ms["sift 1% exact"] / ms["QLoRA r=16"]
-    ratio_shira = ms["SHiRA (sift 1% count)"] / ms["sift 1% exact"]
+    lora7 = gib[("QLoRA r=16", small)]
     over = TARGET_7B_OVER_QLORA_GIB
-    lean7, lean70 = gib.get(("sift 1% lean", small)), gib.get(("sift 1% lean", big))
-    lean = [] if lean7 is None else [
-        {"target": f"{small} sift 1% lean projected Total <= {TARGET_7B_GIB:g} GiB",
-         "figure": f"{lean7:.2f} GiB (projected)", "met": lean7 <= TARGET_7B_GIB},
-        {"target": f"{small} sift 1% lean projected Total <= QLoRA r=16's projected Total + {over:g} GiB",
-         "figure": f"{lean7:.2f} vs {lora7 + over:.2f} GiB (projected)", "met": lean7 <= lora7 + over},
-        {"target": f"{big} sift 1% lean projected Total <= {TARGET_70B_GIB:g} GiB",
-         "figure": f"{lean70:.2f} GiB (projected)", "met": lean70 <= TARGET_70B_GIB},
-    ]
-    return lean + [
-        {"target": f"{small} sift 1% projected Total <= {TARGET_7B_GIB:g} GiB",
-         "figure": f"{sift7:.2f} GiB (projected)", "met": sift7 <= TARGET_7B_GIB},
-        {"target": f"{small} sift 1% projected Total <= QLoRA r=16's projected Total + {over:g} GiB",
-         "figure": f"{sift7:.2f} vs {lora7:.2f} + {over:g} = {lora7 + over:.2f} GiB (projected)",
-         "met": sift7 <= lora7 + over},
-        {"target": f"{big} sift 1% projected Total <= {TARGET_70B_GIB:g} GiB",
-         "figure": f"{sift70:.2f} GiB (projected)", "met": sift70 <= TARGET_70B_GIB},
-        {"target": f"sift 1% step <= {TARGET_SIFT_OVER_QLORA:g}x QLoRA r=16's (medians)",
-         "figure": f"{ratio_lora:.3f}x (measured)", "met": ratio_lora <= TARGET_SIFT_OVER_QLORA},
-        {"target": f"SHiRA step >= {TARGET_SHIRA_OVER_SIFT:g}x sift 1%'s (medians)",
-         "figure": f"{ratio_shira:.3f}x (measured)", "met": ratio_shira >= TARGET_SHIRA_OVER_SIFT},
-    ]
+    checks = []
+    for label in ("sift 1% lean, UIB", "sift 1% lean", "sift 1% exact"):
+        if (label, small) not in gib:
+            continue
+        sift7, sift70 = gib[(label, small)], gib[(label, big)]
+        checks += [
+            {"target": f"{small} {label} projected Total <= {TARGET_7B_GIB:g} GiB",
+             "figure": f"{sift7:.2f} GiB (projected)", "met": sift7 <= TARGET_7B_GIB},
+            {"target": f"{small} {label} projected Total <= QLoRA r=16's projected Total + {over:g} GiB",
+             "figure": f"{sift7:.2f} vs {lora7:.2f} + {over:g} = {lora7 + over:.2f} GiB (projected)",
+             "met": sift7 <= lora7 + over},
+            {"target": f"{big} {label} projected Total <= {TARGET_70B_GIB:g} GiB",
+             "figure": f"{sift70:.2f} GiB (projected)", "met": sift70 <= TARGET_70B_GIB},
+        ]
+    for label in ("sift 1% lean, UIB", "sift 1% exact"):
+        if label not in ms:
+            continue
+        ratio_lora = ms[label] / ms["QLoRA r=16"]
+        ratio_shira = ms["SHiRA (sift 1% count)"] / ms[label]
+        checks += [
+            {"target": f"{label} step <= {TARGET_SIFT_OVER_QLORA:g}x QLoRA r=16's (medians)",
+             "figure": f"{ratio_lora:.3f}x (measured)", "met": ratio_lora <= TARGET_SIFT_OVER_QLORA},
+            {"target": f"SHiRA step >= {TARGET_SHIRA_OVER_SIFT:g}x {label}'s (medians)",
+             "figure": f"{ratio_shira:.3f}x (measured)", "met": ratio_shira >= TARGET_SHIRA_OVER_SIFT},
+        ]
+    return checks
 
 
 # ------------------------------------------------------------------ run
@@ -597,7 +603,7 @@ def run(quick: bool = False) -> str:
     load_after = os.getloadavg()[0]
     checks = targets(projected, timing, big["name"], small["name"])
     tag = " [quick]" if quick else ""
-    base = ("NF4 Linear4bit base (compute bf16, no double quantization) on q, k, v, o, gate, up, down; bf16 "
+    base = ("NF4 Linear4bit base (compute bf16, double quantization) on q, k, v, o, gate, up, down; bf16 "
             "embeddings, norms, lm_head, frozen")
     measured_title = (f"Memory of one training step, one decoder layer measured for real (MiB; seq {MEASURED_SEQ}, "
                       f"batch 1, vocab {small['vocab_size']}): {base}{tag}")
@@ -631,10 +637,11 @@ def run(quick: bool = False) -> str:
         markdown_table(projected_title, PROJECTED_COLUMNS, projected), "",
         "How: " + " ".join(project.__doc__.split("\n\n")[1].split()) + " The Params, Grad and Optim rule of "
         "memory.project: " + " ".join(memory.project.__doc__.split("\n\n")[1].split()).split(" Activation,")[0],
-        "Quant state (absmax, code) counted in Params, per measured layer, without double quantization, and what "
-        "double quantization (bnb_4bit_use_double_quant=True, counted on a requantized copy; not used above) would "
-        "hold: " + "; ".join(f"{q['model']}: {q['quant_state'] / MIB:.2f} MiB, double "
-                             f"{q['double_quant_state'] / MIB:.2f} MiB" for q in quant_states) + ".", "",
+        "Quant state (8-bit absmax, its fp32 second-level absmax, code) counted in Params, per measured layer, with "
+        "double quantization, and what it would hold without (bnb_4bit_use_double_quant=False, counted on a "
+        "requantized copy; not used above): " + "; ".join(
+            f"{q['model']}: {q['quant_state'] / MIB:.2f} MiB, without {q['single_quant_state'] / MIB:.2f} MiB"
+            for q in quant_states) + ".", "",
         markdown_table(timing_title, TIMING_COLUMNS, timing), "",
         "Each method on its own copy of the 4-bit model; x columns are ratios of the medians. CPU/wall: the median "
         f"step's process CPU seconds per wall second (torch threads {torch.get_num_threads()}: well below that, the "
@@ -652,5 +659,5 @@ def run(quick: bool = False) -> str:
         "config": {"measured_seq": MEASURED_SEQ, "target_seq": TARGET_SEQ, "models": [small, big],
                    "step_model": step_sizes, "rounds": QUICK_ROUNDS if quick else ROUNDS, "warmup": WARMUP_STEPS,
                    "lr": LR, "quick": quick, "quant_type": "nf4", "compute_dtype": "bfloat16",
-                   "double_quant": False, "targets": list(MODULES)}})
+                   "double_quant": True, "targets": list(MODULES)}})
     return markdown

@@ -206,6 +206,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         # and gradless params stay on it, so a layer unfrozen later is still selected.
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
         self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
+        self._quantized_handles: dict[torch.Tensor, Any] = {}  # update_in_backward: 4-bit values -> pre-hook
         self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
         super().__init__(params, defaults)
         self._hooks_ready = compact_grads
@@ -508,7 +509,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             torch._foreach_sub_(steps, 1.0)
             raise
 
-    def _lean_delta_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _lean_delta_step(self, group: dict[str, Any], params: list[torch.Tensor],
+                         grads: list[torch.Tensor]) -> None:
         """The lean step of 4-bit layers' [k] delta values (bf16 moments by stochastic rounding): the
         lean kernel over each values vector as a weight whose every entry is chosen. The identity
         indices are views of one shared table per device, not state."""
@@ -518,16 +520,16 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                 state["exp_avg"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
                 state["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for p in params:
-            by_device[p.device].append(p)
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p, g in zip(params, grads):
+            by_device[p.device].append((p, g))
         for device, members in by_device.items():
             _, fn = _ops.resolve("sparse_adamw_lean_", device, self.backend)
-            states = [self.state[p] for p in members]
-            lows, offsets = zip(*(self._identity_lean_indices(device, p.numel()) for p in members))
+            states = [self.state[p] for p, _ in members]
+            lows, offsets = zip(*(self._identity_lean_indices(device, p.numel()) for p, _ in members))
             state_args = (list(lows), list(offsets), [s["exp_avg"] for s in states],
                           [s["exp_avg_sq"] for s in states], [])
-            self._launch_step(fn, group, device, [p.detach() for p in members], [p.grad for p in members],
+            self._launch_step(fn, group, device, [p.detach() for p, _ in members], [g for _, g in members],
                               state_args, [s["step"] for s in states], False)
 
     def _identity_lean_indices(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,12 +546,18 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
     def _dense_step(self, group: dict[str, Any]) -> None:
         """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
         counts on the device, no host read), so a CUDA graph can capture the whole step."""
+        params = [p for p in group["params"] if uses_grad(p)]
+        self._dense_update(group, params, [p.grad for p in params])
+
+    def _dense_update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """AdamW on dense `params` with `grads` (4-bit layers' delta values: the lean step in the lean state)."""
         from torch.optim.adamw import adamw
 
-        params = [p for p in group["params"] if uses_grad(p)]
         if self.state_layout == "lean" and any(p in self._quantized for p in params):
-            self._lean_delta_step(group, [p for p in params if p in self._quantized])
-            params = [p for p in params if p not in self._quantized]
+            members = [(p, g) for p, g in zip(params, grads) if p in self._quantized]
+            self._lean_delta_step(group, [p for p, _ in members], [g for _, g in members])
+            kept = [(p, g) for p, g in zip(params, grads) if p not in self._quantized]
+            params, grads = [p for p, _ in kept], [g for _, g in kept]
         if not params:
             return
         lr = group["lr"]
@@ -564,7 +572,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                 state["step"] = state["step"].to(p.device)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+        adamw(params, grads, [s["exp_avg"] for s in states],
               [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
               capturable=capturable, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])

@@ -71,12 +71,42 @@ class HooksMixin:
         AccumulateGrad node, which autograd runs once per backward after all of p's uses."""
         if not self.update_in_backward:
             return p.register_post_accumulate_grad_hook(self._grad_hook)
+        return self._accumulator_of(p).register_prehook(functools.partial(self._accumulator_prehook, p))
+
+    def _accumulator_of(self, p: torch.Tensor):
         with torch.enable_grad():
             accumulator = p.view_as(p).grad_fn.next_functions[0][0]
         # A tensor holds its accumulator weakly: this reference keeps the node (and its hook) the
         # one autograd uses for p in every later forward.
         self._grad_accumulators[p] = accumulator
-        return accumulator.register_prehook(functools.partial(self._accumulator_prehook, p))
+        return accumulator
+
+    def _hook_quantized(self) -> None:
+        """update_in_backward: each 4-bit layer's [k] delta values are stepped from a pre-hook on
+        their AccumulateGrad node, so at most one layer's [k] gradient is alive at a time."""
+        if not self.update_in_backward:
+            return
+        for values in self._quantized:
+            if values not in self._quantized_handles:
+                self._quantized_handles[values] = self._accumulator_of(values).register_prehook(
+                    functools.partial(self._quantized_prehook, values))
+
+    @torch.no_grad()
+    def _quantized_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
+        """update_in_backward: a 4-bit layer's delta values have their whole gradient (every use has
+        sent its part); once the layer's entries are chosen, step them now and keep no `.grad`.
+        Before that the gradient accumulates as in plain mode and `step()` commits the selection."""
+        grad = grad_inputs[0]
+        if grad is None:
+            return None
+        self._mark_backward(p)
+        if not self._quantized[p].selected or not p.requires_grad:
+            return None
+        if self.max_grad_norm is not None:
+            grad = grad.clone()  # clipped on its own, as every weight stepped in backward
+            clip_each_([grad], self.max_grad_norm)
+        self._dense_update(self._group_of(p), [p], [grad])
+        return (None,)
 
     def _hook_unfrozen(self) -> None:
         """compact_grads: hook the sparse params unfrozen since the last step."""
@@ -95,6 +125,9 @@ class HooksMixin:
         for handle in self._hook_handles.values():
             handle.remove()
         self._hook_handles.clear()
+        for handle in self._quantized_handles.values():
+            handle.remove()
+        self._quantized_handles.clear()
         self._grad_accumulators.clear()
         self._unhooked = []
         self._hooks_ready = False
