@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from sift import _ops
+from sift.optim.state import SparseStateMixin
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -170,9 +171,8 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
         >>> opt = sift.SparseAdamW([model[0].weight], density=0.1, compact_grads=True)  # doctest: +SKIP
         >>> handle = enable_sparse_backward(model, opt)  # doctest: +SKIP
     """
-    from sift.optim import SparseAdamW
-
-    if not isinstance(optimizer, SparseAdamW):
+    # SparseAdamW's own base: sift.optim.core, which defines SparseAdamW, imports this module.
+    if not isinstance(optimizer, SparseStateMixin):
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not optimizer.compact_grads:
         raise ValueError("sparse backward writes the optimizer's compact gradient buffers: build the optimizer "

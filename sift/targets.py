@@ -20,18 +20,21 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.optim import SparseAdamW
 from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear4bit
 from sift.sparse_backward import exclude_from_ddp
+from sift.optim.state import SparseStateMixin
 from sift.optim.state import is_selected as _selected
 from sift.optim.state import local_tensor as _local
 from sift.optim.state import num_entries as _num_entries
+
+if TYPE_CHECKING:
+    from sift.optim import SparseAdamW
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -250,7 +253,7 @@ def for_model(
     target_modules: str | Sequence[str] | None = None,
     dense_modules: str | Sequence[str] | None = None,
     selection: str = "magnitude",
-    optimizer_cls: type[SparseAdamW] = SparseAdamW,
+    optimizer_cls: type[SparseAdamW],
     **optimizer_kwargs: Any,
 ) -> SparseAdamW:
     """Freeze `model` but for its target weights (sparse) and task head (dense); their optimizer.
@@ -267,7 +270,8 @@ def for_model(
         target_modules: see `plan_targets`.
         dense_modules: see `plan_targets`.
         selection: `SparseAdamW(selection=...)`, passed through unchanged.
-        optimizer_cls: the optimizer class (a subclass of `SparseAdamW`).
+        optimizer_cls: the optimizer class to build, `SparseAdamW` or a subclass (`SparseAdamW.for_model`
+            passes its own).
         **optimizer_kwargs: the other `SparseAdamW` arguments (`weight_decay`,
             `compact_grads`, `max_grad_norm`, `select_steps`, `keep_base`, ...).
 
@@ -412,7 +416,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         row[1] += entries
         row[2] += state_bytes
         row[3] += pending
-    if isinstance(optimizer, SparseAdamW):
+    if isinstance(optimizer, SparseStateMixin):  # SparseAdamW's base that defines state_bytes()
         total_bytes = int(optimizer.state_bytes()["state_bytes"])
     lines = ["| name | shape | mode | trainable entries | optimizer state (bytes) |", "|---|---|---|---|---|"]
     for (name, shape, mode), (count, entries, state_bytes, pending) in rows.items():

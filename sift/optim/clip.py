@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.state import SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
 
 if TYPE_CHECKING:
     from sift.optim.core import SparseAdamW
@@ -61,9 +61,8 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         >>> model(torch.randn(4, 8)).sum().backward()
         >>> norm = clip_grad_norm_(opt, max_norm=1.0)
     """
-    from sift.optim.core import SparseAdamW  # core imports this module
-
-    if not isinstance(optimizer, SparseAdamW):
+    # SparseAdamW's own base: core, which defines SparseAdamW, imports this module.
+    if not isinstance(optimizer, SparseStateMixin):
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")

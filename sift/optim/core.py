@@ -250,7 +250,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         Example:
             >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
         """
-        from sift.targets import for_model  # sift.targets imports this package
+        # Imported here: sift.targets and sift.sparse_backward import sift.optim.state, and so this
+        # package, whose __init__ imports this module.
+        from sift.sparse_backward import enable_sparse_backward
+        from sift.targets import for_model
 
         if sparse_backward:
             if optimizer_kwargs.get("compact_grads") is False:
@@ -260,8 +263,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
                         selection=selection, optimizer_cls=cls, **optimizer_kwargs)
         if sparse_backward:
-            from sift.sparse_backward import enable_sparse_backward
-
             opt.sparse_backward_handle = enable_sparse_backward(model, opt)
         return opt
 
