@@ -14,9 +14,8 @@ from sift.delta import DeltaError, SparseDelta, merge_deltas
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.pretrained import merge_and_save
 from sift.sparse_backward import enable_sparse_backward
+from sift._version import __version__
 from sift.targets import trainable_summary
-
-__version__ = "0.1.0"
 
 __all__ = ["DeltaError", "SparseAdamW", "SparseDelta", "clip_grad_norm_", "enable_sparse_backward", "heads",
            "merge_and_save", "merge_deltas", "quantized", "sparse_weight_grad", "trainable_summary", "__version__"]

@@ -129,8 +129,8 @@ def load_extension() -> bool:
         if os.environ.get("SIFT_SKIP_EXT", "0") == "1":
             _state["why"] = "SIFT_SKIP_EXT=1"
             return False
-        # The schemas the C++ kernels register into are defined by sift._ops.
-        import sift._ops  # noqa: F401
+        # The schemas the C++ kernels register into are defined by sift._ops, which `import sift`
+        # (run before this module is) has loaded: importing it here would close an import circle.
 
         prebuilt_error = _prebuilt_stale_reason()
         if prebuilt_error is None:

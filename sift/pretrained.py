@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sift._version import __version__
 from sift.delta import DeltaError, SparseDelta, _dtype_name
 
 CONFIG_NAME = "sift_config.json"
@@ -43,8 +44,6 @@ def _base_identity(model: nn.Module | None) -> dict[str, Any]:
 
 
 def _config(delta: SparseDelta, model: nn.Module | None) -> dict[str, Any]:
-    from sift import __version__
-
     sparse = {name: {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "entries": e.nnz}
               for name, e in delta.entries.items()}
     dense = {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "entries": t.numel()}
