@@ -1,8 +1,13 @@
-"""Sparse fine-tuning over a frozen 4-bit base (bitsandbytes `Linear4bit`, NF4 or FP4).
+"""Sparse fine-tuning over a frozen quantized base: bitsandbytes `Linear4bit` (NF4 or FP4) and
+`Linear8bitLt` (LLM.int8() weights, row-wise absmax; `has_fp16_weights=False`, as `load_in_8bit` loads).
 
-Each targeted 4-bit linear layer trains a sparse delta S at k chosen entries of its weight:
+Each targeted quantized linear layer trains a sparse delta S at k chosen entries of its weight:
 
-    y = x (dequant(Wq) + S)^T + b        Wq: packed 4-bit [out, in], S: k entries (indices, values)
+    y = x (dequant(Wq) + S)^T + b        Wq: packed 4-bit or int8 [out, in], S: k entries (indices, values)
+
+An 8-bit layer's product is the dequantized weight's, in the compute dtype: not bitsandbytes' own
+int8 matmul with its outlier decomposition (sift's route replaces the layer's forward), so a tuned
+8-bit model computes what the merged 16-bit model computes, up to the int8 rounding of the weight.
 
 The packed weights never change. The trained parameter is the [k] fp32 vector of S's values
 (`module.sift_delta`, a dense param of the optimizer); its [k] sorted flat indices into the
@@ -47,11 +52,34 @@ def is_linear4bit(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(weight).__name__ == "Params4bit"
 
 
+def is_linear8bit(module: nn.Module) -> bool:
+    """Whether `module` is a bitsandbytes 8-bit linear layer holding int8 weights (`Linear8bitLt` with
+    `has_fp16_weights=False`; one with 16-bit weights is an ordinary weight to sift)."""
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and type(weight).__name__ == "Int8Params"
+            and weight.dtype == torch.int8)
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """Whether `module` is a bitsandbytes 4-bit or int8 linear layer, which `for_model` trains as a sparse delta."""
+    return is_linear4bit(module) or is_linear8bit(module)
+
+
 def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The [out, in] weight of a 4-bit layer in `dtype`: a new tensor, never kept."""
+    """The [out, in] weight of a 4-bit or int8 layer in `dtype`: a new tensor, never kept."""
+    weight = module.weight
+    if is_linear8bit(module):
+        from bitsandbytes.functional import int8_vectorwise_dequant
+
+        # bitsandbytes moves the row scales (and the int8 rows) into the layer's state on its first forward.
+        scales = getattr(weight, "SCB", None)
+        scales = scales if scales is not None else getattr(module.state, "SCB", None)
+        if scales is None:
+            raise RuntimeError("the 8-bit layer's weight has no row scales (SCB): move the model to its device "
+                               "first (bitsandbytes quantizes on the move)")
+        return int8_vectorwise_dequant(weight.data, scales.float()).to(dtype)
     from bitsandbytes.functional import dequantize_4bit
 
-    weight = module.weight
     if weight.quant_state is None:
         raise RuntimeError("the 4-bit layer's weight has no quant_state: move the model to its device first "
                            "(bitsandbytes quantizes on the move)")
@@ -100,8 +128,13 @@ class QuantizedRoute:
 
     @property
     def base_dtype(self) -> torch.dtype:
-        """The dtype the weight had before it was quantized (what a 16-bit copy of the model holds)."""
-        return getattr(self.module.weight.quant_state, "dtype", None) or torch.float32
+        """The dtype the weight had before it was quantized (what a 16-bit copy of the model holds): the 4-bit
+        quant state records it; an int8 weight does not, so its bias's dtype, or fp32 without a bias."""
+        recorded = getattr(getattr(self.module.weight, "quant_state", None), "dtype", None)
+        if recorded is not None:
+            return recorded
+        bias = self.module.bias
+        return bias.dtype if bias is not None else torch.float32
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -278,7 +311,7 @@ def attach_delta_(model: nn.Module, delta: Any) -> None:
     for name, entry in delta.entries.items():
         module_name = name[: -len(".weight")] if name.endswith(".weight") else None
         module = modules.get(module_name) if module_name is not None else None
-        if module is None or not is_linear4bit(module):
+        if module is None or not is_quantized_linear(module):
             rest[name] = entry
             continue
         shape = (module.out_features, module.in_features)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear4bit
+from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear8bit, is_quantized_linear
 from sift.sparse_backward import exclude_from_ddp
 from sift.optim.state import SparseStateMixin
 from sift.optim.state import is_selected as _selected
@@ -298,7 +298,7 @@ def for_model(
     plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
     modules = dict(model.named_modules())
     # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).
-    quantized = [name for name in plan.target_modules if is_linear4bit(modules[name])]
+    quantized = [name for name in plan.target_modules if is_quantized_linear(modules[name])]
     packed = {id(modules[name].weight) for name in quantized}
     plan.sparse = {key: p for key, p in plan.sparse.items() if id(p) not in packed}
     groups = []
@@ -394,9 +394,11 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         pending = 0
         if group is None or not p.requires_grad:
             mode, entries = "frozen", 0
-        elif group.get("name") == "quantized":  # the [k] values of a 4-bit layer's sparse delta
-            mode, entries = "4-bit delta", numel
-            pending = int("delta_indices" not in state)
+        elif group.get("name") == "quantized":  # the [k] values of a 4-bit or 8-bit layer's sparse delta
+            route = getattr(optimizer, "_quantized", {}).get(p)
+            mode = "8-bit delta" if route is not None and is_linear8bit(route.module) else "4-bit delta"
+            entries = numel
+            pending = int("delta_indices" not in state and "delta_indices_low" not in state)
         elif group.get("density", 1.0) >= 1.0:
             mode, entries = "dense", numel
         else:

