@@ -396,6 +396,13 @@ class SparseDelta:
         if lean and base is None:
             raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
                              "needs base= (the model's state before training); or use SparseDelta.from_diff")
+        from sift.optim import sharded
+
+        def fingerprint_of(tensors: Mapping[str, torch.Tensor]) -> BaseFingerprint:
+            if any(is_dtensor(t) for t in tensors.values() if isinstance(t, torch.Tensor)):
+                return sharded.sharded_fingerprint(tensors, BaseFingerprint)
+            return BaseFingerprint.of(tensors)
+
         names = {p: n for n, p in model.named_parameters()}
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None
@@ -419,14 +426,16 @@ class SparseDelta:
                 if name is None:
                     problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
                     continue
-                if is_dtensor(p):
-                    # Its optimizer state holds rank-local positions of one shard, not of the weight.
-                    problems.append(f"{name}: a sharded DTensor (FSDP2) parameter; gather a full state dict and "
-                                    f"use SparseDelta.from_diff(base, full_state_dict, ...)")
-                    continue
                 st = optimizer.state.get(p, {})
                 numel = p.numel()
-                exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
+                if is_dtensor(p):
+                    # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
+                    # gathered (collective: every rank walks the same params), never the weight itself.
+                    local = p.to_local()
+                    exact = sharded.gather_entries(p, increments(st, local.numel()) if not lean else _lean_increments(
+                        local, st, sharded.local_shard_of(p, base_state.get(name))))
+                else:
+                    exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
                 if exact is not None:
                     idx, values, base_values = exact
                     entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
@@ -435,7 +444,7 @@ class SparseDelta:
                     else:
                         unknown[name] = idx
                 elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
-                    dense[name] = p.detach().cpu().clone()
+                    dense[name] = sharded.full_tensor(p)
                     unknown[name] = None
                 # else: never stepped, or sparse selection still accumulating: nothing changed.
         if problems:
@@ -445,11 +454,11 @@ class SparseDelta:
             # from, whose tensors differ: no one fingerprint describes both.
             fingerprint = None
         elif base_state is not None:
-            fingerprint = BaseFingerprint.of(base_state)
+            fingerprint = fingerprint_of(base_state)
             for name in dense:  # replaced whole: the base may hold anything there (a new head)
                 fingerprint.samples.pop(name, None)
         else:
-            fingerprint = BaseFingerprint.of(state)
+            fingerprint = fingerprint_of(state)
             # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
             # so the trained model does not know their base values.
             param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}

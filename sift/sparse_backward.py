@@ -193,6 +193,9 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
             if id(m.weight) not in sparse:
                 raise ValueError(f"the weight of module {name!r} is not in a sparse group of the optimizer")
             chosen[name] = m
+    from sift.optim.sharded import refuse_sparse_backward
+
+    refuse_sparse_backward((f"{name}.weight", m.weight) for name, m in chosen.items())
     for name, m in chosen.items():
         if "forward" in m.__dict__:
             raise ValueError(f"module {name!r} already has its forward replaced (sparse backward enabled twice?)")

@@ -17,6 +17,7 @@ from sift.optim.checkpoint import CheckpointMixin, check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import HooksMixin
 from sift.optim.selection import SelectionMixin
+from sift.optim.sharded import check_sharded_param, refuse_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
 
 
@@ -256,6 +257,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         from sift.targets import for_model
 
         if sparse_backward:
+            refuse_sparse_backward(model.named_parameters())
             if optimizer_kwargs.get("compact_grads") is False:
                 raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
                                  "buffers); leave compact_grads unset or True")
@@ -304,11 +306,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                 )
             if merged["density"] < 1.0 and not local_tensor(p).is_contiguous():
                 raise ValueError(f"sparse groups need contiguous params; {label} is not contiguous")
-            if getattr(self, "compact_grads", False) and is_dtensor(p):
-                raise ValueError(
-                    "compact_grads mode does not support FSDP2 (DTensor) params, whose gradients bypass the "
-                    "hooks; use plain mode with FSDP2"
-                )
+            if is_dtensor(p):
+                check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
         self._pending = None
         group = dict(param_group)
         group["params"] = params
@@ -359,6 +358,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
+        if all(is_dtensor(p) for _, p in self._sparse_params()):
+            return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
         excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self._sparse_params())
         if excluded and not self.update_in_backward:
             logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "

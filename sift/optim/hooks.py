@@ -19,7 +19,8 @@ import functools
 import torch
 
 from sift.optim.clip import clip_each_
-from sift.optim.state import is_selected, local_tensor, num_entries, uses_grad
+from sift.optim.sharded import sharded_update_hook
+from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 
 def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, accumulate: bool) -> None:
@@ -71,6 +72,8 @@ class HooksMixin:
         AccumulateGrad node, which autograd runs once per backward after all of p's uses."""
         if not self.update_in_backward:
             return p.register_post_accumulate_grad_hook(self._grad_hook)
+        if is_dtensor(p):  # an FSDP2 shard: FSDP2 runs this hook once its gradient is reduce-scattered
+            return p.register_post_accumulate_grad_hook(functools.partial(sharded_update_hook, self))
         return self._accumulator_of(p).register_prehook(functools.partial(self._accumulator_prehook, p))
 
     def _accumulator_of(self, p: torch.Tensor):

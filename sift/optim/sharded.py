@@ -1,0 +1,243 @@
+"""`SparseAdamW` on FSDP2 (`torch.distributed.fsdp.fully_shard`) params: where each rank's shard
+sits in its weight, the update-in-backward hook of sharded params, the modes that are refused,
+gathering a delta's entries across ranks, and a DCP-checkpointable optimizer state.
+
+FSDP2 keeps each param as a DTensor sharded on dim 0 (`torch.chunk` rows) over a 1-D mesh. The
+optimizer works on each rank's local shard: it selects the top `ceil(density * shard numel)` of
+the shard's reduce-scattered gradient (per-shard selection, no communication; the same entries as
+one process whose optimizer selects per block of rows, the blocks being the shards), and its state
+holds positions within the shard. FSDP2 reduce-scatters the gradient and then runs the sharded
+param's post-accumulate-grad hooks (`foreach_reduce` in torch's `_fsdp_collectives.py`), so the
+compact mode's gather, and the update in backward, run there on the averaged shard gradient.
+
+The sparse backward is refused: it computes [k] entries of the unsharded weight's gradient on each
+rank's data, which would have to be summed across ranks into the owning shard inside backward,
+while FSDP2 reduce-scatters only dense gradients.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sift._index import index_dtype as _index_dtype
+from sift.optim.state import is_dtensor, is_selected, local_tensor
+
+if TYPE_CHECKING:
+    from sift.optim.core import SparseAdamW
+
+
+def _is_row_sharded(p: torch.Tensor) -> bool:
+    placements = p.placements
+    return p.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0) and p.dim() > 0
+
+
+def shard_group(p: torch.Tensor):
+    """The process group `p`'s shards are spread over (its 1-D device mesh's)."""
+    return p.device_mesh.get_group()
+
+
+def shard_offset(p: torch.Tensor) -> int:
+    """The flat position, in the full weight, of the first element of this rank's shard of `p`.
+
+    FSDP2 shards dim 0 as `torch.chunk` does: rank r holds rows [r * c, min((r + 1) * c, rows)),
+    c = ceil(rows / world); a row-major shard of rows is one contiguous run of flat positions.
+
+    Raises:
+        ValueError: `p` is not sharded by rows over a 1-D mesh (HSDP, `Shard(dim > 0)`).
+
+    Example:
+        >>> shard_offset(param)  # doctest: +SKIP  (rank 1 of 2, weight [16, 12])
+        96
+    """
+    if not _is_row_sharded(p):
+        raise ValueError(f"a DTensor param with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: "
+                         "SparseAdamW supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
+    rows = p.shape[0]
+    world = p.device_mesh.size()
+    chunk = -(-rows // world)
+    first = min(p.device_mesh.get_local_rank() * chunk, rows)
+    local = local_tensor(p)
+    if (local.shape[0] if local.dim() else 0) != max(0, min(chunk, rows - first)):
+        raise ValueError(f"a DTensor param of shape {tuple(p.shape)} holds {tuple(local.shape)} on this rank, not the "
+                         f"torch.chunk rows FSDP2 assigns ({max(0, min(chunk, rows - first))} from row {first})")
+    return first * (p.numel() // rows if rows else 0)
+
+
+def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, sparse: bool) -> None:
+    """Refuse a DTensor param this optimizer cannot train (called while adding its group, before any change)."""
+    if not sparse:
+        return
+    if optimizer.compact_grads and not _is_row_sharded(p):
+        raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
+                         "mesh: compact_grads mode supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
+    if optimizer.update_in_backward and optimizer.max_grad_norm is not None:
+        raise ValueError("max_grad_norm with update_in_backward=True clips each tensor by its own norm, and an FSDP2 "
+                         f"shard ({label}) holds part of a tensor: clip with update_in_backward=False (which takes "
+                         "the global norm across shards), or leave max_grad_norm unset")
+
+
+@torch.no_grad()
+def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
+    """update_in_backward on an FSDP2 param: its shard gradient was just reduce-scattered (every use of the
+    weight in this backward is in it); step the shard's chosen entries and free the gradient.
+
+    FSDP2's sharded params are not in the autograd graph (the forward uses the unsharded ones), so the
+    AccumulateGrad pre-hook of unsharded training never runs for them; FSDP2 runs this hook instead.
+    Before selection the shard gradient stays, and `step()` selects from it and applies the first update.
+    """
+    grad = p.grad
+    if grad is None:
+        return
+    optimizer._mark_backward(p)
+    if not is_selected(optimizer.state[p]) or not p.requires_grad:
+        return
+    optimizer._update_now(p, optimizer._gather_scratch(p, grad))
+    p.grad = None
+
+
+def refuse_sparse_backward(params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise before anything is patched if a weight the sparse backward would route is an FSDP2 shard.
+
+    The sparse backward computes the [k] chosen entries of dW from the unsharded weight's inputs on each
+    rank's own data; under FSDP2 those would have to be summed across ranks (k values a weight) into the
+    shard that owns each entry, inside backward, while FSDP2 reduce-scatters only dense gradients.
+    """
+    sharded = [name for name, p in params if is_dtensor(p)]
+    if sharded:
+        raise ValueError(f"the sparse backward does not support FSDP2 (fully_shard) params ({sharded[0]!r} is a "
+                         "sharded DTensor): use compact_grads=True without sparse_backward (the hook gathers each "
+                         "shard's k entries after FSDP2's reduce-scatter), or plain mode")
+
+
+# ----------------------------------------------------------------------------- delta export
+
+
+def local_shard_of(p: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor | None:
+    """The part of `full` (a tensor of `p`'s full shape, or a DTensor sharded like it) that this rank's shard
+    of `p` covers; None if `full` is None or of another shape."""
+    if full is None or tuple(full.shape) != tuple(p.shape):
+        return None
+    if is_dtensor(full):
+        return local_tensor(full)
+    local = local_tensor(p)
+    start = shard_offset(p)
+    return full.detach().reshape(-1)[start:start + local.numel()].view(local.shape)
+
+
+def gather_entries(p: torch.Tensor, local: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Every rank's entries of sharded `p` as entries of the full weight: ([n] sorted flat positions,
+    [n] fp32 values, [n] base values or None), or None when no rank has any.
+
+    `local` holds this rank's (positions within its shard, values, base values), or None. Collective:
+    every rank of `p`'s mesh calls it for the same params in the same order. Only the entries travel,
+    never the weight.
+    """
+    import torch.distributed as dist
+
+    group = shard_group(p)
+    offset = shard_offset(p)
+    payload = None
+    if local is not None:
+        idx, values, base = local
+        payload = (offset, idx.detach().cpu().long(), values.detach().cpu().float(),
+                   base.detach().cpu() if base is not None else None)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, payload, group=group)
+    parts = sorted((part for part in parts if part is not None), key=lambda part: part[0])
+    if not parts:
+        return None
+    idx = torch.cat([start + positions for start, positions, _, _ in parts]).to(_index_dtype(p.numel()))
+    values = torch.cat([v for _, _, v, _ in parts])
+    bases = [b for _, _, _, b in parts]
+    base = torch.cat(bases) if all(b is not None for b in bases) else None
+    return idx, values, base
+
+
+def sharded_fingerprint(state: Mapping[str, torch.Tensor], fingerprint_cls: type) -> Any:
+    """`fingerprint_cls.of(state)` for a state dict holding DTensors: each sampled base value is read on the
+    rank whose shard holds it and gathered (a few floats a tensor, never a whole weight). Collective."""
+    import torch.distributed as dist
+
+    from sift import delta as _delta  # the fingerprint's positions and structure hash, shared with sift.delta
+
+    plain = fingerprint_cls.of({n: t for n, t in state.items() if not is_dtensor(t)})
+    tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    samples = {name: dict(values) for name, values in plain.samples.items()}
+    mine: dict[str, dict[int, str]] = {}
+    sharded = sorted(n for n, t in tensors.items() if is_dtensor(t))
+    group = None
+    for name in sharded:
+        t = tensors[name]
+        group = shard_group(t)
+        local = local_tensor(t).detach().reshape(-1)
+        start = shard_offset(t)
+        here = [pos for pos in _delta._sample_positions(t.numel()) if start <= pos < start + local.numel()]
+        if here:
+            values = local[torch.tensor([pos - start for pos in here], device=local.device)].tolist()
+            mine[name] = {pos: float(v).hex() for pos, v in zip(here, values)}
+    if group is not None:
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+        for part in parts:
+            for name, values in part.items():
+                samples.setdefault(name, {}).update(values)
+    return fingerprint_cls(_delta._structure_hash(tensors), len(tensors), samples)
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A dense param's full value (gathered from its shards for a DTensor; collective), on the CPU."""
+    return (p.full_tensor() if is_dtensor(p) else p).detach().cpu().clone()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class ShardedOptimizerState:
+    """`SparseAdamW`'s state for `torch.distributed.checkpoint` (DCP) under FSDP2: each rank's own state.
+
+    Each rank's state holds its shard's chosen entries (k differs from rank to rank), which DCP would
+    save once for all ranks if given as plain tensors (it deduplicates unsharded values by key);
+    torch's `get_optimizer_state_dict` would also initialise an empty optimizer by a zero-gradient
+    `step()`, which for SparseAdamW is a selection. This object is DCP-`Stateful`: it saves every
+    rank's `optimizer.state_dict()` under a key naming the rank and the world size, and loads it back
+    with `optimizer.load_state_dict` (every tensor validated). A resume needs the same number of
+    ranks and the same sharding.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
+        >>> dcp.save({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=path)
+        >>> dcp.load({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=path)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: Any = None):
+        self.optimizer = optimizer
+        self.group = group
+
+    def _key(self) -> str:
+        import torch.distributed as dist
+
+        return f"rank{dist.get_rank(self.group)}_of_{dist.get_world_size(self.group)}"
+
+    def state_dict(self) -> dict[str, io.BytesIO]:
+        # One opaque object per rank: DCP writes it as bytes and gives the same bytes back to that rank.
+        buffer = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buffer)
+        buffer.seek(0)
+        return {self._key(): buffer}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        key = self._key()
+        if key not in state_dict:
+            raise ValueError(f"the checkpoint holds no optimizer state for {key} (saved: {sorted(state_dict)}): "
+                             "resume on as many ranks as saved it")
+        saved = state_dict[key]
+        if isinstance(saved, io.BytesIO):
+            saved.seek(0)
+            saved = torch.load(saved, weights_only=False)
+        self.optimizer.load_state_dict(saved)
+

@@ -1,0 +1,299 @@
+"""SparseAdamW under FSDP2 (`fully_shard`), gloo on 2 and 3 processes (an odd count puts shard
+boundaries mid-weight and leaves one rank an empty shard of the 2-row head).
+
+The reference is one process on the same global batches whose optimizer selects as the ranks do:
+the top-k of each block of rows (the blocks being FSDP2's shards, `torch.chunk` over the world),
+k = ceil(density * block numel). Every mode is compared with it after several steps (params,
+chosen entries, moments, increments), and modes that promise the same result with each other.
+One spawn per world size runs every case; the tests read what the ranks saved.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import sift
+from conftest import gloo_rank
+from sift import SparseAdamW, SparseDelta
+from sift._index import entries_for, index_dtype, top_k_positions
+
+pytest.importorskip("torch.distributed.fsdp")
+
+STEPS = 4
+BATCH = 12  # splits evenly over 1, 2 and 3 ranks
+DENSITY = 0.2
+
+CONFIGS = {
+    "plain": dict(kwargs=dict(max_grad_norm=0.5), micro=1),
+    "hook": dict(kwargs=dict(compact_grads=True, max_grad_norm=0.5, select_steps=2), micro=2),
+    "hook-noclip": dict(kwargs=dict(compact_grads=True), micro=1),
+    "update-in-backward": dict(kwargs=dict(update_in_backward=True), micro=1),
+    "plain-lean": dict(kwargs=dict(state="lean", max_grad_norm=0.5), micro=2),
+    "hook-lean": dict(kwargs=dict(compact_grads=True, state="lean", max_grad_norm=0.5), micro=2),
+}
+LEAN = {"plain-lean", "hook-lean"}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 15 and 16 rows split 8/7 and 6/6/4; the 2-row head leaves the third rank an empty shard.
+    return torch.nn.Sequential(torch.nn.Linear(12, 15), torch.nn.ReLU(), torch.nn.Linear(15, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 2))
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "density": DENSITY},
+            {"params": [p for n, p in named if n.endswith("bias")], "density": 1.0}]
+
+
+def _data(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(BATCH, 12, generator=gen), torch.randint(0, 2, (BATCH,), generator=gen)
+
+
+def _train(model, opt, rank: int, world: int, steps: int, micro: int, first: int = 0) -> None:
+    """Each rank trains on its slice of every micro-batch; FSDP2 averages the shard gradients over ranks."""
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = _data(step, m)
+            (torch.nn.functional.cross_entropy(model(x[shard]), y[shard]) / micro).backward()
+        opt.step()
+
+
+class RowBlockSparseAdamW(SparseAdamW):
+    """One process selecting as FSDP2 ranks do: the top-k of each block of rows (`torch.chunk` over `world`)."""
+
+    def __init__(self, *args, world: int, **kwargs):
+        self.world = world
+        super().__init__(*args, **kwargs)
+
+    def _choose(self, group, p, score):
+        rows, per_row = p.shape[0], p.numel() // p.shape[0]
+        chunk = -(-rows // self.world)
+        flat, chosen = score.reshape(-1), []
+        for first in range(0, rows, chunk):
+            block = flat[first * per_row:min(first + chunk, rows) * per_row]
+            chosen.append(top_k_positions(block, max(1, entries_for(group["density"], block.numel()))) + first * per_row)
+        return torch.cat(chosen).to(index_dtype(p.numel()))
+
+
+def _sharded_model(world: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)  # one reduce-scatter (and hook round) per layer
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _snapshot(model, opt) -> dict:
+    """This rank's shards: local params, where each begins in its weight, and its optimizer state."""
+    from sift.optim.sharded import shard_offset
+
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.state.get(p, {})
+        entry = {"param": p.to_local().detach().clone(), "offset": shard_offset(p),
+                 "state": {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+                           for k, v in state.items() if isinstance(v, torch.Tensor) and k != "score"}}
+        if "indices" in state or "indices_low" in state:
+            entry["indices"] = opt.indices_of(p).long().clone()
+        out[name] = entry
+    return out
+
+
+def _delta_dict(delta: SparseDelta) -> dict:
+    return {"entries": {n: (e.shape, e.dtype, e.indices.clone(), e.values.clone()) for n, e in delta.entries.items()},
+            "dense": {n: t.clone() for n, t in delta.dense.items()}, "fingerprint": delta.base.to_json()}
+
+
+def _refusals(world: int) -> dict:
+    """Each refused combination on this rank: its error, and whether any weight moved."""
+    results = {}
+
+    def attempt(name, build):
+        model = _sharded_model(world)
+        before = [p.to_local().detach().clone() for p in model.parameters()]
+        try:
+            opt = build(model)
+            _train(model, opt, torch.distributed.get_rank(), world, 1, 1)
+            error = None
+        except (ValueError, RuntimeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        changed = any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        results[name] = {"error": error, "changed": changed}
+
+    def sparse_backward(model):
+        opt = SparseAdamW(_groups(model), lr=1e-2, compact_grads=True)
+        sift.enable_sparse_backward(model, opt)
+        return opt
+
+    attempt("sparse-backward", sparse_backward)
+    attempt("for-model-sparse-backward", lambda model: SparseAdamW.for_model(
+        model, density=DENSITY, target_modules=["0", "2"], dense_modules=["4"], sparse_backward=True))
+    attempt("update-in-backward-clip", lambda model: SparseAdamW(_groups(model), lr=1e-2, update_in_backward=True,
+                                                                 max_grad_norm=0.5))
+    return results
+
+
+def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micro: int) -> dict:
+    """2 steps, a DCP save of model and optimizer, 2 more; and a fresh model that loads the save and runs the
+    same 2: both snapshots, which must be equal."""
+    import torch.distributed.checkpoint as dcp
+
+    from sift.optim.sharded import ShardedOptimizerState
+
+    model = _sharded_model(world)
+    opt = SparseAdamW(_groups(model), lr=1e-2, **kwargs)
+    _train(model, opt, rank, world, 2, micro)
+    dcp.save({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
+    _train(model, opt, rank, world, 2, micro, first=2)
+    uninterrupted = _snapshot(model, opt)
+    model = _sharded_model(world)  # the initial weights: the load must replace them
+    opt = SparseAdamW(_groups(model), lr=1e-2, **kwargs)
+    dcp.load({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
+    _train(model, opt, rank, world, 2, micro, first=2)
+    return {"uninterrupted": uninterrupted, "resumed": _snapshot(model, opt)}
+
+
+@gloo_rank
+def _worker(rank: int, world: int, out: str) -> None:
+    results = {}
+    for name, config in CONFIGS.items():
+        model = _sharded_model(world)
+        opt = SparseAdamW(_groups(model), lr=1e-2, **config["kwargs"])
+        _train(model, opt, rank, world, STEPS, config["micro"])
+        results[name] = _snapshot(model, opt)
+        base = _model().state_dict() if name in LEAN else None
+        if name in ("plain", "hook", "hook-lean"):
+            results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
+    results["refusals"] = _refusals(world)
+    for name in ("hook", "hook-lean"):
+        results[f"checkpoint-{name}"] = _checkpoint_resume(rank, world, f"{out}.dcp-{name}",
+                                                           CONFIGS[name]["kwargs"], CONFIGS[name]["micro"])
+    torch.save(results, f"{out}.{rank}")
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def ranks(request, tmp_path_factory):
+    """(world, [what each rank saved])."""
+    world = request.param
+    out = str(tmp_path_factory.mktemp(f"fsdp{world}") / "result")
+    mp.spawn(_worker, args=(world, f"{out}.init", out), nprocs=world, join=True)
+    return world, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
+
+
+def _reference(world: int, config: dict):
+    model = _model()
+    opt = RowBlockSparseAdamW(_groups(model), lr=1e-2, world=world, **config["kwargs"])
+    _train(model, opt, 0, 1, STEPS, config["micro"])
+    return model, opt
+
+
+def _full(per_rank: list[dict], name: str, shape) -> dict:
+    """One weight's shards joined in rank order: its param, global chosen entries and per-entry state."""
+    parts = [r[name] for r in per_rank]
+    out = {"param": torch.cat([e["param"].reshape(-1) for e in parts]).view(shape)}
+    if "indices" in parts[0]:
+        out["indices"] = torch.cat([e["offset"] + e["indices"] for e in parts if "indices" in e])
+    for key in parts[0]["state"]:
+        if key != "step" and parts[0]["state"][key].dim() > 0 and key not in ("indices", "indices_low",
+                                                                               "window_offsets"):
+            out[key] = torch.cat([e["state"][key].reshape(-1) for e in parts if key in e["state"]])
+    return out
+
+
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_mode_equals_one_process_selecting_per_row_block(ranks, mode):
+    """Params, chosen entries and optimizer state equal one process on the global batch whose optimizer
+    selects per block of rows (accumulation, several selection steps and the global-norm clip included)."""
+    world, per_rank = ranks
+    model, opt = _reference(world, CONFIGS[mode])
+    lean = mode in LEAN
+    for name, p in model.named_parameters():
+        got = _full([r[mode] for r in per_rank], name, p.shape)
+        # Lean moments round stochastically from each entry's index in its own shard: close, not equal.
+        tol = dict(rtol=1e-3, atol=1e-4) if lean else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["param"], p.detach(), **tol, msg=f"{mode} {name}")
+        state = opt.state[p]
+        if name.endswith("weight"):
+            assert torch.equal(got["indices"], opt.indices_of(p).long()), f"{mode} {name}: another selection"
+            keys = ("exp_avg", "exp_avg_sq") + (() if lean else ("delta",))
+        else:
+            keys = ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            torch.testing.assert_close(got[key].float(), state[key].reshape(-1).float(),
+                                       **(dict(rtol=2e-2, atol=1e-5) if lean else tol), msg=f"{mode} {name} {key}")
+
+
+@pytest.mark.parametrize("mode, partner", [("hook-noclip", "update-in-backward"), ("plain-lean", "hook-lean")],
+                         ids=["hook=update-in-backward", "plain-lean=hook-lean"])
+def test_modes_that_promise_the_same_result_agree_on_every_rank(ranks, mode, partner):
+    world, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        for name, entry in r[mode].items():
+            other = r[partner][name]
+            torch.testing.assert_close(entry["param"], other["param"], rtol=0, atol=0, msg=f"rank {rank} {name}")
+            for key, value in entry["state"].items():
+                torch.testing.assert_close(value, other["state"][key], rtol=0, atol=0, msg=f"rank {rank} {name} {key}")
+
+
+@pytest.mark.parametrize("mode", ["plain", "hook", "hook-lean"])
+def test_delta_from_sharded_optimizer_equals_one_process(ranks, mode):
+    """Every rank builds the same delta from its shards' entries, equal to one process's with the same selection."""
+    world, per_rank = ranks
+    model, opt = _reference(world, CONFIGS[mode])
+    want = _delta_dict(SparseDelta.from_optimizer(opt, model, base=_model().state_dict() if mode in LEAN else None))
+    for rank, r in enumerate(per_rank):
+        got = r[mode]["delta"]
+        assert sorted(got["entries"]) == sorted(want["entries"])
+        for name, (shape, dtype, idx, values) in want["entries"].items():
+            g_shape, g_dtype, g_idx, g_values = got["entries"][name]
+            assert (g_shape, g_dtype) == (shape, dtype) and g_idx.dtype == idx.dtype
+            assert torch.equal(g_idx, idx), f"rank {rank} {name}"
+            # Lean increments are differences of weights that drift by the moments' stochastic rounding.
+            torch.testing.assert_close(g_values, values, **(dict(rtol=0, atol=5e-4) if mode in LEAN else
+                                                            dict(rtol=1e-5, atol=1e-6)), msg=f"rank {rank} {name}")
+        assert sorted(got["dense"]) == sorted(want["dense"])
+        for name, t in want["dense"].items():
+            torch.testing.assert_close(got["dense"][name], t, **(dict(rtol=1e-3, atol=1e-4) if mode in LEAN else
+                                                                 dict(rtol=1e-5, atol=1e-6)))
+        assert got["fingerprint"] == want["fingerprint"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("mode", ["hook", "hook-lean"])
+def test_dcp_save_and_load_mid_run_resumes_identically(ranks, mode):
+    world, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        run = r[f"checkpoint-{mode}"]
+        for name, entry in run["uninterrupted"].items():
+            resumed = run["resumed"][name]
+            assert torch.equal(entry["param"], resumed["param"]), f"rank {rank} {name}"
+            assert sorted(entry["state"]) == sorted(resumed["state"])
+            for key, value in entry["state"].items():
+                assert torch.equal(value, resumed["state"][key]), f"rank {rank} {name} {key}"
+
+
+@pytest.mark.parametrize("combination, expected", [
+    ("sparse-backward", "the sparse backward does not support FSDP2"),
+    ("for-model-sparse-backward", "the sparse backward does not support FSDP2"),
+    ("update-in-backward-clip", "max_grad_norm with update_in_backward=True"),
+])
+def test_refused_combinations_raise_before_any_weight_changes(ranks, combination, expected):
+    world, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        result = r["refusals"][combination]
+        assert result["error"] is not None and expected in result["error"], (rank, result)
+        assert result["error"].startswith("ValueError"), result
+        assert not result["changed"], f"rank {rank}: a weight moved"
