@@ -93,9 +93,9 @@ def failed_build(monkeypatch):
     monkeypatch.setattr(_ext, "compiler_present", lambda: True)
     monkeypatch.delenv("SIFT_SKIP_EXT", raising=False)
     monkeypatch.delenv("SIFT_BACKEND", raising=False)
-    monkeypatch.setattr(sift._ops, "_resolved", {})
+    monkeypatch.setattr(sift._ops.registry, "_resolved", {})
     yield
-    sift._ops._resolved.clear()
+    sift._ops.registry._resolved.clear()
 
 
 def _fake_suite(monkeypatch):

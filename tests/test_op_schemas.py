@@ -1,4 +1,4 @@
-"""Every op defined in sift/_ops.py (schema and fake kernel there, CPU kernel in C++) traces
+"""Every op defined in sift/_ops/ (schema and fake kernel there, CPU kernel in C++) traces
 under torch.compile with fullgraph=True and gives the eager result, mutations included; the
 step's named operands give the flat call's result; one check names a bad operand the same
 way on every backend."""

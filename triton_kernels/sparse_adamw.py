@@ -1,7 +1,7 @@
 """Fused SparseAdamW step: one launch for all sparse tensors of one device and dtype.
 
 For tensor i with k_i chosen entries at sorted flat positions `idx_i` (the contract is
-`sparse_adamw_ref` in `sift/_ops.py`):
+`sparse_adamw_ref` in `sift/_ops/sparse_adamw.py`):
 
     g = grad_i[idx_i]                (dense grad)  or  compact_grad_i   ([k_i] fp32)
     m = b1 * m + (1 - b1) * g

@@ -1,6 +1,6 @@
 """SparseAdamW step on the lean state: one launch for all sparse tensors of one device and dtype.
 
-The contract is `sparse_adamw_lean_ref` in `sift/_ops.py`. For tensor i with k_i entries:
+The contract is `sparse_adamw_lean_ref` in `sift/_ops/sparse_adamw_lean.py`. For tensor i with k_i entries:
 
     window_offsets_i [ceil(n_i / 65536) + 1] int32   CSR over 65536-element windows
     indices_low_i    [k_i] int16                      idx = w * 65536 + uint16(low), w the window of the entry
