@@ -245,3 +245,26 @@ def test_memory_suite_runs_only_the_named_configurations(monkeypatch):
         memory._chosen_configs()
     monkeypatch.delenv("SIFT_BENCH_MEMORY_ONLY")
     assert memory._chosen_configs() == memory.CONFIGS
+
+
+def test_distributed_quick(tmp_path, monkeypatch):
+    """FSDP2 on 2 gloo processes: one row per mode; hook mode adds no communication to plain mode's, and each
+    sparse mode holds less optimizer state (and hook mode fewer gradient bytes) per rank than the one before."""
+    from sift.bench import distributed
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    markdown = distributed.run(quick=True)
+    assert "Projected (not measured): Llama-2-70B" in markdown
+    rows = {r["mode"]: r for r in _saved(tmp_path, "distributed")["rows"]}
+    assert list(rows) == list(distributed.MODES)
+    adamw, plain, hook = (rows[m] for m in distributed.MODES)
+    sizes = distributed.QUICK_SIZES
+    trained = sizes["num_hidden_layers"] * (4 * sizes["hidden_size"] ** 2
+                                            + 3 * sizes["hidden_size"] * sizes["intermediate_size"])
+    # At least each trained param's reduce-scatter and one all-gather of it, half of each sent by each rank.
+    assert adamw["sent/step/rank MiB"] * 2**20 >= 0.5 * 4 * 2 * trained
+    assert plain["sent/step/rank MiB"] == hook["sent/step/rank MiB"] > 0
+    assert adamw["params/rank MiB"] == plain["params/rank MiB"] == hook["params/rank MiB"]
+    assert hook["optim/rank MiB"] < plain["optim/rank MiB"] < adamw["optim/rank MiB"]
+    assert hook["grads/rank MiB"] < plain["grads/rank MiB"] == adamw["grads/rank MiB"]
+    assert all(r["step ms"] > 0 for r in rows.values())

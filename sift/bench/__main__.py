@@ -19,6 +19,7 @@ SUITES = {
     "adamw": "sift.bench.adamw",
     "backward": "sift.bench.backward",
     "delta": "sift.bench.delta",
+    "distributed": "sift.bench.distributed",
     "heads": "sift.bench.heads",
     "memory": "sift.bench.memory",
     "quantized": "sift.bench.quantized",

@@ -1,0 +1,262 @@
+"""`python -m sift.bench distributed`: FSDP2 (`fully_shard`) training steps of a small Llama on 2 CPU
+processes (gloo), torch's AdamW against SparseAdamW in plain mode and in hook mode with the lean state.
+
+Each decoder layer and the root are `fully_shard`ed (fp32 params, no mixed precision on the CPU); the
+attention and MLP weights train (SparseAdamW: 5% of each, selected per shard), everything else is
+frozen, as in the memory suite. Every step clips to a global norm of 1.0 (`max_grad_norm`; torch's
+`clip_grad_norm_` for AdamW). Per mode and rank:
+
+    sent/step   bytes each rank sends in one step's collectives, counted from the tensors handed to
+                torch.distributed (patched while a step runs) under the ring model: all-gather and
+                reduce-scatter send (w - 1) / w of the full buffer, all-reduce 2 (w - 1) / w
+    step ms     median (p20, p80) of steps timed in interleaved rounds (mode A, B, C, A, B, C, ...),
+                each step started after a barrier, the slower rank's time counted
+                (DTensor ops, such as torch's `clip_grad_norm_` over DTensor gradients, run functional
+                collectives this count misses: a few scalars a step)
+    params      bytes of this rank's parameter shards (frozen ones included)
+    grads       gradient bytes held when `step()` starts: dense shard `.grad`s, plus compact buffers
+    optim       optimizer state bytes of this rank
+
+A second table projects the per-rank figures to Llama-2-70B (fp32 sharded params, bf16 all-gathers,
+fp32 reduce-scatters, attention and MLP weights trained at 5%) on 2 and 8 GPUs: see `project`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from sift.bench._harness import markdown_table, save_results, summary
+
+DENSITY = 0.05
+MODES = ("FSDP2 + AdamW", "FSDP2 + SparseAdamW plain", "FSDP2 + SparseAdamW hook, lean")
+COLUMNS = ("mode", "ranks", "sent/step/rank MiB", "collectives/step", "step ms", "p20 ms", "p80 ms",
+           "params/rank MiB", "grads/rank MiB", "optim/rank MiB", "sum/rank MiB")
+PROJECTED_COLUMNS = ("model", "mode", "GPUs", "sent/step/rank GiB", "params/rank GiB", "grads/rank GiB",
+                     "optim/rank GiB", "sum/rank GiB")
+MIB, GIB = 2**20, 2**30
+
+SIZES = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=4, seq=128)
+QUICK_SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, seq=16)
+BATCH_PER_RANK = 2
+
+# Llama-2-70B: 80 layers, hidden 8192, MLP 28672, 8 KV heads of 128, vocab 32000.
+LLAMA2_70B = dict(layers=80, hidden=8192, intermediate=28672, kv=1024, vocab=32000)
+
+_COLLECTIVES = {  # name -> (the full buffer's argument: position, name; factor of (w - 1) / w)
+    "all_gather_single": (0, "output_tensor", 1.0), "all_gather_into_tensor": (0, "output_tensor", 1.0),
+    "reduce_scatter_single": (1, "input", 1.0), "reduce_scatter_tensor": (1, "input", 1.0),
+    "all_reduce": (0, "tensor", 2.0), "broadcast": (0, "tensor", 1.0),
+}
+
+
+class CollectiveCounter:
+    """Patches torch.distributed's collectives to count, while `on`, the bytes this rank sends (ring model)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.on = False
+        self.bytes = 0.0
+        self.calls = 0
+        self._saved = {}
+        for name, (position, argument, factor) in _COLLECTIVES.items():
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(original, position, argument, factor))
+
+    def _wrap(self, original, position: int, argument: str, factor: float):
+        import torch.distributed as dist
+
+        def counted(*args, **kwargs):
+            if self.on:
+                tensor = args[position] if len(args) > position else kwargs[argument]
+                world = dist.get_world_size(kwargs.get("group"))
+                self.bytes += factor * (world - 1) / world * tensor.numel() * tensor.element_size()
+                self.calls += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def restore(self) -> None:
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _build(mode: str, sizes: dict[str, Any], world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sift.bench.memory import build_model
+    from sift.optim import SparseAdamW
+
+    torch.manual_seed(0)
+    model = build_model(sizes, torch.device("cpu"), torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if mode == "FSDP2 + AdamW":
+        return model, torch.optim.AdamW(trained, lr=1e-4)
+    lean = "lean" in mode
+    return model, SparseAdamW(trained, lr=1e-4, density=DENSITY, max_grad_norm=1.0, compact_grads=lean,
+                              state="lean" if lean else "exact")
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _grad_bytes(model, opt) -> int:
+    dense = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    return dense + int(opt.state_bytes()["compact_grad_bytes"]) if hasattr(opt, "state_bytes") else dense
+
+
+def _optim_bytes(opt) -> int:
+    if hasattr(opt, "state_bytes"):
+        return int(opt.state_bytes()["state_bytes"])
+    return _local_bytes(t for s in opt.state.values() for t in s.values())
+
+
+def _step(model, opt, batch: torch.Tensor, memory: dict | None = None) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(input_ids=batch, labels=batch).loss.backward()
+    if memory is not None:
+        memory["grads"] = _grad_bytes(model, opt)
+    if isinstance(opt, torch.optim.AdamW):
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    opt.step()
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, quick: bool) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        sizes = QUICK_SIZES if quick else SIZES
+        gen = torch.Generator().manual_seed(rank)
+        batch = torch.randint(0, sizes["vocab_size"], (BATCH_PER_RANK, sizes["seq"]), generator=gen)
+        runs = {mode: _build(mode, sizes, world) for mode in MODES}
+        counter = CollectiveCounter()
+        rows = {}
+        for mode, (model, opt) in runs.items():
+            for _ in range(2):  # selection and the optimizers' allocations happen here
+                _step(model, opt, batch)
+            memory: dict[str, int] = {}
+            counter.on, counter.bytes, counter.calls = True, 0.0, 0
+            _step(model, opt, batch, memory)
+            counter.on = False
+            rows[mode] = {"sent": counter.bytes, "calls": counter.calls, "grads": memory["grads"],
+                          "params": _local_bytes(model.parameters()), "optim": _optim_bytes(opt), "samples": []}
+        counter.restore()
+        for _ in range(2 if quick else 30):
+            for mode, (model, opt) in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(model, opt, batch)
+                elapsed = torch.tensor([(time.perf_counter() - t0) * 1e3])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step lasts as long as its slower rank
+                rows[mode]["samples"].append(float(elapsed))
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, rows)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"ranks": per_rank, "sizes": sizes}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo's threads can abort the interpreter's teardown after the work is done: leave at once.
+    os._exit(0)
+
+
+def project(model: dict[str, int], gpus: int, mode: str, density: float = DENSITY) -> dict[str, float]:
+    """Per-GPU bytes of an FSDP2 step of a Llama with `model`'s sizes, trained on attention and MLP weights.
+
+    FSDP2 with fp32 sharded params, bf16 all-gathers (MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)) and reshard after forward: each step all-gathers every param twice (forward,
+    backward) and reduce-scatters the trained params' gradients in fp32; the three modes communicate the
+    same (hook mode gathers after the reduce-scatter). Gradients held at the step: dense fp32 shard grads
+    (AdamW, plain) or [k] fp32 compact buffers (hook; one layer's dense shard grad lives until its hook
+    runs, counted too). Optimizer: AdamW 8 B per trained param, exact sparse 16 B per entry, lean 6 B.
+    """
+    h, i, kv, layers = model["hidden"], model["intermediate"], model["kv"], model["layers"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+    trained = layers * per_layer
+    total = trained + 2 * model["vocab"] * h + (2 * layers + 1) * h
+    share = (gpus - 1) / gpus
+    sent = 2 * share * total * 2 + share * trained * 4
+    grads = {"FSDP2 + AdamW": 4 * trained / gpus, "FSDP2 + SparseAdamW plain": 4 * trained / gpus,
+             "FSDP2 + SparseAdamW hook, lean": 4 * density * trained / gpus + 4 * per_layer / gpus}[mode]
+    optim = {"FSDP2 + AdamW": 8 * trained, "FSDP2 + SparseAdamW plain": 16 * density * trained,
+             "FSDP2 + SparseAdamW hook, lean": 6 * density * trained}[mode] / gpus
+    params = 4 * total / gpus
+    return {"sent": sent, "params": params, "grads": grads, "optim": optim, "sum": params + grads + optim}
+
+
+def run(quick: bool = False) -> str:
+    import torch.multiprocessing as mp
+
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), out, quick), nprocs=world, join=True)
+        with open(out) as f:
+            result = json.load(f)
+    rows = []
+    for mode in MODES:
+        ranks = [r[mode] for r in result["ranks"]]
+        times = summary(ranks[0]["samples"])
+        row = {"mode": mode, "ranks": world,
+               "sent/step/rank MiB": max(r["sent"] for r in ranks) / MIB,
+               "collectives/step": max(r["calls"] for r in ranks),
+               "step ms": times["median_ms"], "p20 ms": times["p20_ms"], "p80 ms": times["p80_ms"]}
+        for key in ("params", "grads", "optim"):
+            row[f"{key}/rank MiB"] = max(r[key] for r in ranks) / MIB
+        row["sum/rank MiB"] = max(r["params"] + r["grads"] + r["optim"] for r in ranks) / MIB
+        rows.append(row)
+    sizes = result["sizes"]
+    title = (f"FSDP2 on {world} CPU processes (gloo): Llama {sizes['num_hidden_layers']} layers, hidden "
+             f"{sizes['hidden_size']}, seq {sizes['seq']}, batch {BATCH_PER_RANK} per rank, fp32, density "
+             f"{DENSITY:.0%}, clip 1.0; largest rank shown")
+    markdown = markdown_table(title, COLUMNS, rows)
+    projected = []
+    for gpus in (2, 8):
+        for mode in MODES:
+            figures = project(LLAMA2_70B, gpus, mode)
+            projected.append({"model": "Llama-2-70B", "mode": mode, "GPUs": gpus,
+                              **{f"{key}/rank GiB": figures[key if key != "sent/step" else "sent"] / GIB
+                                 for key in ("sent/step", "params", "grads", "optim", "sum")}})
+    markdown += "\n\n" + markdown_table("Projected (not measured): Llama-2-70B under FSDP2, see `project`",
+                                        PROJECTED_COLUMNS, projected)
+    base = rows[0]["step ms"]
+    markdown += "\n\nStep time against FSDP2 + AdamW: " + ", ".join(
+        f"{row['mode']} {row['step ms'] / base:.2f}x" for row in rows[1:]) + "."
+    save_results("distributed", rows, markdown, extra={"projected": projected, "sizes": sizes,
+                                                       "samples_ms": {m: result["ranks"][0][m]["samples"]
+                                                                      for m in MODES}}, quick=quick)
+    return markdown
+
+
+if __name__ == "__main__":
+    print(run(quick="--quick" in sys.argv))
