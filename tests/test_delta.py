@@ -888,11 +888,17 @@ def test_merge_reference_refuses_inconsistent_group_sizes():
 def test_docstring_examples_run():
     """The examples in sift.delta's docstrings are executed, so they cannot drift."""
     import doctest
+    import importlib
+    import pkgutil
 
     import sift.delta
 
-    result = doctest.testmod(sift.delta, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 10 and result.failed == 0
+    attempted = 0
+    for info in pkgutil.iter_modules(sift.delta.__path__, "sift.delta."):
+        result = doctest.testmod(importlib.import_module(info.name), optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, f"{result.failed} examples in {info.name} failed (printed above)"
+        attempted += result.attempted
+    assert attempted > 10
 
 
 @pytest.mark.gpu

@@ -163,7 +163,7 @@ def sharded_fingerprint(state: Mapping[str, torch.Tensor], fingerprint_cls: type
     rank whose shard holds it and gathered (a few floats a tensor, never a whole weight). Collective."""
     import torch.distributed as dist
 
-    from sift import delta as _delta  # the fingerprint's positions and structure hash, shared with sift.delta
+    from sift.delta.fingerprint import _sample_positions, _structure_hash  # shared with the unsharded fingerprint
 
     plain = fingerprint_cls.of({n: t for n, t in state.items() if not is_dtensor(t)})
     tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
@@ -176,7 +176,7 @@ def sharded_fingerprint(state: Mapping[str, torch.Tensor], fingerprint_cls: type
         group = shard_group(t)
         local = local_tensor(t).detach().reshape(-1)
         start = shard_offset(t)
-        here = [pos for pos in _delta._sample_positions(t.numel()) if start <= pos < start + local.numel()]
+        here = [pos for pos in _sample_positions(t.numel()) if start <= pos < start + local.numel()]
         if here:
             values = local[torch.tensor([pos - start for pos in here], device=local.device)].tolist()
             mine[name] = {pos: float(v).hex() for pos, v in zip(here, values)}
@@ -186,7 +186,7 @@ def sharded_fingerprint(state: Mapping[str, torch.Tensor], fingerprint_cls: type
         for part in parts:
             for name, values in part.items():
                 samples.setdefault(name, {}).update(values)
-    return fingerprint_cls(_delta._structure_hash(tensors), len(tensors), samples)
+    return fingerprint_cls(_structure_hash(tensors), len(tensors), samples)
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,244 @@
+"""How deltas are made: `from_optimizer` (a trained SparseAdamW's exact increments, FSDP2 shards
+gathered) and `from_diff` (the largest differences of two state dicts). `DeltaConstructionMixin`
+gives `SparseDelta` these classmethods."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sift import _ops
+from sift._index import entries_for as _entries_for
+from sift._index import index_dtype as _index_dtype
+from sift._index import top_k_positions
+from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
+from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of
+from sift.optim.state import increments, is_dense_stepped, is_dtensor
+
+if TYPE_CHECKING:
+    from sift.delta.sparse_delta import SparseDelta
+
+
+class DeltaConstructionMixin:
+    """`SparseDelta`'s constructors from training: `from_optimizer`, `from_diff`."""
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, model: nn.Module,
+                       base: nn.Module | Mapping[str, torch.Tensor] | None = None) -> SparseDelta:
+        """The delta a trained `SparseAdamW` applied to `model`: its exact increments.
+
+        Sparse weights give their chosen `indices` and `delta` state (the total increment
+        since selection), merged with the entries `set_indices` retired (`retired_indices`,
+        `retired_delta`), so a selection changed mid-training loses nothing. Params of dense
+        groups (`density=1.0`, a task head) are stored whole as dense parts: `apply_` puts the
+        trained tensor in place (whatever the base holds there, a freshly initialised head
+        included) and `remove_` restores the replaced one.
+
+        A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: give `base` (the
+        state before training), and its chosen entries' increments are the tuned values minus
+        the base values there (in fp32: exact for bf16/fp16 weights).
+
+        The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
+        `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
+        into the 16-bit model, `sift.quantized.attach_delta_` puts them back on the 4-bit one.
+        Such a delta has no base fingerprint (no one fingerprint describes both models).
+
+        Args:
+            optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
+            model: the trained model; names come from `model.named_parameters()`.
+            base: the model's state before training (optional): fingerprints the base from it
+                instead of from the untouched entries of `model`.
+
+        Returns:
+            The delta, fingerprinted with the base values it can know: untouched entries of
+            `model`'s parameters (not its buffers), the `base` state of weights that keep one
+            (every weight's chosen entries, in the exact state), and
+            `base` if given.
+
+        Example:
+            >>> from sift import SparseAdamW, SparseDelta
+            >>> model = torch.nn.Linear(16, 8)
+            >>> opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
+            >>> model(torch.randn(4, 16)).square().mean().backward()
+            >>> opt.step()
+            >>> SparseDelta.from_optimizer(opt, model).nnz
+            14
+        """
+        lean = getattr(optimizer, "state_layout", "exact") == "lean"
+        if lean and base is None:
+            raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
+                             "needs base= (the model's state before training); or use SparseDelta.from_diff")
+        from sift.optim import sharded
+
+        def fingerprint_of(tensors: Mapping[str, torch.Tensor]) -> BaseFingerprint:
+            if any(is_dtensor(t) for t in tensors.values() if isinstance(t, torch.Tensor)):
+                return sharded.sharded_fingerprint(tensors, BaseFingerprint)
+            return BaseFingerprint.of(tensors)
+
+        names = {p: n for n, p in model.named_parameters()}
+        state = model.state_dict(keep_vars=True)
+        base_state = _state_of(base, "base") if base is not None else None
+        entries, problems = {}, []
+        dense: dict[str, torch.Tensor] = {}
+        # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
+        quantized = getattr(optimizer, "_quantized", {})
+        for values, route in quantized.items():
+            indices = route.indices
+            if indices is not None:
+                entries[f"{route.name}.weight"] = DeltaEntry((route.module.out_features, route.module.in_features),
+                                                             route.base_dtype, indices.cpu().clone(),
+                                                             values.detach().float().cpu().clone())
+        known: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (positions, base values)
+        unknown: dict[str, torch.Tensor | None] = {}  # name -> positions of unknown base (None: all)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p in quantized:
+                    continue
+                name = names.get(p)
+                if name is None:
+                    problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
+                    continue
+                st = optimizer.state.get(p, {})
+                numel = p.numel()
+                if is_dtensor(p):
+                    # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
+                    # gathered (collective: every rank walks the same params), never the weight itself.
+                    local = p.to_local()
+                    exact = sharded.gather_entries(p, increments(st, local.numel()) if not lean else _lean_increments(
+                        local, st, sharded.local_shard_of(p, base_state.get(name))))
+                else:
+                    exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
+                if exact is not None:
+                    idx, values, base_values = exact
+                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
+                    if base_values is not None:
+                        known[name] = (idx, base_values)
+                    else:
+                        unknown[name] = idx
+                elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
+                    dense[name] = sharded.full_tensor(p)
+                    unknown[name] = None
+                # else: never stepped, or sparse selection still accumulating: nothing changed.
+        if problems:
+            raise DeltaError("cannot build a delta from this optimizer and model", problems)
+        if quantized:
+            # A 4-bit fine-tune's delta applies to the 4-bit model and to the 16-bit model it was quantized
+            # from, whose tensors differ: no one fingerprint describes both.
+            fingerprint = None
+        elif base_state is not None:
+            fingerprint = fingerprint_of(base_state)
+            for name in dense:  # replaced whole: the base may hold anything there (a new head)
+                fingerprint.samples.pop(name, None)
+        else:
+            fingerprint = fingerprint_of(state)
+            # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
+            # so the trained model does not know their base values.
+            param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+            for name in [n for n in fingerprint.samples if n not in param_names]:
+                del fingerprint.samples[name]
+            for name, positions in unknown.items():
+                if positions is None:
+                    fingerprint.samples.pop(name, None)
+                    continue
+                for pos in list(fingerprint.samples.get(name, {})):
+                    if _find(positions, pos) is not None:
+                        del fingerprint.samples[name][pos]
+            for name, (positions, values) in known.items():
+                for pos in fingerprint.samples.get(name, {}):
+                    j = _find(positions, pos)
+                    if j is not None:
+                        fingerprint.samples[name][pos] = float(values[j]).hex()
+        delta = cls(entries, fingerprint, dense)
+        delta.info = _optimizer_info(optimizer)
+        return delta
+
+    @classmethod
+    def from_diff(cls, base: nn.Module | Mapping[str, torch.Tensor], tuned: nn.Module | Mapping[str, torch.Tensor],
+                  *, density: float | None = None, threshold: float | None = None) -> SparseDelta:
+        """The largest differences between two state dicts, per tensor.
+
+        Args:
+            base: the base model or its state dict.
+            tuned: the fine-tuned model or its state dict (same names, shapes and dtypes).
+            density: keep the top `ceil(density * numel)` |tuned - base| entries per tensor
+                (nonzero ones only), in (0, 1].
+            threshold: or keep every entry with |tuned - base| > threshold (>= 0).
+
+        Returns:
+            The delta over the floating-point tensors of `tuned` (the first name of tied
+            tensors only), values `fp32(tuned) - fp32(base)`, fingerprinted with `base`.
+            Tensors without a kept entry are left out. Applied to `base`, a kept entry gives
+            `tuned` back exactly for bf16/fp16 weights, within one rounding for fp32 ones.
+
+        Example:
+            >>> from sift import SparseDelta
+            >>> base = {"w": torch.zeros(2, 3)}
+            >>> tuned = {"w": torch.tensor([[0.0, 2.0, 0.0], [-5.0, 0.0, 0.1]])}
+            >>> d = SparseDelta.from_diff(base, tuned, density=0.3)
+            >>> d["w"].indices, d["w"].values
+            (tensor([1, 3], dtype=torch.int32), tensor([ 2., -5.]))
+        """
+        if (density is None) == (threshold is None):
+            raise ValueError("pass exactly one of density= or threshold=")
+        if density is not None and not (isinstance(density, (int, float)) and 0 < density <= 1):
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+        base_state, tuned_state = _state_of(base, "base"), _state_of(tuned, "tuned")
+        problems, entries, seen = [], {}, set()
+        for name, t in _float_tensors(tuned_state).items():
+            b = base_state.get(name)
+            if b is None:
+                problems.append(f"{name}: in tuned but missing from base")
+                continue
+            if b.shape != t.shape or b.dtype != t.dtype:
+                problems.append(f"{name}: base is {b.dtype} {tuple(b.shape)}, tuned is {t.dtype} {tuple(t.shape)}")
+                continue
+            if t.dtype not in SUPPORTED_DTYPES:
+                problems.append(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16, float16)")
+                continue
+            # Tied weights appear under several names; one entry applies them once.
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.device)
+            if t.numel() and key in seen:
+                continue
+            seen.add(key)
+            diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
+            if density is not None:
+                k = min(_entries_for(density, diff.numel()), int(diff.count_nonzero()))
+                idx = top_k_positions(diff.abs(), k)  # ties: the lower flat index, as the optimizer
+            else:
+                idx = (diff.abs() > threshold).nonzero().view(-1)
+            if idx.numel():
+                entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), diff[idx])
+        if problems:
+            raise DeltaError("cannot diff these state dicts", problems)
+        return cls(entries, BaseFingerprint.of(base_state))
+
+
+def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A lean state's chosen entries, tuned minus base values there, and the base values (on the CPU)."""
+    if "indices_low" not in state:
+        return None
+    if base is None or base.shape != p.shape:
+        raise DeltaError("cannot build a delta from this optimizer and model",
+                         [f"a lean sparse param of shape {tuple(p.shape)} is missing from base or of another shape"])
+    numel = p.numel()
+    idx = _ops.decode_lean_indices(state["indices_low"].cpu(), state["window_offsets"].cpu(), _index_dtype(numel))
+    base_values = base.detach().reshape(-1)[idx.long()].cpu()
+    tuned = p.detach().reshape(-1)[idx.long().to(p.device)].cpu()
+    return idx, tuned.float() - base_values.float(), base_values
+
+
+def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:
+    """What a fine-tune's config records of its optimizer: rule, state layout, and per group its density."""
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({"name": group.get("name"), "density": float(group.get("density", 1.0)),
+                       "params": len(group["params"])})
+    return {"selection": getattr(optimizer, "selection", None), "state": getattr(optimizer, "state_layout", None),
+            "select_steps": getattr(optimizer, "select_steps", None), "groups": groups,
+            "quantized": bool(getattr(optimizer, "_quantized", {}))}

@@ -1,0 +1,241 @@
+"""A delta's files: the safetensors file (`save` / `load`: indices as 16-bit halves under a window
+table, fp32 values, the dense parts, metadata and a checksum) and the fine-tune directory
+(`save_pretrained` / `from_pretrained`, whose layout is `sift.delta.directory`'s).
+`DeltaFileMixin` gives `SparseDelta` these methods."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from sift import _ops
+from sift._index import index_dtype as _index_dtype
+from sift.delta.directory import read_directory, write_directory
+from sift.delta.entry import DeltaEntry, DeltaError, _dtype_name
+from sift.delta.fingerprint import BaseFingerprint
+
+if TYPE_CHECKING:
+    from sift.delta.sparse_delta import SparseDelta
+
+
+FORMAT = "sift.sparse_delta"
+# 2: dense parts (`<name>.dense`) and the "dense" metadata. 3: indices as 16-bit halves under a
+# window table (`<name>.indices_low`, `<name>.window_offsets`). Older files read as before.
+FORMAT_VERSION = 3
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeltaFileMixin:
+    """`SparseDelta`'s files: `save`, `load`, `save_pretrained`, `from_pretrained`."""
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the delta to a safetensors file, atomically.
+
+        Layout: per sparse weight, its sorted indices as their low 16 bits (`<name>.indices_low`,
+        int16) under a table of where each 65536-element window starts (`<name>.window_offsets`,
+        int32), and `<name>.values` (fp32): 6 bytes per entry and 4 per 65536 weight elements,
+        bit-exact on reload; `<name>.dense` for each dense part (in its dtype); metadata with the format version, each weight's shape and dtype,
+        the dense parts' names, the base fingerprint and a blake2b checksum of the tensors. The file is written under a temporary name in the same directory and renamed
+        over `path`, so a crash never leaves a partial file under `path`.
+
+        Args:
+            path: destination file.
+
+        Example:
+            >>> from sift import SparseDelta
+            >>> import tempfile
+            >>> d = SparseDelta.from_diff({"w": torch.zeros(4)}, {"w": torch.ones(4)}, density=0.5)
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     d.save(f"{tmp}/d.safetensors")
+            ...     SparseDelta.load(f"{tmp}/d.safetensors").nnz
+            2
+        """
+        from safetensors.torch import save_file
+
+        problems = self.problems()
+        if problems:
+            raise DeltaError("refusing to save an invalid delta", problems)
+        tensors, meta_entries, storages = {}, {}, set()
+        for name, e in self.entries.items():
+            low, offsets = _ops.encode_lean_indices(e.indices.cpu(), e.numel)
+            for key, t in ((f"{name}.indices_low", low), (f"{name}.window_offsets", offsets),
+                           (f"{name}.values", e.values)):
+                t = t.detach().cpu().contiguous()
+                # safetensors refuses tensors that share memory (slices of one user tensor).
+                ptr = t.untyped_storage().data_ptr()
+                if t.numel() and ptr in storages:
+                    t = t.clone()
+                storages.add(t.untyped_storage().data_ptr())
+                tensors[key] = t
+            meta_entries[name] = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype)}
+        for name, t in self.dense.items():
+            tensors[f"{name}.dense"] = t.detach().cpu().contiguous().clone()
+        metadata = {
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "entries": json.dumps(meta_entries, separators=(",", ":")),
+            "dense": json.dumps(sorted(self.dense), separators=(",", ":")),
+            "checksum": _checksum(tensors),
+        }
+        if self.base is not None:
+            metadata["base"] = self.base.to_json()
+        path = os.fspath(path)
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def save_pretrained(self, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
+        """Write the fine-tune as a directory: tensors, `sift_config.json`, a model card
+        (`sift.pretrained.save_pretrained`).
+
+        Example:
+            >>> delta.save_pretrained("my-fine-tune", model)  # doctest: +SKIP
+        """
+        write_directory(self, directory, model)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> SparseDelta:
+        """Read a directory written by `save_pretrained`, refusing one it cannot trust
+        (`sift.pretrained.from_pretrained`).
+
+        Example:
+            >>> delta = SparseDelta.from_pretrained("my-fine-tune")  # doctest: +SKIP
+        """
+        return read_directory(cls, directory)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SparseDelta:
+        """Reads a delta written by `save`, checking everything in it.
+
+        Args:
+            path: a file written by `SparseDelta.save`.
+
+        Returns:
+            The delta (tensors on the CPU).
+
+        Raises:
+            FileNotFoundError: nothing exists at `path`.
+            DeltaError: the file is unreadable, truncated, corrupted (checksum), of another
+                format or a newer version, or holds an invalid delta; every problem listed.
+
+        Example:
+            >>> from sift import SparseDelta
+            >>> import tempfile
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     SparseDelta().save(f"{tmp}/empty.safetensors")
+            ...     len(SparseDelta.load(f"{tmp}/empty.safetensors"))
+            0
+        """
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no sparse delta file at {path!r}")
+        what = f"cannot load sparse delta {path!r}"
+        try:
+            with safe_open(path, framework="pt") as f:
+                metadata = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for bad headers and sizes
+            raise DeltaError(what, [f"not a readable safetensors file (truncated or corrupted?): {exc}"]) from exc
+        if metadata.get("format") != FORMAT:
+            raise DeltaError(what, [f"not a sift sparse delta (format {metadata.get('format')!r})"])
+        try:
+            version = int(metadata.get("format_version", ""))
+        except ValueError:
+            raise DeltaError(what, [f"bad format_version {metadata.get('format_version')!r}"]) from None
+        if version > FORMAT_VERSION:
+            raise DeltaError(what, [f"format version {version} is newer than this sift reads ({FORMAT_VERSION})"])
+        problems = []
+        if metadata.get("checksum") != _checksum(tensors):
+            problems.append("checksum mismatch: the tensor data is corrupted")
+        try:
+            meta_entries = json.loads(metadata["entries"])
+            base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
+            if not isinstance(meta_entries, dict):
+                raise TypeError(f"entries is a {type(meta_entries).__name__}, not a mapping")
+            dense_names = json.loads(metadata.get("dense", "[]"))
+            if not (isinstance(dense_names, list) and all(isinstance(n, str) for n in dense_names)):
+                raise TypeError("dense is not a list of names")
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
+        entries, expected = {}, set()
+        for name, info in meta_entries.items():
+            keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
+                f"{name}.values",)
+            expected.update(keys)
+            # The checksum covers the tensors only: the metadata is checked field by field.
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+                problems.append(f"{name}: unreadable metadata: shape {shape!r} is not a list of sizes")
+                continue
+            dtype = _DTYPE_NAMES.get(info.get("dtype"))
+            if dtype is None:
+                problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
+                continue
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
+                continue
+            if version >= 3:
+                indices = _decode_indices(tensors[keys[0]], tensors[keys[1]], math.prod(shape), name, problems)
+                if indices is None:
+                    continue
+            else:
+                indices = tensors[keys[0]]
+            entries[name] = DeltaEntry(tuple(shape), dtype, indices, tensors[keys[-1]])
+        dense = {}
+        for name in dense_names:
+            key = f"{name}.dense"
+            expected.add(key)
+            if key not in tensors:
+                problems.append(f"{name}: the dense part is missing from the file")
+                continue
+            dense[name] = tensors[key]
+        extra = sorted(set(tensors) - expected)
+        if extra:
+            problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
+        delta = cls(entries, base, dense)
+        problems += delta.problems()
+        if problems:
+            raise DeltaError(what, problems)
+        return delta
+
+
+def _decode_indices(low: torch.Tensor, offsets: torch.Tensor, numel: int, name: str,
+                    problems: list[str]) -> torch.Tensor | None:
+    """A file's (indices_low, window_offsets) as sorted positions, or None with the problem recorded."""
+    try:
+        return _ops.checked_lean_indices(low, offsets, numel, name, allow_empty=True).to(_index_dtype(numel))
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(name.encode())
+        h.update(_dtype_name(t.dtype).encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
