@@ -105,7 +105,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] and weight_gradient_wanted():
             dy = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = xc.reshape(-1, xc.shape[-1])
-            target = route.optimizer.compact_grad_target(weight)
+            target = route.optimizer.compact_grad_target(weight) if route.sharded is None else route.sharded.target()
             if target is None:
                 # Not selected yet: the dense gradient, which the selection step reads.
                 dense = x2.t() @ dy if route.transposed else dy.t() @ x2
@@ -117,6 +117,8 @@ class _SparseLinearFunction(torch.autograd.Function):
                 # The optimizer's indices are validated already: no host sync per layer.
                 # With update_in_backward the optimizer steps the weight once all its uses have added.
                 _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
+                if route.sharded is not None:  # every rank's entries, from this rank's data: sum to their owners
+                    route.sharded.reduce(buffer)
         return grad_x, grad_w, grad_b, None
 
 
@@ -127,6 +129,7 @@ class _Route:
         self.weight = module.weight
         self.optimizer = optimizer
         self.transposed = transposed
+        self.sharded = None  # an FSDP2 weight's cross-rank plan (sift.optim.sharded.ShardedSparseGrad)
 
 
 def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,15 +196,16 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
             if id(m.weight) not in sparse:
                 raise ValueError(f"the weight of module {name!r} is not in a sparse group of the optimizer")
             chosen[name] = m
-    from sift.optim.sharded import refuse_sparse_backward
+    from sift.optim.sharded import attach_sparse_backward, check_sparse_backward
 
-    refuse_sparse_backward((f"{name}.weight", m.weight) for name, m in chosen.items())
+    check_sparse_backward(((f"{name}.weight", m.weight) for name, m in chosen.items()), optimizer.update_in_backward)
     for name, m in chosen.items():
         if "forward" in m.__dict__:
             raise ValueError(f"module {name!r} already has its forward replaced (sparse backward enabled twice?)")
     for m in chosen.values():
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
         m.forward = types.MethodType(_sparse_forward, m)
+    attach_sparse_backward(optimizer, [m._sift_route for m in chosen.values()])
     name_of = {id(p): n for n, p in model.named_parameters()}
     exclude_from_ddp(model, [name_of[id(m.weight)] for m in chosen.values() if id(m.weight) in name_of])
     return SparseBackwardHandle(chosen)

@@ -10,7 +10,7 @@ One spawn per world size runs every case; the tests read what the ranks saved.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 
 import pytest
 import torch
@@ -34,8 +34,12 @@ CONFIGS = {
     "update-in-backward": dict(kwargs=dict(update_in_backward=True), micro=1),
     "plain-lean": dict(kwargs=dict(state="lean", max_grad_norm=0.5), micro=2),
     "hook-lean": dict(kwargs=dict(compact_grads=True, state="lean", max_grad_norm=0.5), micro=2),
+    "sparse-backward": dict(kwargs=dict(compact_grads=True, max_grad_norm=0.5, select_steps=2), micro=2,
+                            sparse_backward=True),
+    "sparse-backward-lean": dict(kwargs=dict(compact_grads=True, state="lean", max_grad_norm=0.5), micro=2,
+                                 sparse_backward=True),
 }
-LEAN = {"plain-lean", "hook-lean"}
+LEAN = {"plain-lean", "hook-lean", "sparse-backward-lean"}
 
 
 def _model() -> torch.nn.Module:
@@ -97,6 +101,29 @@ def _sharded_model(world: int) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _reduce_scatters(log: list[tuple[str, int]]):
+    """Record (collective, input numel) of every reduce-scatter: FSDP2's of dense gradients
+    (`reduce_scatter_single`) and the sparse backward's of [k] entries (`reduce_scatter_tensor`)."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+    def counted(name, original):
+        def run(*args, **kwargs):
+            log.append((name, (args[1] if len(args) > 1 else kwargs["input"]).numel()))
+            return original(*args, **kwargs)
+        return run
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def _snapshot(model, opt) -> dict:
     """This rank's shards: local params, where each begins in its weight, and its optimizer state."""
     from sift.optim.sharded import shard_offset
@@ -135,19 +162,28 @@ def _refusals(world: int) -> dict:
         results[name] = {"error": error, "changed": changed}
 
     def sparse_backward(model):
-        opt = SparseAdamW(_groups(model), lr=1e-2, compact_grads=True)
+        opt = SparseAdamW(_groups(model), lr=1e-2, update_in_backward=True)
         sift.enable_sparse_backward(model, opt)
         return opt
 
-    attempt("sparse-backward", sparse_backward)
-    attempt("for-model-sparse-backward", lambda model: SparseAdamW.for_model(
-        model, density=DENSITY, target_modules=["0", "2"], dense_modules=["4"], sparse_backward=True))
+    attempt("sparse-backward-update-in-backward", sparse_backward)
+    attempt("for-model-sparse-backward-update-in-backward", lambda model: SparseAdamW.for_model(
+        model, density=DENSITY, target_modules=["0", "2"], dense_modules=["4"], sparse_backward=True,
+        update_in_backward=True))
     attempt("update-in-backward-clip", lambda model: SparseAdamW(_groups(model), lr=1e-2, update_in_backward=True,
                                                                  max_grad_norm=0.5))
     return results
 
 
-def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micro: int) -> dict:
+def _optimizer(model, kwargs: dict, sparse_backward: bool = False, cls=SparseAdamW, **extra) -> SparseAdamW:
+    opt = cls(_groups(model), lr=1e-2, **kwargs, **extra)
+    if sparse_backward:
+        sift.enable_sparse_backward(model, opt)
+    return opt
+
+
+def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micro: int,
+                       sparse_backward: bool = False) -> dict:
     """2 steps, a DCP save of model and optimizer, 2 more; and a fresh model that loads the save and runs the
     same 2: both snapshots, which must be equal."""
     import torch.distributed.checkpoint as dcp
@@ -155,13 +191,13 @@ def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micr
     from sift.optim.sharded import ShardedOptimizerState
 
     model = _sharded_model(world)
-    opt = SparseAdamW(_groups(model), lr=1e-2, **kwargs)
+    opt = _optimizer(model, kwargs, sparse_backward)
     _train(model, opt, rank, world, 2, micro)
     dcp.save({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
     _train(model, opt, rank, world, 2, micro, first=2)
     uninterrupted = _snapshot(model, opt)
     model = _sharded_model(world)  # the initial weights: the load must replace them
-    opt = SparseAdamW(_groups(model), lr=1e-2, **kwargs)
+    opt = _optimizer(model, kwargs, sparse_backward)
     dcp.load({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
     _train(model, opt, rank, world, 2, micro, first=2)
     return {"uninterrupted": uninterrupted, "resumed": _snapshot(model, opt)}
@@ -172,16 +208,21 @@ def _worker(rank: int, world: int, out: str) -> None:
     results = {}
     for name, config in CONFIGS.items():
         model = _sharded_model(world)
-        opt = SparseAdamW(_groups(model), lr=1e-2, **config["kwargs"])
-        _train(model, opt, rank, world, STEPS, config["micro"])
+        opt = _optimizer(model, config["kwargs"], config.get("sparse_backward", False))
+        _train(model, opt, rank, world, STEPS - 1, config["micro"])
+        log: list[tuple[str, int]] = []
+        with _reduce_scatters(log):  # the last step's, long after selection
+            _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
         results[name] = _snapshot(model, opt)
+        results[f"{name}-reduce-scatters"] = log
         base = _model().state_dict() if name in LEAN else None
-        if name in ("plain", "hook", "hook-lean"):
+        if name in ("plain", "hook", "hook-lean", "sparse-backward"):
             results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
     results["refusals"] = _refusals(world)
-    for name in ("hook", "hook-lean"):
-        results[f"checkpoint-{name}"] = _checkpoint_resume(rank, world, f"{out}.dcp-{name}",
-                                                           CONFIGS[name]["kwargs"], CONFIGS[name]["micro"])
+    for name in ("hook", "hook-lean", "sparse-backward-lean"):
+        config = CONFIGS[name]
+        results[f"checkpoint-{name}"] = _checkpoint_resume(rank, world, f"{out}.dcp-{name}", config["kwargs"],
+                                                           config["micro"], config.get("sparse_backward", False))
     torch.save(results, f"{out}.{rank}")
 
 
@@ -196,7 +237,7 @@ def ranks(request, tmp_path_factory):
 
 def _reference(world: int, config: dict):
     model = _model()
-    opt = RowBlockSparseAdamW(_groups(model), lr=1e-2, world=world, **config["kwargs"])
+    opt = _optimizer(model, config["kwargs"], config.get("sparse_backward", False), RowBlockSparseAdamW, world=world)
     _train(model, opt, 0, 1, STEPS, config["micro"])
     return model, opt
 
@@ -249,7 +290,7 @@ def test_modes_that_promise_the_same_result_agree_on_every_rank(ranks, mode, par
                 torch.testing.assert_close(value, other["state"][key], rtol=0, atol=0, msg=f"rank {rank} {name} {key}")
 
 
-@pytest.mark.parametrize("mode", ["plain", "hook", "hook-lean"])
+@pytest.mark.parametrize("mode", ["plain", "hook", "hook-lean", "sparse-backward"])
 def test_delta_from_sharded_optimizer_equals_one_process(ranks, mode):
     """Every rank builds the same delta from its shards' entries, equal to one process's with the same selection."""
     world, per_rank = ranks
@@ -272,7 +313,7 @@ def test_delta_from_sharded_optimizer_equals_one_process(ranks, mode):
         assert got["fingerprint"] == want["fingerprint"], f"rank {rank}"
 
 
-@pytest.mark.parametrize("mode", ["hook", "hook-lean"])
+@pytest.mark.parametrize("mode", ["hook", "hook-lean", "sparse-backward-lean"])
 def test_dcp_save_and_load_mid_run_resumes_identically(ranks, mode):
     world, per_rank = ranks
     for rank, r in enumerate(per_rank):
@@ -286,8 +327,8 @@ def test_dcp_save_and_load_mid_run_resumes_identically(ranks, mode):
 
 
 @pytest.mark.parametrize("combination, expected", [
-    ("sparse-backward", "the sparse backward does not support FSDP2"),
-    ("for-model-sparse-backward", "the sparse backward does not support FSDP2"),
+    ("sparse-backward-update-in-backward", "does not support update_in_backward=True"),
+    ("for-model-sparse-backward-update-in-backward", "does not support update_in_backward=True"),
     ("update-in-backward-clip", "max_grad_norm with update_in_backward=True"),
 ])
 def test_refused_combinations_raise_before_any_weight_changes(ranks, combination, expected):
@@ -297,3 +338,30 @@ def test_refused_combinations_raise_before_any_weight_changes(ranks, combination
         assert result["error"] is not None and expected in result["error"], (rank, result)
         assert result["error"].startswith("ValueError"), result
         assert not result["changed"], f"rank {rank}: a weight moved"
+
+
+@pytest.mark.parametrize("mode", ["hook", "sparse-backward", "sparse-backward-lean"])
+def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gradient(ranks, mode):
+    """After selection FSDP2 reduce-scatters only the biases' dense gradients under the sparse backward; each
+    weight's gradient crosses ranks as one reduce-scatter of world x (largest k of a shard) values a
+    micro-batch. Hook mode, for contrast, lets FSDP2 reduce-scatter every dense gradient."""
+    world, per_rank = ranks
+    micro = CONFIGS[mode]["micro"]
+    padded, widths = {}, []
+    for name, p in _model().named_parameters():
+        rows, per_row = p.shape[0], p.numel() // p.shape[0]
+        padded[name] = -(-rows // world) * world * per_row  # FSDP2 pads dim 0 to a multiple of the world
+        if name.endswith("weight"):  # the largest k of a shard: what the padded reduce-scatter carries a rank
+            widths.append(max(max(1, entries_for(DENSITY, len(block) * per_row))
+                              for block in torch.arange(rows).chunk(world)))
+    biases = sum(n for name, n in padded.items() if name.endswith("bias"))
+    weights = sum(n for name, n in padded.items() if name.endswith("weight"))
+    for rank, r in enumerate(per_rank):
+        log = r[f"{mode}-reduce-scatters"]
+        dense = sum(n for kind, n in log if kind == "reduce_scatter_single")
+        sparse = sorted(n for kind, n in log if kind == "reduce_scatter_tensor")
+        if mode == "hook":
+            assert dense == micro * (biases + weights) and sparse == [], (rank, log)
+        else:
+            assert dense == micro * biases, (rank, log)
+            assert sparse == sorted(world * width for width in widths * micro), (rank, log)

@@ -17,7 +17,7 @@ from sift.optim.checkpoint import CheckpointMixin, check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import HooksMixin
 from sift.optim.selection import SelectionMixin
-from sift.optim.sharded import check_sharded_param, refuse_sparse_backward
+from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
 
 
@@ -257,7 +257,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         from sift.targets import for_model
 
         if sparse_backward:
-            refuse_sparse_backward(model.named_parameters())
+            check_sparse_backward(model.named_parameters(), optimizer_kwargs.get("update_in_backward", False))
             if optimizer_kwargs.get("compact_grads") is False:
                 raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
                                  "buffers); leave compact_grads unset or True")

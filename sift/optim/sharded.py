@@ -10,9 +10,10 @@ holds positions within the shard. FSDP2 reduce-scatters the gradient and then ru
 param's post-accumulate-grad hooks (`foreach_reduce` in torch's `_fsdp_collectives.py`), so the
 compact mode's gather, and the update in backward, run there on the averaged shard gradient.
 
-The sparse backward is refused: it computes [k] entries of the unsharded weight's gradient on each
-rank's data, which would have to be summed across ranks into the owning shard inside backward,
-while FSDP2 reduce-scatters only dense gradients.
+The sparse backward runs on the unsharded weight FSDP2 all-gathers for the forward: each rank computes
+the gradient at every rank's chosen entries from its own data, and one reduce-scatter of those [K]
+values (K = the ranks' k summed) gives each rank its own k, averaged; FSDP2 sees no gradient for the
+weight and reduce-scatters nothing dense for it (`ShardedSparseGrad`).
 """
 
 from __future__ import annotations
@@ -99,18 +100,141 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     p.grad = None
 
 
-def refuse_sparse_backward(params: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Raise before anything is patched if a weight the sparse backward would route is an FSDP2 shard.
+def check_sparse_backward(params: Iterable[tuple[str, torch.Tensor]], update_in_backward: bool) -> None:
+    """Raise before anything is patched if the sparse backward cannot route these weights.
 
-    The sparse backward computes the [k] chosen entries of dW from the unsharded weight's inputs on each
-    rank's own data; under FSDP2 those would have to be summed across ranks (k values a weight) into the
-    shard that owns each entry, inside backward, while FSDP2 reduce-scatters only dense gradients.
+    With FSDP2 each rank's [k] gradient is reduce-scattered inside the layer's backward, once per use of
+    the weight; update_in_backward would have to step the weight after its last use's reduction, which
+    nothing marks for a weight FSDP2 never gives a gradient.
     """
     sharded = [name for name, p in params if is_dtensor(p)]
-    if sharded:
-        raise ValueError(f"the sparse backward does not support FSDP2 (fully_shard) params ({sharded[0]!r} is a "
-                         "sharded DTensor): use compact_grads=True without sparse_backward (the hook gathers each "
-                         "shard's k entries after FSDP2's reduce-scatter), or plain mode")
+    if sharded and update_in_backward:
+        raise ValueError(f"the sparse backward of FSDP2 (fully_shard) params ({sharded[0]!r} is a sharded DTensor) "
+                         "does not support update_in_backward=True: use update_in_backward=False (the step applies "
+                         "the reduced [k] gradients), or update_in_backward without the sparse backward")
+
+
+class ShardedSparseGrad:
+    """The sparse backward of one FSDP2-sharded linear weight: every rank's chosen entries, as positions of
+    the unsharded weight the layer's forward used, and the reduction of their gradients to their owners.
+
+    In backward each rank computes the gradient of all ranks' entries ([K] = sum of the ranks' k) from its
+    own data; one reduce-scatter (padded to the largest k) sums them across ranks and hands each rank its
+    own k values, averaged over the ranks as FSDP2 averages dense gradients, into the optimizer's compact
+    buffer. FSDP2 sees no gradient for the weight and reduce-scatters nothing for it.
+
+    The plan (everyone's entries) is built collectively: after a `step()` in which any rank's entries
+    changed (the selection) and after `load_state_dict`; until then the layer returns the dense gradient
+    on every rank, so the ranks never disagree on which path a weight takes.
+    """
+
+    def __init__(self, optimizer: SparseAdamW, weight: torch.Tensor):
+        self.optimizer = optimizer
+        self.weight = weight
+        self.group = shard_group(weight)
+        self.offset = shard_offset(weight)
+        self.plan: dict[str, Any] | None = None
+
+    def _local_indices(self) -> torch.Tensor | None:
+        """The tensor holding this rank's chosen entries (the plan's source), or None before selection."""
+        state = self.optimizer.state.get(self.weight, {})
+        return state.get("indices", state.get("indices_low"))
+
+    def stale(self) -> bool:
+        source = self._local_indices()
+        return source is not None and (self.plan is None or self.plan["source"] is not source)
+
+    def refresh(self) -> None:
+        """Gather every rank's entries (collective over the weight's mesh)."""
+        import torch.distributed as dist
+
+        source = self._local_indices()
+        mine = (self.optimizer.indices_of(self.weight).long().cpu() + self.offset) if source is not None else \
+            torch.zeros(0, dtype=torch.long)
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, mine, group=self.group)
+        counts = [part.numel() for part in parts]
+        width = max(counts)
+        device = local_tensor(self.weight).device
+        padded = torch.cat([r * width + torch.arange(c) for r, c in enumerate(counts)])
+        self.plan = {"source": source, "indices": torch.cat(parts).to(device, _index_dtype(self.weight.numel())),
+                     "padded": padded.to(device), "width": width,
+                     "count": counts[dist.get_rank(self.group)]}
+
+    def target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([K] positions of the unsharded weight, a zeroed [K] fp32 buffer) for this backward, or None
+        while there is no plan (the layer returns the dense gradient)."""
+        if self.plan is None:
+            return None
+        if self.stale():
+            raise RuntimeError("this rank's chosen entries of an FSDP2 weight changed since the sparse backward's "
+                               "plan was built (set_indices?): call sift.optim.sharded.refresh_sparse_backward("
+                               "optimizer) on every rank after changing entries")
+        indices = self.plan["indices"]
+        return indices, torch.zeros(indices.numel(), dtype=torch.float32, device=indices.device)
+
+    def reduce(self, gradient: torch.Tensor) -> None:
+        """Sum `gradient` [K] (all ranks' entries, this rank's data) across ranks; add this rank's part,
+        averaged, to its compact buffer."""
+        import torch.distributed as dist
+
+        plan = self.plan
+        world = dist.get_world_size(self.group)
+        if plan["width"] == 0:
+            return
+        send = gradient.new_zeros(world * plan["width"]).index_copy_(0, plan["padded"], gradient)
+        received = gradient.new_empty(plan["width"])
+        dist.reduce_scatter_tensor(received, send, group=self.group)
+        if plan["count"]:
+            _, compact = self.optimizer.compact_grad_target(self.weight)
+            compact.add_(received[:plan["count"]], alpha=1.0 / world)
+
+
+def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> list[Any]:
+    """Give each route of a sharded weight its `ShardedSparseGrad` (`route.sharded`), and the optimizer the
+    hooks that rebuild the plans after a step that changed entries and after a load. Returns the hook
+    handles ([] when no weight is sharded)."""
+    sharded = [route for route in routes if is_dtensor(route.weight)]
+    if not sharded:
+        return []
+    plans = getattr(optimizer, "_sharded_sparse_grads", [])
+    for route in sharded:
+        route.sharded = ShardedSparseGrad(optimizer, route.weight)
+        plans.append(route.sharded)
+    optimizer._sharded_sparse_grads = plans
+    if getattr(optimizer, "_sharded_sparse_hooks", None):
+        return []
+    hooks = [optimizer.register_step_post_hook(lambda opt, args, kwargs: _refresh_stale(opt)),
+             optimizer.register_load_state_dict_post_hook(lambda opt: refresh_sparse_backward(opt))]
+    optimizer._sharded_sparse_hooks = hooks
+    return hooks
+
+
+def _refresh_stale(optimizer: SparseAdamW) -> None:
+    """After a step: rebuild the plans if any rank's entries changed (one scalar all-reduce a step)."""
+    import torch.distributed as dist
+
+    plans = getattr(optimizer, "_sharded_sparse_grads", [])
+    if not plans:
+        return
+    flag = torch.tensor([float(any(plan.stale() for plan in plans))], device=local_tensor(plans[0].weight).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=plans[0].group)
+    if flag.item():
+        refresh_sparse_backward(optimizer)
+
+
+def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
+    """Rebuild the sparse backward's cross-rank plans of FSDP2 weights from every rank's chosen entries.
+
+    Collective: call it on every rank after changing entries outside `step()` (`set_indices`); `step()`
+    and `load_state_dict` call it themselves.
+
+    Example:
+        >>> optimizer.set_indices(weight, indices)  # doctest: +SKIP  (on every rank)
+        >>> refresh_sparse_backward(optimizer)  # doctest: +SKIP
+    """
+    for plan in getattr(optimizer, "_sharded_sparse_grads", []):
+        plan.refresh()
 
 
 # ----------------------------------------------------------------------------- delta export
