@@ -57,16 +57,9 @@ def main() -> None:
             lists = (
                 [p.detach() for p in params], [p.grad for p in params], [s["indices"] for s in states],
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
-                [s["base"] for s in states] if dtype != torch.float32 else [], [s["step"] for s in states],
+                [s["base"] for s in states], [s["step"] for s in states],
             )
-            model_bytes = sparse_step_bytes(lists[2], dtype, 32)
-            layouts = [("", lists, model_bytes)]
-            if dtype == torch.float32:
-                # The layout of SparseAdamW(keep_base=True): an fp32 copy of the chosen weights in
-                # the state (base) removes the random weight read. Built here on the same selection.
-                bases = [p.detach().view(-1)[i.long()].clone() for p, i in zip(params, lists[2])]
-                layouts.append((" +base", lists[:6] + (bases,) + lists[7:],
-                                sparse_step_bytes(lists[2], dtype, 32, keep_base=True)))
+            layouts = [("", lists, sparse_step_bytes(lists[2], dtype, 32))]
             for (tag, args, nbytes), (block, warps, fetch) in itertools.product(layouts, configs):
                 # One table cache per configuration, as an optimizer keeps: the timed calls reuse its tables.
                 def step(args=args, block=block, warps=warps, cache={}):

@@ -14,16 +14,14 @@ from sift.bench import adamw
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 DENSITIES = [pytest.param(d, id=f"{100 * d:g}%") for d in adamw.DENSITIES]
-# (backend, keep_base, captured in a CUDA graph, state layout)
+# (backend, captured in a CUDA graph, state layout)
 SPARSE_VARIANTS = [
-    pytest.param("cpp", False, False, "exact", id="cpp"),
-    pytest.param("cpp", True, False, "exact", id="cpp-keep_base"),
-    pytest.param("cpp", False, False, "lean", id="cpp-lean"),
-    pytest.param("triton", False, False, "exact", id="triton"),
-    pytest.param("triton", True, False, "exact", id="triton-keep_base"),
-    pytest.param("triton", False, True, "exact", id="triton-cuda_graph"),
-    pytest.param("triton", False, False, "lean", id="triton-lean"),
-    pytest.param("torch", False, False, "exact", id="torch"),
+    pytest.param("cpp", False, "exact", id="cpp"),
+    pytest.param("cpp", False, "lean", id="cpp-lean"),
+    pytest.param("triton", False, "exact", id="triton"),
+    pytest.param("triton", True, "exact", id="triton-cuda_graph"),
+    pytest.param("triton", False, "lean", id="triton-lean"),
+    pytest.param("torch", False, "exact", id="torch"),
 ]
 
 
@@ -46,21 +44,19 @@ def test_fused_adamw(measure, device, quick, dtype, density):
     measure(opt.step, group=_group(dtype, density, device), workload=workload, optimizer="AdamW(fused)")
 
 
-@pytest.mark.parametrize(("backend", "keep_base", "graphed", "layout"), SPARSE_VARIANTS)
+@pytest.mark.parametrize(("backend", "graphed", "layout"), SPARSE_VARIANTS)
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sparse_adamw(measure, device, quick, dtype, density, backend, keep_base, graphed, layout):
+def test_sparse_adamw(measure, device, quick, dtype, density, backend, graphed, layout):
     """SparseAdamW.step() on one backend: one fused `sparse_adamw_` (or, lean, `sparse_adamw_lean_`)
     call for all weights."""
     if backend not in adamw.sparse_backends(device):
         pytest.skip(f"backend {backend!r} does not run on {device.type} here")
-    if keep_base and dtype != torch.float32:
-        pytest.skip("keep_base changes only fp32 weights (bf16/fp16 always keep a base)")
     if graphed and device.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     params, workload = _params(device, dtype, quick)
-    opt = adamw.sparse_adamw(params, density, backend, keep_base, state=layout)
+    opt = adamw.sparse_adamw(params, density, backend, state=layout)
     step = adamw.graphed(opt.step, device) if graphed else opt.step
     measure(step, group=_group(dtype, density, device), workload=workload, optimizer="SparseAdamW",
-            backend=backend, keep_base=keep_base, cuda_graph=graphed, state=layout,
+            backend=backend, cuda_graph=graphed, state=layout,
             state_bytes_per_entry=opt.state_bytes()["bytes_per_entry"])

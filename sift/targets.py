@@ -273,7 +273,7 @@ def for_model(
         optimizer_cls: the optimizer class to build, `SparseAdamW` or a subclass (`SparseAdamW.for_model`
             passes its own).
         **optimizer_kwargs: the other `SparseAdamW` arguments (`weight_decay`,
-            `compact_grads`, `max_grad_norm`, `select_steps`, `keep_base`, ...).
+            `compact_grads`, `max_grad_norm`, `select_steps`, ...).
 
     Returns:
         The optimizer, with a "sparse" group (if any target) and a "dense" group (if any head).

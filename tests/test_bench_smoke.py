@@ -45,15 +45,12 @@ def test_adamw_quick(tmp_path, monkeypatch):
     assert backends, "no sparse backend to time"
     expected = {(f"AdamW({f})", "torch", dt, "100%") for f in ("foreach", "fused") for dt in dtypes}
     expected |= {("SparseAdamW", b, dt, f"{100 * d:g}%") for b in backends for dt in dtypes for d in adamw.DENSITIES}
-    # fp32 runs again on the fast backend with keep_base=True.
-    expected |= {("SparseAdamW", f"{backends[0]}, keep_base", "float32", f"{100 * d:g}%") for d in adamw.DENSITIES}
     # Every dtype again on the fast backend with state="lean".
     expected |= {("SparseAdamW", f"{backends[0]}, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     # The fast backend again with clip_grad_norm_ before each step.
     expected |= {("SparseAdamW", f"{backends[0]}, clip", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     if device.type == "cuda":
         expected |= {("SparseAdamW", "triton+graph", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
-        expected |= {("SparseAdamW", "triton+graph, keep_base", "float32", f"{100 * d:g}%") for d in adamw.DENSITIES}
         expected |= {("SparseAdamW", "triton+graph, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     got = [(r["optimizer"], r["backend"], r["dtype"], r["density"]) for r in rows]
     # Where the driver lets the run bound the L2 fetch size, each triton and fused row is
@@ -64,10 +61,9 @@ def test_adamw_quick(tmp_path, monkeypatch):
     for r in rows:
         assert float(r["median ms"]) > 0
         if r["optimizer"] == "SparseAdamW":
-            # 16 B per entry for fp32, 18 for bf16, 20 (the budget) for fp32 with
-            # keep_base; plus each tensor's 4-byte step counter (0.04 B an entry at the quick
-            # sizes' 99 entries per tensor on CPU).
-            per_entry = 4 + 8 + 4 + (4 if "keep_base" in r["backend"] else 2 if r["dtype"] != "float32" else 0)
+            # 20 B per entry for fp32, 18 for bf16 (index, moments, delta, base); plus each tensor's
+            # 4-byte step counter (0.04 B an entry at the quick sizes' 99 entries per tensor on CPU).
+            per_entry = 4 + 8 + 4 + (4 if r["dtype"] == "float32" else 2)
             assert per_entry <= 20 and float(r["state B/entry"]) <= per_entry + 0.05, r
             if r["backend"].endswith(", lean"):
                 # 6 B (fp32) or 7 B, plus the step and a 4-byte window offset per 65536 elements.
@@ -86,8 +82,11 @@ def test_sparse_step_bytes_counts_shared_lines_once():
     idx = torch.tensor([0, 3, 7, 15, 16], dtype=torch.int32)
     assert adamw.transactions_touched([idx], 4, 64) == 2
     assert adamw.transactions_touched([idx], 4, 32) == 3
-    assert adamw.sparse_step_bytes([idx], torch.float32, 64) == 5 * 28 + 3 * 64 * 2
+    # Exact: index, moments and delta (28 B) and the base; the grad read and the weight write per line.
+    assert adamw.sparse_step_bytes([idx], torch.float32, 64) == 5 * 32 + 2 * 64 * 2
     assert adamw.sparse_step_bytes([idx], torch.bfloat16, 32) == 5 * 30 + 2 * 32 * 2
+    # Lean: no base, so the weight is read as well.
+    assert adamw.sparse_step_bytes([idx], torch.float32, 64, lean=True) == 5 * 10 + 3 * 64 * 2
 
 
 def test_memory_quick(tmp_path, monkeypatch):
@@ -248,8 +247,9 @@ def test_memory_suite_runs_only_the_named_configurations(monkeypatch):
 
 
 def test_distributed_quick(tmp_path, monkeypatch):
-    """FSDP2 on 2 gloo processes: one row per mode; hook mode adds no communication to plain mode's, and each
-    sparse mode holds less optimizer state (and hook mode fewer gradient bytes) per rank than the one before."""
+    """FSDP2 on 2 gloo processes: one row per mode; hook mode adds no communication to plain mode's, the sparse
+    backward sends less, and each sparse mode holds less optimizer state (and hook mode fewer gradient bytes)
+    per rank than the one before."""
     from sift.bench import distributed
 
     monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
@@ -257,7 +257,7 @@ def test_distributed_quick(tmp_path, monkeypatch):
     assert "Projected (not measured): Llama-2-70B" in markdown
     rows = {r["mode"]: r for r in _saved(tmp_path, "distributed")["rows"]}
     assert list(rows) == list(distributed.MODES)
-    adamw, plain, hook = (rows[m] for m in distributed.MODES)
+    adamw, plain, hook, sparse_backward = (rows[m] for m in distributed.MODES)
     sizes = distributed.QUICK_SIZES
     trained = sizes["num_hidden_layers"] * (4 * sizes["hidden_size"] ** 2
                                             + 3 * sizes["hidden_size"] * sizes["intermediate_size"])
@@ -267,4 +267,7 @@ def test_distributed_quick(tmp_path, monkeypatch):
     assert adamw["params/rank MiB"] == plain["params/rank MiB"] == hook["params/rank MiB"]
     assert hook["optim/rank MiB"] < plain["optim/rank MiB"] < adamw["optim/rank MiB"]
     assert hook["grads/rank MiB"] < plain["grads/rank MiB"] == adamw["grads/rank MiB"]
+    # The sparse backward's weights cross ranks as k values each: fewer bytes than FSDP2's dense reduce-scatters.
+    assert sparse_backward["sent/step/rank MiB"] < hook["sent/step/rank MiB"]
+    assert sparse_backward["optim/rank MiB"] == hook["optim/rank MiB"]
     assert all(r["step ms"] > 0 for r in rows.values())

@@ -181,10 +181,10 @@ def test_dense_modules_override_and_empty_targets():
 def test_kwargs_pass_through_to_the_optimizer():
     model = _bert()
     opt = SparseAdamW.for_model(model, density=0.02, lr=3e-3, selection="random", weight_decay=0.1,
-                                compact_grads=True, max_grad_norm=0.5, select_steps=2, keep_base=True,
+                                compact_grads=True, max_grad_norm=0.5, select_steps=2, state="lean",
                                 betas=(0.8, 0.9), seed=7)
-    assert (opt.selection, opt.compact_grads, opt.max_grad_norm, opt.select_steps, opt.keep_base, opt.seed) == \
-        ("random", True, 0.5, 2, True, 7)
+    assert (opt.selection, opt.compact_grads, opt.max_grad_norm, opt.select_steps, opt.state_layout, opt.seed) == \
+        ("random", True, 0.5, 2, "lean", 7)
     for group in opt.param_groups:
         assert group["lr"] == 3e-3 and group["weight_decay"] == 0.1 and group["betas"] == (0.8, 0.9)
 

@@ -481,8 +481,6 @@ def test_lean_errors_are_clear_and_change_nothing():
     w = torch.nn.Parameter(torch.randn(20, 20))
     with pytest.raises(ValueError, match="state must be 'exact' or 'lean'"):
         SparseAdamW([w], state="compact")
-    with pytest.raises(ValueError, match="keep_base"):
-        SparseAdamW([w], state="lean", keep_base=True)
     model = torch.nn.Linear(20, 20)
     opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1, state="lean")
     model(torch.randn(3, 20)).square().mean().backward()

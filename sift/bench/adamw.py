@@ -13,15 +13,13 @@ top-|grad| selection) runs before timing, and a random gradient is assigned once
 
 Byte model (what the access pattern must move per step, for GB/s). Per trainable entry the
 sparse step streams the index (4 B int32), reads and writes exp_avg, exp_avg_sq and delta
-(24 B), and for bf16/fp16 weights (and fp32 ones with keep_base=True) reads the base (2 or
-4 B). The gathers and the scatter touch whole memory transactions, counted from the actual
-sorted indices as distinct 32-byte sectors on GPU and 64-byte lines on CPU: one read of the
-gradient's, one read of the weight's (only without a base: weights with one are rebuilt from
-base + delta, never read) and one write of the weight's. fp32 runs on the fast backend twice,
-the second time with keep_base=True (rows "..., keep_base"). Every dtype also runs on the fast
-backend with state="lean" (rows "..., lean"): per entry a 2-byte index half, bf16 moments read
-and written (8 B), an int8 residual read and written for bf16/fp16 (2 B), and the weight read
-as without a base. Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
+(24 B), and reads the base (4 B for fp32, 2 for bf16/fp16). The gathers and the scatter touch
+whole memory transactions, counted from the actual sorted indices as distinct 32-byte sectors
+on GPU and 64-byte lines on CPU: one read of the gradient's and one write of the weight's (the
+weights are rebuilt from base + delta, never read). Every dtype also runs on the fast backend
+with state="lean" (rows "..., lean"): per entry a 2-byte index half, bf16 moments read and
+written (8 B), an int8 residual read and written for bf16/fp16 (2 B), and a read of the
+weight's transactions as well (the lean state keeps no base). Dense AdamW reads param, grad, exp_avg, exp_avg_sq and writes param,
 exp_avg, exp_avg_sq: 7 elements per entry, states in the param dtype.
 
 Working set: 8 matrices of 4096x4096 fp32 on CPU (512 MB of params, past the last-level
@@ -140,19 +138,18 @@ def transactions_touched(indices: Sequence[torch.Tensor], elem_size: int, transa
 
 
 def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, transaction_bytes: int,
-                      keep_base: bool = False, lean: bool = False) -> int:
+                      lean: bool = False) -> int:
     """Bytes one SparseAdamW step must move (see the module docstring's byte model).
 
-    `keep_base`: fp32 weights with a base (read per entry) instead of a random weight read.
     `lean`: the lean state (16-bit index halves, bf16 moments, int8 residual for bf16/fp16).
 
     Example:
         >>> sparse_step_bytes([torch.tensor([0, 100], dtype=torch.int32)], torch.float32, 64)
-        440
+        320
     """
     entries = sum(int(i.numel()) for i in indices)
     elem = torch.empty((), dtype=w_dtype).element_size()
-    has_base = not lean and (w_dtype != torch.float32 or keep_base)
+    has_base = not lean
     per_entry = indices[0].element_size() + 6 * 4 + (elem if has_base else 0)
     if lean:
         per_entry = 2 + 4 * 2 + (2 if w_dtype != torch.float32 else 0)
@@ -175,7 +172,7 @@ def dense_adamw(params: Sequence[torch.nn.Parameter], flavour: str) -> torch.opt
     return opt
 
 
-def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: str, keep_base: bool = False,
+def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: str,
                  indices: Sequence[torch.Tensor] | None = None, state: str = "exact") -> SparseAdamW:
     """SparseAdamW past its first step (selection and state allocation), ready to time `step()`.
 
@@ -183,7 +180,6 @@ def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: 
         params: weights with a fixed `.grad` (`make_params`).
         density: fraction of each weight's entries to train.
         backend: the kernel backend ("cpp", "triton", "torch").
-        keep_base: fp32 weights keep a base (the step writes base + delta, never reads them).
         indices: per param, [k] sorted flat positions to use instead of selecting, so that
             several optimizers step the same entries; None selects the top |grad|.
         state: the optimizer state layout, "exact" or "lean".
@@ -193,8 +189,7 @@ def sparse_adamw(params: Sequence[torch.nn.Parameter], density: float, backend: 
         >>> sparse_adamw(ps, 0.25, "torch").state[ps[0]]["indices"].numel()
         8
     """
-    opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend, keep_base=keep_base,
-                      state=state)
+    opt = SparseAdamW(params, lr=1e-3, weight_decay=1e-2, density=density, backend=backend, state=state)
     if indices is not None:
         for p, idx in zip(params, indices):
             opt.set_indices(p, idx)
@@ -336,21 +331,18 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         if fused_opt is not None:
             fused_slots.append(_timer(device, repeat=3, warmup=1)(fused_opt.step)["samples_ms"])
         selected: list[torch.Tensor] | None = None
-        # fp32 also with keep_base=True (base + delta, no weight read), on the fast backend only.
         # Every dtype also with state="lean", on the fast backend, next to its exact row.
-        runs = [(b, False, "exact") for b in sparse_backends(device)]
-        runs.insert(1, (runs[0][0], False, "lean"))
-        if dtype == torch.float32:
-            runs.insert(2, (runs[0][0], True, "exact"))
-        for backend, keep_base, layout in runs:
-            opt = sparse_adamw(params, density, backend, keep_base, indices=selected, state=layout)  # same entries
+        runs = [(b, "exact") for b in sparse_backends(device)]
+        runs.insert(1, (runs[0][0], "lean"))
+        for backend, layout in runs:
+            opt = sparse_adamw(params, density, backend, indices=selected, state=layout)  # same entries
             if selected is None:
                 selected = [opt.indices_of(p) for p in params]
-            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], keep_base, layout == "lean")
-            label = f"{backend}, keep_base" if keep_base else f"{backend}, lean" if layout == "lean" else backend
+            model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], layout == "lean")
+            label = f"{backend}, lean" if layout == "lean" else backend
             # (name, step, L2 fetch bound or None for the driver's default)
             variants: list[tuple[str, Callable[[], object], int | None]] = [(label, opt.step, None)]
-            if backend == runs[0][0] and not keep_base and layout == "exact":
+            if backend == runs[0][0] and layout == "exact":
                 # Global-norm clipping over the used entries, then the step: the cost clipping adds.
                 def clip_and_step(opt=opt):
                     clip_grad_norm_(opt, CLIP_NORM)
@@ -442,9 +434,9 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
         f"Targets vs AdamW(fused) on {kind} (printed, not asserted): {targets}"
         + (f"; >= {100 * TARGET_PEAK_FRACTION:.0f}% of {H200_PEAK_GBPS / 1000:g} TB/s" if kind == "cuda" else "")
         + ".",
-        f"Byte model: per entry idx 4 B + m, v, delta read and written 24 B (+ base for bf16/fp16, and for fp32 "
-        f"with keep_base); gathers and scatter counted in distinct {TRANSACTION_BYTES[kind]}-byte transactions from "
-        f"the actual sorted indices (grad read, weight read without a base, weight write). Dense AdamW: 7 elements per entry. "
+        f"Byte model: per entry idx 4 B + m, v, delta read and written 24 B + the base read; gathers and scatter "
+        f"counted in distinct {TRANSACTION_BYTES[kind]}-byte transactions from the actual sorted indices (grad read, "
+        f"weight write; the lean rows also read the weight, having no base). Dense AdamW: 7 elements per entry. "
         f"% peak is against {peak_what}.",
         "Timed: `optimizer.step()` only, after selection and state allocation; gradients fixed. "
         + ("GPU: triton.testing.do_bench (L2 flushed), median and p20/p80." if kind == "cuda" else

@@ -9,24 +9,24 @@ weight with k chosen entries the optimizer keeps
     exp_avg     [k] fp32
     exp_avg_sq  [k] fp32
     delta       [k] fp32, the exact total increment since selection
-    base        [k] in the weight dtype: values at selection time; bf16/fp16 weights always,
-                fp32 weights with `keep_base=True`
+    base        [k] in the weight dtype: values at selection time
     step        0-d fp32 tensor on the weight's device
 
-i.e. 16 bytes per trainable entry for fp32 weights (20 with `keep_base=True`) and 18 for
-bf16/fp16 ones. Weights with a base are written as round(base + delta) and never read by the
-step, so no bf16/fp16 update is lost to rounding however small it is against the weight's ulp.
+i.e. 20 bytes per trainable entry for fp32 weights and 18 for bf16/fp16 ones. Weights are
+written as round(base + delta) and never read by the step, so no bf16/fp16 update is lost to
+rounding however small it is against the weight's ulp, and base + delta (what
+`SparseDelta.from_optimizer` exports) is the tuned weight bit for bit in every dtype.
 
 `set_indices` can change the set mid-training. Entries it drops with a nonzero `delta` keep
 their increment in a retired record, disjoint from `indices` and absent while empty:
 
     retired_indices  [r] sorted flat positions, same dtype as `indices`
     retired_delta    [r] fp32, the increment each one had when dropped
-    retired_base     [r] weights with a base only: their `base`
+    retired_base     [r] their `base`
 
 An entry re-added later takes its `delta` (and `base`) back from the record and leaves it, so
 `delta` stays the total increment since the first selection (what `SparseDelta.from_optimizer`
-exports). The fused step never reads the record: it costs memory (with int32 indices, 8 bytes
+exports). The fused step never reads the record: it costs memory (with int32 indices, 12 bytes
 per retired entry, 10 for bf16/fp16), not time.
 
 `SparseAdamW(state="lean")` keeps at most 8 bytes per entry instead (6 for fp32 weights, 7

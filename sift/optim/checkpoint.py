@@ -14,7 +14,7 @@ from sift import _ops
 from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
-from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_selected, local_tensor, needs_base, num_entries
+from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_selected, local_tensor, num_entries
 
 
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
@@ -40,7 +40,7 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 class CheckpointMixin:
     """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
 
-    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "keep_base", "state_layout", "backend", "max_grad_norm",
+    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
                 "_compact", "_grad_ready", "update_in_backward")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -61,7 +61,7 @@ class CheckpointMixin:
         had_process_group = state.pop("had_process_group", False)
         state.pop("process_group", None)  # pickled by earlier versions (always None there)
         super().__setstate__(state)
-        self.__dict__.setdefault("keep_base", False)  # pickled before the option existed
+        self.__dict__.pop("keep_base", None)  # pickled by versions that had the option
         self.__dict__.setdefault("state_layout", "exact")
         self.__dict__.setdefault("update_in_backward", False)
         self._scratch = {}
@@ -93,7 +93,7 @@ class CheckpointMixin:
         shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "keep_base": self.keep_base, "state": self.state_layout, "format": 1, "param_shapes": shapes}
+                      "state": self.state_layout, "format": 1, "param_shapes": shapes}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -131,23 +131,17 @@ class CheckpointMixin:
             id_map.update((pid, (p, float(merged["density"]))) for pid, p in _match_params(gi, saved, group))
         meta = state_dict.get("sift", {})
         _check_shapes(meta.get("param_shapes"), id_map, saved_groups, self.param_groups)
-        keep_base = meta.get("keep_base", False)  # states saved before the option kept no fp32 base
-        if not isinstance(keep_base, bool):
-            raise ValueError(f"state_dict['sift']['keep_base'] must be a bool, got {keep_base!r}")
         layout = meta.get("state", "exact")  # states saved before the option are exact
         if layout not in ("exact", "lean"):
             raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
-        if layout == "lean" and keep_base:
-            raise ValueError("state_dict['sift'] has keep_base=True with state='lean', which keeps no base")
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_map:
                 raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
             p, density = id_map[pid]
             route = self._quantized.get(p)
-            new_state[p] = _load_param_state(p, saved_state, density, needs_base(p, keep_base),
-                                                  f"state of param {pid}", lean=layout == "lean",
-                                                  delta_numel=route.numel if route is not None else None)
+            new_state[p] = _load_param_state(p, saved_state, density, f"state of param {pid}", lean=layout == "lean",
+                                             delta_numel=route.numel if route is not None else None)
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -157,7 +151,6 @@ class CheckpointMixin:
                     group[key] = value
             group["betas"] = tuple(group["betas"])
             group["density"] = float(group["density"])
-        self.keep_base = keep_base
         self.state_layout = layout
         self.select_steps = meta.get("select_steps", self.select_steps)
         self.selection = meta.get("selection", self.selection)
@@ -210,8 +203,8 @@ def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[t
                              f"onto {ours} of shape {tuple(local_tensor(p).shape)}")
 
 
-def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, has_base: bool,
-                      what: str, lean: bool = False, delta_numel: int | None = None) -> dict[str, Any]:
+def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, what: str, lean: bool = False,
+                      delta_numel: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if delta_numel is not None:
         return _load_delta_state(p, saved, delta_numel, what, lean)
@@ -236,20 +229,15 @@ def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, ha
                     value = value.detach().to(device=p.device, dtype=p.dtype).clone()
             out[key] = value
         return out
-    missing = [k for k in SPARSE_KEYS if k not in saved]
-    if has_base and "base" not in saved:
-        missing.append("base")
-    stray_base = [k for k in ("base", "retired_base") if k in saved and not has_base]
-    if stray_base:
-        # Installing it would be harmless, dropping it silent: the state and its settings disagree.
-        raise ValueError(f"{what}: has {' and '.join(stray_base)} for an fp32 weight, but the state_dict's "
-                         "keep_base is False (or absent)")
+    # fp32 states saved by versions that kept no fp32 base: the base is rebuilt from the weight.
+    derive_base = p.dtype == torch.float32 and "base" not in saved
+    missing = [k for k in SPARSE_KEYS if k not in saved] + ([] if "base" in saved or derive_base else ["base"])
     if missing:
         raise ValueError(f"{what}: missing {', '.join(missing)}")
     indices = saved["indices"]
     _check_indices(indices, local_tensor(p).numel(), f"{what}: indices")
     k = indices.numel()
-    for key in ("exp_avg", "exp_avg_sq", "delta") + (("base",) if has_base else ()):
+    for key in ("exp_avg", "exp_avg_sq", "delta") + (() if derive_base else ("base",)):
         value = saved[key]
         if not isinstance(value, torch.Tensor) or value.shape != (k,):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -257,13 +245,21 @@ def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, ha
     out["indices"] = indices.detach().to(device=p.device, dtype=_index_dtype(local_tensor(p).numel())).clone()
     for key in ("exp_avg", "exp_avg_sq", "delta"):
         out[key] = saved[key].detach().to(device=p.device, dtype=torch.float32).clone()
-    if has_base:
+    if derive_base:
+        out["base"] = _weight_minus(p, out["indices"], out["delta"])
+    else:
         out["base"] = saved["base"].detach().to(device=p.device, dtype=p.dtype).clone()
     out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
     if "selection_calls" in saved:
         out["selection_calls"] = int(saved["selection_calls"])
-    out.update(_load_retired(p, saved, out["indices"], has_base, what))
+    out.update(_load_retired(p, saved, out["indices"], derive_base, what))
     return out
+
+
+def _weight_minus(p: torch.Tensor, indices: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight's values at `indices` minus their increments: the base of a state saved without one
+    (exact from here on; the trajectory so far was rounded once per step, so it may differ by an ulp)."""
+    return local_tensor(p.detach()).reshape(-1)[indices.long()].float() - delta
 
 def _load_delta_state(p: torch.Tensor, saved: dict[str, Any], numel: int, what: str, lean: bool) -> dict[str, Any]:
     """The validated state of a 4-bit layer's [k] delta values (`sift.quantized`): its chosen entries of
@@ -333,10 +329,11 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
         out["selection_calls"] = int(saved["selection_calls"])
     return out
 
-def _load_retired(p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, has_base: bool,
+def _load_retired(p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, derive_base: bool,
                   what: str) -> dict[str, torch.Tensor]:
-    """The validated retired record of a saved sparse state ({} when it has none)."""
-    keys = RETIRED_KEYS if has_base else RETIRED_KEYS[:2]
+    """The validated retired record of a saved sparse state ({} when it has none); `derive_base`: an fp32
+    state saved without bases, whose retired bases are rebuilt from the weight."""
+    keys = RETIRED_KEYS[:2] if derive_base else RETIRED_KEYS
     if not any(k in saved for k in keys):
         return {}
     missing = [k for k in keys if k not in saved]
@@ -359,6 +356,8 @@ def _load_retired(p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor,
         return {}
     out = {"retired_indices": retired.clone(),
            "retired_delta": saved["retired_delta"].detach().to(device=p.device, dtype=torch.float32).clone()}
-    if has_base:
+    if derive_base:
+        out["retired_base"] = _weight_minus(p, out["retired_indices"], out["retired_delta"])
+    else:
         out["retired_base"] = saved["retired_base"].detach().to(device=p.device, dtype=p.dtype).clone()
     return out

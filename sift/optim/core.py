@@ -64,19 +64,14 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             gradients. Plain mode needs none of this: wrap the model in DDP as usual.
         backend: force a kernel backend ("torch", "cpp", "triton"); default: automatic
             (see `python -m sift.env`).
-        keep_base: fp32 weights also keep their chosen entries' values at selection (`base`,
-            4 more bytes per entry, 20 in all). The step then writes each weight as
-            base + delta and never reads it: one random read fewer per entry, which may pay
-            on a GPU and does not on a CPU, where writing a line reads it
-            anyway. Values written into the chosen entries by anything but the optimizer are
-            overwritten at the next step (as for bf16/fp16 weights, which always keep a base).
-            `load_state_dict` adopts the saved setting, like `select_steps`.
         state: "exact" (the default: int32 indices, fp32 moments, the exact increment `delta`
-            and, for bf16/fp16 weights, `base`; 16 bytes per entry for fp32 weights, 18 for
-            bf16/fp16) or "lean" (at most 8 bytes per entry: 16-bit index halves under a window
-            table, bf16 moments by stochastic rounding, an int8 sub-ulp residual for bf16/fp16
-            weights; no `delta`, see the module docstring for what is exact). Not with
-            `keep_base`. `load_state_dict` adopts the saved setting.
+            and the entries' values at selection `base`; 20 bytes per entry for fp32 weights, 18
+            for bf16/fp16. The step writes each weight as round(base + delta), so base + delta is
+            the tuned weight bit for bit; values written into the chosen entries by anything but
+            the optimizer are overwritten at the next step) or "lean" (at most 8 bytes per entry:
+            16-bit index halves under a window table, bf16 moments by stochastic rounding, an int8
+            sub-ulp residual for bf16/fp16 weights; no `delta`, see the module docstring for what
+            is exact). `load_state_dict` adopts the saved setting.
         update_in_backward: step each selected sparse weight as soon as its gradient is
             complete (implies `compact_grads=True`): once per backward, after every use of the
             weight in the forward has contributed (a layer applied twice, a head tied to an
@@ -130,7 +125,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         max_grad_norm: float | None = None,
         process_group: Any = None,
         backend: str | None = None,
-        keep_base: bool = False,
         state: str = "exact",
         update_in_backward: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
@@ -149,11 +143,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                              "inside backward, before its gradient could be averaged across ranks")
         if state not in ("exact", "lean"):
             raise ValueError(f"state must be 'exact' or 'lean', got {state!r}")
-        if state == "lean" and keep_base is True:
-            raise ValueError("keep_base=True keeps a base next to the exact increment; the lean state has "
-                             "neither (use state='exact')")
-        if not isinstance(keep_base, bool):
-            raise TypeError(f"keep_base must be a bool, got {keep_base!r}")
         if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
             raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
         if selection not in ("magnitude", "saliency", "random"):
@@ -170,7 +159,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self.selection = selection
         self.seed = seed
         self.compact_grads = compact_grads
-        self.keep_base = keep_base
         self.state_layout = state
         self.backend = backend
         self.max_grad_norm = max_grad_norm

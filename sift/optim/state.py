@@ -48,11 +48,6 @@ def num_entries(state: Mapping[str, Any]) -> int:
     return (state["indices"] if "indices" in state else state["indices_low"]).numel()
 
 
-def needs_base(p: torch.Tensor, keep_base: bool) -> bool:
-    """Whether p's sparse state keeps `base` (bf16/fp16 always, fp32 with keep_base)."""
-    return p.dtype != torch.float32 or keep_base
-
-
 def is_dense_stepped(state: Mapping[str, Any]) -> bool:
     """Whether a param state is dense AdamW's (a `density=1.0` group's param that has been stepped)."""
     return "exp_avg" in state and not is_selected(state)
@@ -68,9 +63,9 @@ def increments(state: Mapping[str, torch.Tensor], numel: int
 
     Returns:
         [n] sorted flat positions (int32, int64 past 2**31 elements), [n] fp32 increments since
-        the first selection, and [n] base values (None when the state keeps none: fp32 weights
-        without `keep_base`); None when the state has no exact chosen entries (not selected yet,
-        a dense param, or the lean layout, which keeps no increments).
+        the first selection, and [n] base values (None for a hand-made state without them); None
+        when the state has no exact chosen entries (not selected yet, a dense param, or the lean
+        layout, which keeps no increments).
 
     Example:
         >>> from sift import SparseAdamW
@@ -78,8 +73,8 @@ def increments(state: Mapping[str, torch.Tensor], numel: int
         >>> opt = SparseAdamW([w], density=0.25)
         >>> opt.set_indices(w, torch.tensor([1, 6, 11, 12]))
         >>> positions, values, base = increments(opt.state[w], w.numel())
-        >>> positions.tolist(), values.tolist(), base
-        ([1, 6, 11, 12], [0.0, 0.0, 0.0, 0.0], None)
+        >>> positions.tolist(), values.tolist(), torch.equal(base, w.detach().view(-1)[positions.long()])
+        ([1, 6, 11, 12], [0.0, 0.0, 0.0, 0.0], True)
     """
     if "indices" not in state:
         return None
@@ -119,8 +114,8 @@ class SparseStateMixin:
         state["exp_avg"] = torch.zeros(k, **zeros)
         state["exp_avg_sq"] = torch.zeros(k, **zeros)
         state["delta"] = torch.zeros(k, **zeros)
-        if needs_base(p, self.keep_base):
-            state["base"] = local_tensor(p.detach()).view(-1)[state["indices"].long()].clone()
+        # Every dtype keeps its base: the step writes round(base + delta), so the delta is exact.
+        state["base"] = local_tensor(p.detach()).view(-1)[state["indices"].long()].clone()
         state["step"] = torch.zeros((), **zeros)
         if self.compact_grads and not self.update_in_backward:
             self._compact[p] = torch.zeros(k, **zeros)
