@@ -1,5 +1,6 @@
 """`python -m sift.bench distributed`: FSDP2 (`fully_shard`) training steps of a small Llama on 2 CPU
-processes (gloo), torch's AdamW against SparseAdamW in plain mode and in hook mode with the lean state.
+processes (gloo), torch's AdamW against SparseAdamW in plain mode, in hook mode with the lean state, and
+with the sparse backward and the lean state (each weight's gradient crosses ranks as k values).
 
 Each decoder layer and the root are `fully_shard`ed (fp32 params, no mixed precision on the CPU); the
 attention and MLP weights train (SparseAdamW: 5% of each, selected per shard), everything else is
@@ -35,7 +36,8 @@ import torch
 from sift.bench._harness import markdown_table, save_results, summary
 
 DENSITY = 0.05
-MODES = ("FSDP2 + AdamW", "FSDP2 + SparseAdamW plain", "FSDP2 + SparseAdamW hook, lean")
+MODES = ("FSDP2 + AdamW", "FSDP2 + SparseAdamW plain", "FSDP2 + SparseAdamW hook, lean",
+         "FSDP2 + SparseAdamW sparse backward, lean")
 COLUMNS = ("mode", "ranks", "sent/step/rank MiB", "collectives/step", "step ms", "p20 ms", "p80 ms",
            "params/rank MiB", "grads/rank MiB", "optim/rank MiB", "sum/rank MiB")
 PROJECTED_COLUMNS = ("model", "mode", "GPUs", "sent/step/rank GiB", "params/rank GiB", "grads/rank GiB",
@@ -112,8 +114,13 @@ def _build(mode: str, sizes: dict[str, Any], world: int):
     if mode == "FSDP2 + AdamW":
         return model, torch.optim.AdamW(trained, lr=1e-4)
     lean = "lean" in mode
-    return model, SparseAdamW(trained, lr=1e-4, density=DENSITY, max_grad_norm=1.0, compact_grads=lean,
-                              state="lean" if lean else "exact")
+    opt = SparseAdamW(trained, lr=1e-4, density=DENSITY, max_grad_norm=1.0, compact_grads=lean,
+                      state="lean" if lean else "exact")
+    if "sparse backward" in mode:
+        from sift.sparse_backward import enable_sparse_backward
+
+        enable_sparse_backward(model, opt)
+    return model, opt
 
 
 def _local_bytes(tensors) -> int:
@@ -195,21 +202,27 @@ def project(model: dict[str, int], gpus: int, mode: str, density: float = DENSIT
 
     FSDP2 with fp32 sharded params, bf16 all-gathers (MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)) and reshard after forward: each step all-gathers every param twice (forward,
-    backward) and reduce-scatters the trained params' gradients in fp32; the three modes communicate the
-    same (hook mode gathers after the reduce-scatter). Gradients held at the step: dense fp32 shard grads
-    (AdamW, plain) or [k] fp32 compact buffers (hook; one layer's dense shard grad lives until its hook
-    runs, counted too). Optimizer: AdamW 8 B per trained param, exact sparse 16 B per entry, lean 6 B.
+    backward) and reduce-scatters the trained params' gradients in fp32; AdamW, plain and hook mode
+    communicate the same (hook mode gathers after the reduce-scatter), the sparse backward reduce-scatters
+    k fp32 values a weight instead (shards' k equal). Gradients held at the step: dense fp32 shard grads
+    (AdamW, plain) or [k] fp32 compact buffers (hook: one layer's dense shard grad lives until its hook
+    runs, counted too; sparse backward: one layer's [K] fp32 gradient before its reduce-scatter).
+    Optimizer: AdamW 8 B per trained param, exact sparse 16 B per entry, lean 6 B.
     """
     h, i, kv, layers = model["hidden"], model["intermediate"], model["kv"], model["layers"]
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
     trained = layers * per_layer
     total = trained + 2 * model["vocab"] * h + (2 * layers + 1) * h
     share = (gpus - 1) / gpus
-    sent = 2 * share * total * 2 + share * trained * 4
+    sparse_backward = "sparse backward" in mode
+    sent = 2 * share * total * 2 + share * trained * 4 * (density if sparse_backward else 1.0)
     grads = {"FSDP2 + AdamW": 4 * trained / gpus, "FSDP2 + SparseAdamW plain": 4 * trained / gpus,
-             "FSDP2 + SparseAdamW hook, lean": 4 * density * trained / gpus + 4 * per_layer / gpus}[mode]
+             "FSDP2 + SparseAdamW hook, lean": 4 * density * trained / gpus + 4 * per_layer / gpus,
+             "FSDP2 + SparseAdamW sparse backward, lean": 4 * density * trained / gpus + 4 * density * per_layer
+             }[mode]
     optim = {"FSDP2 + AdamW": 8 * trained, "FSDP2 + SparseAdamW plain": 16 * density * trained,
-             "FSDP2 + SparseAdamW hook, lean": 6 * density * trained}[mode] / gpus
+             "FSDP2 + SparseAdamW hook, lean": 6 * density * trained,
+             "FSDP2 + SparseAdamW sparse backward, lean": 6 * density * trained}[mode] / gpus
     params = 4 * total / gpus
     return {"sent": sent, "params": params, "grads": grads, "optim": optim, "sum": params + grads + optim}
 
