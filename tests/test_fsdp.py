@@ -103,25 +103,39 @@ def _sharded_model(world: int) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _reduce_scatters(log: list[tuple[str, int]]):
-    """Record (collective, input numel) of every reduce-scatter: FSDP2's of dense gradients
-    (`reduce_scatter_single`) and the sparse backward's of [k] entries (`reduce_scatter_tensor`)."""
+    """Record (whose, input numel) of every reduce-scatter: FSDP2's of dense gradients ("dense") and the sparse
+    backward's of [k] entries ("sparse")."""
     import torch.distributed as dist
 
-    originals = {name: getattr(dist, name) for name in ("reduce_scatter_single", "reduce_scatter_tensor")}
+    from sift.optim.sharded import ShardedSparseGrad
 
-    def counted(name, original):
+    names = [name for name in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in names}
+    original_reduce = ShardedSparseGrad.reduce
+    inside = []
+
+    def counted(original):
         def run(*args, **kwargs):
-            log.append((name, (args[1] if len(args) > 1 else kwargs["input"]).numel()))
+            log.append(("sparse" if inside else "dense", (args[1] if len(args) > 1 else kwargs["input"]).numel()))
             return original(*args, **kwargs)
         return run
 
+    def reduce(self, gradient):
+        inside.append(True)
+        try:
+            return original_reduce(self, gradient)
+        finally:
+            inside.pop()
+
     for name, original in originals.items():
-        setattr(dist, name, counted(name, original))
+        setattr(dist, name, counted(original))
+    ShardedSparseGrad.reduce = reduce
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+        ShardedSparseGrad.reduce = original_reduce
 
 
 def _snapshot(model, opt) -> dict:
@@ -358,8 +372,8 @@ def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gr
     weights = sum(n for name, n in padded.items() if name.endswith("weight"))
     for rank, r in enumerate(per_rank):
         log = r[f"{mode}-reduce-scatters"]
-        dense = sum(n for kind, n in log if kind == "reduce_scatter_single")
-        sparse = sorted(n for kind, n in log if kind == "reduce_scatter_tensor")
+        dense = sum(n for kind, n in log if kind == "dense")
+        sparse = sorted(n for kind, n in log if kind == "sparse")
         if mode == "hook":
             assert dense == micro * (biases + weights) and sparse == [], (rank, log)
         else:

@@ -93,7 +93,7 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     grad = p.grad
     if grad is None:
         return
-    optimizer._mark_backward(p)
+    optimizer._mark_backward(p, is_selected(optimizer.state[p]))
     if not is_selected(optimizer.state[p]) or not p.requires_grad:
         return
     optimizer._update_now(p, optimizer._gather_scratch(p, grad))
@@ -184,7 +184,8 @@ class ShardedSparseGrad:
             return
         send = gradient.new_zeros(world * plan["width"]).index_copy_(0, plan["padded"], gradient)
         received = gradient.new_empty(plan["width"])
-        dist.reduce_scatter_tensor(received, send, group=self.group)
+        # reduce_scatter_single replaces reduce_scatter_tensor (deprecated) from torch 2.13.
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(received, send, group=self.group)
         if plan["count"]:
             _, compact = self.optimizer.compact_grad_target(self.weight)
             compact.add_(received[:plan["count"]], alpha=1.0 / world)
