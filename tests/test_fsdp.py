@@ -84,7 +84,8 @@ class RowBlockSparseAdamW(SparseAdamW):
         flat, chosen = score.reshape(-1), []
         for first in range(0, rows, chunk):
             block = flat[first * per_row:min(first + chunk, rows) * per_row]
-            chosen.append(top_k_positions(block, max(1, entries_for(group["density"], block.numel()))) + first * per_row)
+            k = max(1, entries_for(group["density"], block.numel()))
+            chosen.append(top_k_positions(block, k) + first * per_row)
         return torch.cat(chosen).to(index_dtype(p.numel()))
 
 

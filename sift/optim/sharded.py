@@ -51,7 +51,9 @@ def shard_offset(p: torch.Tensor) -> int:
         ValueError: `p` is not sharded by rows over a 1-D mesh (HSDP, `Shard(dim > 0)`).
 
     Example:
-        >>> shard_offset(param)  # doctest: +SKIP  (rank 1 of 2, weight [16, 12])
+        On rank 1 of 2, for a [16, 12] weight (rank 1 holds rows 8 to 15):
+
+        >>> shard_offset(model[0].weight)  # doctest: +SKIP
         96
     """
     if not _is_row_sharded(p):
@@ -231,7 +233,9 @@ def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
     and `load_state_dict` call it themselves.
 
     Example:
-        >>> optimizer.set_indices(weight, indices)  # doctest: +SKIP  (on every rank)
+        On every rank:
+
+        >>> optimizer.set_indices(weight, indices)  # doctest: +SKIP
         >>> refresh_sparse_backward(optimizer)  # doctest: +SKIP
     """
     for plan in getattr(optimizer, "_sharded_sparse_grads", []):
@@ -335,8 +339,9 @@ class ShardedOptimizerState:
 
     Example:
         >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
-        >>> dcp.save({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=path)
-        >>> dcp.load({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=path)
+        >>> state = {"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}  # doctest: +SKIP
+        >>> dcp.save(state, checkpoint_id=path)  # doctest: +SKIP
+        >>> dcp.load(state, checkpoint_id=path)  # doctest: +SKIP
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, group: Any = None):
