@@ -185,6 +185,8 @@ def _refusals(world: int) -> dict:
     attempt("for-model-sparse-backward-update-in-backward", lambda model: SparseAdamW.for_model(
         model, density=DENSITY, target_modules=["0", "2"], dense_modules=["4"], sparse_backward=True,
         update_in_backward=True))
+    attempt("process-group", lambda model: SparseAdamW(_groups(model), lr=1e-2, compact_grads=True,
+                                                       process_group=torch.distributed.group.WORLD))
     attempt("update-in-backward-clip", lambda model: SparseAdamW(_groups(model), lr=1e-2, update_in_backward=True,
                                                                  max_grad_norm=0.5))
     return results
@@ -345,6 +347,7 @@ def test_dcp_save_and_load_mid_run_resumes_identically(ranks, mode):
     ("sparse-backward-update-in-backward", "does not support update_in_backward=True"),
     ("for-model-sparse-backward-update-in-backward", "does not support update_in_backward=True"),
     ("update-in-backward-clip", "max_grad_norm with update_in_backward=True"),
+    ("process-group", "FSDP2 already reduce-scatters"),
 ])
 def test_refused_combinations_raise_before_any_weight_changes(ranks, combination, expected):
     world, per_rank = ranks

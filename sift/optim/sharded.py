@@ -72,6 +72,9 @@ def shard_offset(p: torch.Tensor) -> int:
 
 def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, sparse: bool) -> None:
     """Refuse a DTensor param this optimizer cannot train (called while adding its group, before any change)."""
+    if optimizer.process_group is not None:
+        raise ValueError(f"process_group averages whole gradients across ranks, and {label} is an FSDP2 shard whose "
+                         "gradient FSDP2 already reduce-scatters (each rank's shard differs): leave process_group unset")
     if not sparse:
         return
     if optimizer.compact_grads and not _is_row_sharded(p):
