@@ -220,6 +220,25 @@ def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micr
     return {"uninterrupted": uninterrupted, "resumed": _snapshot(model, opt)}
 
 
+def _set_indices_midway(model, opt, rank: int, world: int, blocks: int) -> None:
+    """2 steps, then every shard (one process: block of rows, of `blocks`) of the middle weight trains its first
+    k entries instead, then 2 more steps."""
+    from sift.optim.sharded import refresh_sparse_backward
+
+    _train(model, opt, rank, world, 2, 1)
+    weight = model[2].weight
+    if hasattr(weight, "to_local"):
+        opt.set_indices(weight, torch.arange(opt.indices_of(weight).numel()))
+        refresh_sparse_backward(opt)  # the sparse backward's cross-rank entries, rebuilt on every rank
+    else:  # one process: the first k entries of each block of rows
+        per_row, chunk = weight.shape[1], -(-weight.shape[0] // blocks)
+        old = opt.indices_of(weight).long()
+        blocks = [first * per_row for first in range(0, weight.shape[0], chunk)]
+        counts = [int(((old >= start) & (old < start + chunk * per_row)).sum()) for start in blocks]
+        opt.set_indices(weight, torch.cat([start + torch.arange(k) for start, k in zip(blocks, counts)]))
+    _train(model, opt, rank, world, 2, 1, first=2)
+
+
 @gloo_rank
 def _worker(rank: int, world: int, out: str) -> None:
     results = {}
@@ -235,6 +254,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         base = _model().state_dict() if name in LEAN else None
         if name in ("plain", "hook", "hook-lean", "sparse-backward"):
             results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
+    model = _sharded_model(world)
+    opt = _optimizer(model, dict(compact_grads=True), sparse_backward=True)
+    _set_indices_midway(model, opt, rank, world, world)
+    results["set-indices"] = _snapshot(model, opt)
     results["refusals"] = _refusals(world)
     for name in ("hook", "hook-lean", "sparse-backward-lean"):
         config = CONFIGS[name]
@@ -383,3 +406,19 @@ def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gr
         else:
             assert dense == micro * biases, (rank, log)
             assert sparse == sorted(world * width for width in widths * micro), (rank, log)
+
+
+def test_sparse_backward_follows_set_indices_after_refresh(ranks):
+    """Entries changed mid-run by set_indices on every rank, then refresh_sparse_backward: the sparse backward
+    reduces the new entries, as one process does with the same entries."""
+    world, per_rank = ranks
+    model = _model()
+    opt = _optimizer(model, dict(compact_grads=True), True, RowBlockSparseAdamW, world=world)
+    _set_indices_midway(model, opt, 0, 1, world)
+    for name, p in model.named_parameters():
+        got = _full([r["set-indices"] for r in per_rank], name, p.shape)
+        torch.testing.assert_close(got["param"], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        if name.endswith("weight"):
+            assert torch.equal(got["indices"], opt.indices_of(p).long()), name
+            for key in ("exp_avg", "exp_avg_sq", "delta"):
+                torch.testing.assert_close(got[key], opt.state[p][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
