@@ -239,6 +239,12 @@ def _set_indices_midway(model, opt, rank: int, world: int, blocks: int) -> None:
     _train(model, opt, rank, world, 2, 1, first=2)
 
 
+def _for_model(model, cls=SparseAdamW, **kwargs) -> SparseAdamW:
+    """The recipe of docs/distributed.md on the small model: for_model, sparse backward, lean state, clipping."""
+    return cls.for_model(model, density=DENSITY, lr=1e-2, target_modules=["0", "2"], dense_modules=["4"],
+                         sparse_backward=True, state="lean", max_grad_norm=0.5, **kwargs)
+
+
 @gloo_rank
 def _worker(rank: int, world: int, out: str) -> None:
     results = {}
@@ -254,6 +260,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         base = _model().state_dict() if name in LEAN else None
         if name in ("plain", "hook", "hook-lean", "sparse-backward"):
             results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
+    model = _sharded_model(world)
+    opt = _for_model(model)
+    _train(model, opt, rank, world, STEPS, 2)
+    results["for-model"] = _snapshot(model, opt)
     model = _sharded_model(world)
     opt = _optimizer(model, dict(compact_grads=True), sparse_backward=True)
     _set_indices_midway(model, opt, rank, world, world)
@@ -422,3 +432,18 @@ def test_sparse_backward_follows_set_indices_after_refresh(ranks):
             assert torch.equal(got["indices"], opt.indices_of(p).long()), name
             for key in ("exp_avg", "exp_avg_sq", "delta"):
                 torch.testing.assert_close(got[key], opt.state[p][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def test_for_model_with_the_sparse_backward_and_lean_state_equals_one_process(ranks):
+    """docs/distributed.md's recipe (for_model after fully_shard, sparse backward, lean, clipping, accumulation)."""
+    world, per_rank = ranks
+    model = _model()
+    opt = _for_model(model, RowBlockSparseAdamW, world=world)
+    _train(model, opt, 0, 1, STEPS, 2)
+    for name, p in model.named_parameters():
+        got = _full([r["for-model"] for r in per_rank], name, p.shape)
+        # Lean moments round stochastically from each entry's index in its own shard: close, not equal.
+        torch.testing.assert_close(got["param"], p.detach(), rtol=1e-3, atol=1e-4, msg=name)
+        if "indices_low" in opt.state.get(p, {}):
+            assert torch.equal(got["indices"], opt.indices_of(p).long()), name
+    assert sum("indices_low" in opt.state.get(p, {}) for p in model.parameters()) == 2  # 0.weight and 2.weight
