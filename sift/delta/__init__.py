@@ -12,7 +12,7 @@ No arithmetic inverse could promise that: `w + d - d` rounds, in bf16 most of al
 
 Deltas come from a trained `sift.SparseAdamW` (`SparseDelta.from_optimizer`: the optimizer's
 exact increments, no copy of the base model needed) or from two state dicts (`from_diff`,
-top-|difference| per tensor). They save to safetensors (`save` / `load`, 6 bytes per entry,
+top-|difference| per tensor). They save to safetensors (`save` / `load`, 6 bytes per entry (4 for bf16/fp16 weights whose increments fit their dtype),
 bit-exact) or as a fine-tune directory (`save_pretrained`) and combine with `merge_deltas` (sum, mean, or TIES-style sign election), `+` and `*`.
 
 Every delta remembers a fingerprint of the base model it was made for: a hash of the names,

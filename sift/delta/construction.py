@@ -111,6 +111,11 @@ class DeltaConstructionMixin:
                         local, st, sharded.local_shard_of(p, base_state.get(name))))
                 else:
                     exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
+                    if exact is not None and not lean and exact[2] is not None and p.dtype != torch.float32:
+                        # A 16-bit weight's increment as tuned minus base: exact in fp32, and the same weight
+                        # once applied, but most of them fit the weight's dtype (so its file stores 4 B an entry).
+                        idx, _, base_values = exact
+                        exact = idx, _tuned(p, idx).float() - base_values.float(), base_values
                 if exact is not None:
                     idx, values, base_values = exact
                     entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
@@ -229,8 +234,12 @@ def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tens
     numel = p.numel()
     idx = _ops.decode_lean_indices(state["indices_low"].cpu(), state["window_offsets"].cpu(), _index_dtype(numel))
     base_values = base.detach().reshape(-1)[idx.long()].cpu()
-    tuned = p.detach().reshape(-1)[idx.long().to(p.device)].cpu()
-    return idx, tuned.float() - base_values.float(), base_values
+    return idx, _tuned(p, idx).float() - base_values.float(), base_values
+
+
+def _tuned(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """p's current values at flat positions `idx`, on the CPU."""
+    return p.detach().reshape(-1)[idx.long().to(p.device)].cpu()
 
 
 def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 FORMAT = "sift.sparse_delta"
 # 2: dense parts (`<name>.dense`) and the "dense" metadata. 3: indices as 16-bit halves under a
 # window table (`<name>.indices_low`, `<name>.window_offsets`). Older files read as before.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+_HALF = (torch.bfloat16, torch.float16)
 
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,8 +44,10 @@ class DeltaFileMixin:
 
         Layout: per sparse weight, its sorted indices as their low 16 bits (`<name>.indices_low`,
         int16) under a table of where each 65536-element window starts (`<name>.window_offsets`,
-        int32), and `<name>.values` (fp32): 6 bytes per entry and 4 per 65536 weight elements,
-        bit-exact on reload; `<name>.dense` for each dense part (in its dtype); metadata with the format version, each weight's shape and dtype,
+        int32), and `<name>.values`: fp32 (6 bytes per entry), or for bf16/fp16 weights where it is
+        smaller, in the weight's dtype (4 bytes per entry) with the values that dtype cannot hold
+        exactly kept in fp32 under `<name>.exact_positions` (int32, positions in the entry list) and
+        `<name>.exact_values` (8 bytes each); plus 4 bytes per 65536 weight elements. Bit-exact on reload. `<name>.dense` for each dense part (in its dtype); metadata with the format version, each weight's shape and dtype,
         the dense parts' names, the base fingerprint and a blake2b checksum of the tensors. The file is written under a temporary name in the same directory and renamed
         over `path`, so a crash never leaves a partial file under `path`.
 
@@ -68,8 +71,18 @@ class DeltaFileMixin:
         tensors, meta_entries, storages = {}, {}, set()
         for name, e in self.entries.items():
             low, offsets = _ops.encode_lean_indices(e.indices.cpu(), e.numel)
-            for key, t in ((f"{name}.indices_low", low), (f"{name}.window_offsets", offsets),
-                           (f"{name}.values", e.values)):
+            parts = [(f"{name}.indices_low", low), (f"{name}.window_offsets", offsets)]
+            values = e.values.detach().cpu()
+            half = values.to(e.dtype) if e.dtype in _HALF else None
+            inexact = torch.nonzero(half.float() != values).view(-1) if half is not None else None
+            # A 16-bit weight's increment (tuned minus base) fits its dtype when the weight moved by less than
+            # its own size; each one that does not costs 8 bytes, so fp32 values are kept when that is smaller.
+            if inexact is not None and 8 * inexact.numel() < 2 * values.numel():
+                parts += [(f"{name}.values", half), (f"{name}.exact_positions", inexact.to(torch.int32)),
+                          (f"{name}.exact_values", values[inexact])]
+            else:
+                parts.append((f"{name}.values", values))
+            for key, t in parts:
                 t = t.detach().cpu().contiguous()
                 # safetensors refuses tensors that share memory (slices of one user tensor).
                 ptr = t.untyped_storage().data_ptr()
@@ -181,17 +194,20 @@ class DeltaFileMixin:
         for name, info in meta_entries.items():
             keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
                 f"{name}.values",)
-            expected.update(keys)
+            dtype = _DTYPE_NAMES.get(info.get("dtype")) if isinstance(info, dict) else None
+            stored = tensors.get(f"{name}.values")
+            exact_keys = (f"{name}.exact_positions", f"{name}.exact_values") if (
+                version >= 4 and dtype in _HALF and stored is not None and stored.dtype == dtype) else ()
+            expected.update(keys + exact_keys)
             # The checksum covers the tensors only: the metadata is checked field by field.
             shape = info.get("shape") if isinstance(info, dict) else None
             if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
                 problems.append(f"{name}: unreadable metadata: shape {shape!r} is not a list of sizes")
                 continue
-            dtype = _DTYPE_NAMES.get(info.get("dtype"))
             if dtype is None:
                 problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
                 continue
-            missing = [k for k in keys if k not in tensors]
+            missing = [k for k in keys + exact_keys if k not in tensors]
             if missing:
                 problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
                 continue
@@ -201,7 +217,12 @@ class DeltaFileMixin:
                     continue
             else:
                 indices = tensors[keys[0]]
-            entries[name] = DeltaEntry(tuple(shape), dtype, indices, tensors[keys[-1]])
+            values = tensors[keys[-1]]
+            if exact_keys:
+                values = _exact_values(values, tensors[exact_keys[0]], tensors[exact_keys[1]], name, problems)
+                if values is None:
+                    continue
+            entries[name] = DeltaEntry(tuple(shape), dtype, indices, values)
         dense = {}
         for name in dense_names:
             key = f"{name}.dense"
@@ -218,6 +239,25 @@ class DeltaFileMixin:
         if problems:
             raise DeltaError(what, problems)
         return delta
+
+
+def _exact_values(half: torch.Tensor, positions: torch.Tensor, exact: torch.Tensor, name: str,
+                  problems: list[str]) -> torch.Tensor | None:
+    """A 16-bit weight's fp32 increments from the file: its 16-bit values with the fp32 exceptions written
+    back, or None with the problem recorded."""
+    n = half.numel()
+    if half.dtype not in _HALF or positions.dtype != torch.int32 or exact.dtype != torch.float32 or \
+            positions.dim() != 1 or exact.shape != positions.shape:
+        problems.append(f"{name}: exact_positions (int32) and exact_values (fp32) must be [m] vectors next to 16-bit "
+                        f"values, got {positions.dtype} {tuple(positions.shape)}, {exact.dtype} {tuple(exact.shape)}, "
+                        f"values {half.dtype}")
+        return None
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        problems.append(f"{name}: exact_positions out of range for {n} values")
+        return None
+    values = half.float()
+    values[positions.long()] = exact
+    return values
 
 
 def _decode_indices(low: torch.Tensor, offsets: torch.Tensor, numel: int, name: str,

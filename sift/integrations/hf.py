@@ -16,6 +16,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
 
 from sift.optim import SparseAdamW, clip_grad_norm_
+from sift.optim.memory import resolve_memory
 from sift.targets import model_family, plan_targets
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,12 @@ class SparseTrainer(Trainer):
     Args:
         *args: passed to `transformers.Trainer`.
         density: fraction of each weight's entries to train, in (0, 1].
-        compact_grads: gradient-hook mode of `SparseAdamW` (single process only: with
+        memory: the memory mode, as for `SparseAdamW.for_model` (`sift.optim.memory`): "low" (the
+            default: hook mode and the sparse backward), "lowest" (also the lean state and the update
+            in backward, which the Trainer's clipping, gradient accumulation or fp16 scaling drop with
+            a log line) or "plain". With several processes the Trainer's DDP reduces `.grad`, so a
+            preset falls back to plain mode there, with one log line.
+        compact_grads: gradient-hook mode of `SparseAdamW` explicitly (single process only: with
             several processes use plain mode, which the Trainer's DDP handles). Under fp16
             loss scaling the optimizer is given the Trainer's scaler (`grad_scaler`), so the
             compact gradients are unscaled and checked for inf/NaN like `.grad`.
@@ -88,7 +94,8 @@ class SparseTrainer(Trainer):
                                 density=0.01, target_modules=["query", "key", "value"])
     """
 
-    def __init__(self, *args: Any, density: float = 0.01, compact_grads: bool = False, select_steps: int = 1,
+    def __init__(self, *args: Any, density: float = 0.01, memory: str = "low", compact_grads: bool | None = None,
+                 select_steps: int = 1,
                  dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None,
                  target_modules: str | list[str] | None = None, dense_modules: str | list[str] | None = None,
                  selection: str = "magnitude", **kwargs: Any) -> None:
@@ -124,7 +131,12 @@ class SparseTrainer(Trainer):
                 f"compact_grads=True is single-process only (world_size is {training_args.world_size}): its hooks "
                 "free the dense gradients that DDP reduces; use compact_grads=False with several processes"
             )
+        if memory != "plain" and compact_grads is None and training_args is not None and training_args.world_size > 1:
+            logger.warning("SparseTrainer: memory=%r falls back to plain mode with %d processes (the Trainer's DDP "
+                           "averages .grad, which the memory modes free)", memory, training_args.world_size)
+            memory = "plain"
         self.sift_density = density
+        self.sift_memory = memory
         self.sift_compact_grads = compact_grads
         self.sift_select_steps = select_steps
         self.sift_dense_1d = dense_1d
@@ -161,6 +173,8 @@ class SparseTrainer(Trainer):
                 density = min(self.sift_density, 0.5)
             weight_decay = self.args.weight_decay if name in decay else 0.0
             groups.setdefault((density, weight_decay), []).append(p)
+        flags, auto = resolve_memory(self.sift_memory, opt_model, self._memory_hints())
+        sparse_backward = flags.pop("sparse_backward")
         optimizer = SparseAdamW(
             [{"params": ps, "density": d, "weight_decay": wd} for (d, wd), ps in groups.items()],
             lr=self.args.learning_rate,
@@ -168,11 +182,31 @@ class SparseTrainer(Trainer):
             eps=self.args.adam_epsilon,
             select_steps=self.sift_select_steps,
             selection=self.sift_selection,
-            compact_grads=self.sift_compact_grads,
+            **flags,
         )
+        optimizer._update_in_backward_auto = auto
         for p, idx in given.items():
             optimizer.set_indices(p, idx)
+        if sparse_backward:
+            from sift.sparse_backward import enable_sparse_backward
+
+            optimizer.sparse_backward_handle = enable_sparse_backward(opt_model, optimizer)
         return optimizer
+
+    def _no_update_in_backward_under_clipping(self) -> dict[str, Any]:
+        """memory="lowest" with the Trainer's clipping (over all weights, after backward): no update in backward."""
+        if self.sift_memory != "lowest" or not self.args.max_grad_norm:
+            return {}
+        logger.warning("SparseTrainer: memory='lowest' without update_in_backward: the Trainer clips over all "
+                       "weights after backward (max_grad_norm=%g)", self.args.max_grad_norm)
+        return {"update_in_backward": False}
+
+    def _memory_hints(self) -> dict[str, Any]:
+        """The explicit flag and what of the Trainer's setup rules the update in backward out up front."""
+        hints: dict[str, Any] = {"compact_grads": self.sift_compact_grads}
+        if self.args.max_grad_norm:
+            hints["max_grad_norm"] = self.args.max_grad_norm  # clipped by the Trainer over all weights
+        return hints
 
     def _create_optimizer_for_targets(self, opt_model: torch.nn.Module) -> SparseAdamW:
         target_modules, dense_modules = self.sift_targets
@@ -187,7 +221,9 @@ class SparseTrainer(Trainer):
             eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay,
             select_steps=self.sift_select_steps,
+            memory=self.sift_memory,
             compact_grads=self.sift_compact_grads,
+            **self._no_update_in_backward_under_clipping(),
         )
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():

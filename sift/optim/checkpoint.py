@@ -41,7 +41,7 @@ class CheckpointMixin:
     """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
 
     _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-                "_compact", "_grad_ready", "update_in_backward")
+                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
@@ -64,6 +64,8 @@ class CheckpointMixin:
         self.__dict__.pop("keep_base", None)  # pickled by versions that had the option
         self.__dict__.setdefault("state_layout", "exact")
         self.__dict__.setdefault("update_in_backward", False)
+        self.__dict__.setdefault("_update_in_backward_auto", False)
+        self._accumulation_seen = False
         self._scratch = {}
         self._backward_seen = set()
         self._clear_open_buffers()

@@ -16,6 +16,7 @@ from sift.optim.amp import AmpMixin
 from sift.optim.checkpoint import CheckpointMixin, check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import HooksMixin
+from sift.optim.memory import resolve_memory
 from sift.optim.selection import SelectionMixin
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
@@ -196,6 +197,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
         self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
         self._quantized_handles: dict[torch.Tensor, Any] = {}  # update_in_backward: 4-bit values -> pre-hook
+        # memory="lowest" chose the update in backward: the first step may still drop it (see sift.optim.memory).
+        self._update_in_backward_auto = False
+        self._accumulation_seen = False
         self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
         super().__init__(params, defaults)
         self._hooks_ready = compact_grads
@@ -226,24 +230,38 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         target_modules: str | list[str] | None = None,
         dense_modules: str | list[str] | None = None,
         selection: str = "magnitude",
-        sparse_backward: bool = False,
+        memory: str = "low",
+        sparse_backward: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> SparseAdamW:
         """Train `model`'s attention projections sparsely and its task head densely; freeze the rest.
 
         See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
-        With `sparse_backward=True` (which implies `compact_grads=True`) each sparse linear weight's
-        gradient is computed only at its chosen entries after selection (`sift.sparse_backward`);
-        the handle that undoes it is `optimizer.sparse_backward_handle`.
+
+        `memory` picks the memory mode (`sift.optim.memory`): "low" (the default: hook mode and the
+        sparse backward, the same result as plain mode with no dense weight gradient after
+        selection), "lowest" (also the lean state and the update in backward) or "plain" (dense
+        gradients). A mode that cannot apply to this model or these arguments is dropped with one
+        log line. The explicit flags override the preset: `compact_grads`, `state`,
+        `update_in_backward`, and `sparse_backward` (each sparse linear weight's gradient computed
+        only at its chosen entries after selection, `sift.sparse_backward`; implies
+        `compact_grads=True`; the handle that undoes it is `optimizer.sparse_backward_handle`).
 
         Example:
             >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
+            >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3, memory="lowest")  # doctest: +SKIP
         """
         # Imported here: sift.targets and sift.sparse_backward import sift.optim.state, and so this
         # package, whose __init__ imports this module.
         from sift.sparse_backward import enable_sparse_backward
         from sift.targets import for_model
 
+        if sparse_backward and optimizer_kwargs.get("compact_grads") is False:
+            raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
+                             "buffers); leave compact_grads unset or True")
+        flags, auto = resolve_memory(memory, model, {**optimizer_kwargs, "sparse_backward": sparse_backward})
+        sparse_backward = flags.pop("sparse_backward")
+        optimizer_kwargs.update(flags)
         if sparse_backward:
             check_sparse_backward(model.named_parameters(), optimizer_kwargs.get("update_in_backward", False))
             if optimizer_kwargs.get("compact_grads") is False:
@@ -252,6 +270,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             optimizer_kwargs["compact_grads"] = True
         opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
                         selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+        opt._update_in_backward_auto = auto
         if sparse_backward:
             opt.sparse_backward_handle = enable_sparse_backward(model, opt)
         return opt
@@ -399,6 +418,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._settle_update_in_backward()
         self._validate_grads()
         self._hook_new_params()
         self._sync_grads()
@@ -428,6 +448,34 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         finally:
             self._end_step()
         return loss
+
+    def _settle_update_in_backward(self) -> None:
+        """memory="lowest": on the steps before anything is selected (nothing was stepped in backward yet),
+        drop the update in backward with one log line if micro-batches accumulated or a GradScaler drives
+        the step; once entries are chosen, the choice is final (a later misuse raises)."""
+        if not self._update_in_backward_auto:
+            return
+        if any(is_selected(self.state.get(p, {})) for _, p in self._sparse_params()) or any(
+                route.selected for route in self._quantized.values()):
+            self._update_in_backward_auto = False
+            return
+        why = None
+        if self._accumulation_seen:
+            why = "micro-batches accumulate before each step"
+        elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None or \
+                self.grad_scaler is not None:
+            why = "a GradScaler may skip a step that backward would already have applied"
+        self._accumulation_seen = False
+        if why is None:
+            return
+        logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
+        self._update_in_backward_auto = False
+        self.update_in_backward = False
+        self._backward_seen.clear()
+        self.remove_hooks()
+        self._hooks_ready = True
+        self._sync_hooks()
+        self._hook_quantized()
 
     def _end_step(self) -> None:
         """Drop what lived for this step: caches, gathered compact gradients, the backward marks."""

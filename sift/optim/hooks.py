@@ -102,7 +102,7 @@ class HooksMixin:
         grad = grad_inputs[0]
         if grad is None:
             return None
-        self._mark_backward(p)
+        self._mark_backward(p, self._quantized[p].selected)
         if not self._quantized[p].selected or not p.requires_grad:
             return None
         if self.max_grad_norm is not None:
@@ -218,7 +218,7 @@ class HooksMixin:
             return None
         if grad is not None and grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        self._mark_backward(p)
+        self._mark_backward(p, is_selected(self.state[p]))
         if not is_selected(self.state[p]):
             return None  # accumulated as in plain mode: the selection in step() reads it
         if grad is not None:
@@ -263,9 +263,14 @@ class HooksMixin:
         self._open = {}
         self._scratch_owner = {}
 
-    def _mark_backward(self, p: torch.Tensor) -> None:
-        """update_in_backward: record that a backward reached `p`; a second one before step() raises."""
+    def _mark_backward(self, p: torch.Tensor, selected: bool = True) -> None:
+        """update_in_backward: record that a backward reached `p`; a second one before step() raises,
+        unless the update in backward came from `memory="lowest"` and nothing is stepped in backward yet:
+        then the first step drops it (micro-batches accumulate) instead."""
         if p in self._backward_seen:
+            if self._update_in_backward_auto and not selected:
+                self._accumulation_seen = True
+                return
             raise RuntimeError("update_in_backward=True takes one backward per step(): a second backward reached a "
                                "weight before step() (gradient accumulation is not supported in this mode; use "
                                "update_in_backward=False to accumulate micro-batches)")

@@ -1,0 +1,94 @@
+"""The memory presets of `SparseAdamW.for_model` and `SparseTrainer`: one argument for the four flags.
+
+    memory="low"     (the default) hook mode and the sparse backward: after selection no dense
+                     weight gradient is formed or kept, only each weight's [k] gradient; the same
+                     result as plain mode (accumulation, clipping, GradScaler, checkpointing, DDP
+                     when `for_model` runs before the wrap)
+    memory="lowest"  "low" plus `state="lean"` (at most about 8 bytes per entry: bf16 moments by
+                     stochastic rounding, not bit-identical to the exact state) and
+                     `update_in_backward=True` (each weight stepped inside backward, so no [k]
+                     gradient outlives its layer)
+    memory="plain"   dense gradients, as `SparseAdamW(params)`
+
+A flag given explicitly (`compact_grads`, `sparse_backward`, `state`, `update_in_backward`) wins over
+the preset. Where a preset's mode cannot apply, it is dropped with one log line rather than refused:
+a model already wrapped in DDP trains in plain mode; the update in backward is dropped under
+`max_grad_norm` (it would clip each tensor on its own), with a `grad_scaler`, with several
+processes, with FSDP2's sparse backward, and, found on the first step, when micro-batches
+accumulate or a GradScaler drives the step. Explicit flags keep their errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("sift")
+
+MEMORY_MODES = ("low", "lowest", "plain")
+FLAGS = ("compact_grads", "sparse_backward", "state", "update_in_backward")
+_PRESETS = {
+    "plain": dict(compact_grads=False, sparse_backward=False, state="exact", update_in_backward=False),
+    "low": dict(compact_grads=True, sparse_backward=True, state="exact", update_in_backward=False),
+    "lowest": dict(compact_grads=True, sparse_backward=True, state="lean", update_in_backward=True),
+}
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The optimizer flags `memory` stands for on `model`, with the explicit ones in `kwargs` over them.
+
+    Args:
+        memory: "low", "lowest" or "plain".
+        model: the model `for_model` is about to plan (checked for a DDP wrap and FSDP2 params).
+        kwargs: the caller's optimizer arguments; the explicit flags among them are kept as given.
+
+    Returns:
+        (flags for `compact_grads`, `sparse_backward`, `state`, `update_in_backward`; whether the update in
+        backward came from the preset, so that the first step may still drop it).
+
+    Raises:
+        ValueError: `memory` is not one of `MEMORY_MODES`.
+
+    Example:
+        >>> flags, _ = resolve_memory("low", torch.nn.Linear(4, 4), {})
+        >>> flags["compact_grads"], flags["sparse_backward"], flags["state"]
+        (True, True, 'exact')
+    """
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {', '.join(repr(m) for m in MEMORY_MODES)}, got {memory!r}")
+    explicit = {key: kwargs[key] for key in FLAGS if kwargs.get(key) is not None}
+    preset = dict(_PRESETS[memory])
+    if explicit.get("update_in_backward") or explicit.get("sparse_backward"):
+        preset["compact_grads"] = True  # both run in compact_grads mode's hooks
+    if explicit.get("compact_grads") is False:
+        preset.update(sparse_backward=False, update_in_backward=False)
+    chosen = {key: explicit.get(key, preset[key]) for key in FLAGS}
+
+    def drop(key: str, value: Any, why: str) -> None:
+        if key not in explicit and chosen[key] != value:
+            chosen[key] = value
+            logger.warning("sift: memory=%r without %s: %s", memory, key, why)
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        why = "the model is already wrapped in DistributedDataParallel (call for_model before wrapping it)"
+        for key in ("update_in_backward", "sparse_backward", "compact_grads"):
+            drop(key, False, why)
+    if kwargs.get("max_grad_norm") is not None:
+        drop("update_in_backward", False, "max_grad_norm clips over all weights, which cannot wait for one inside "
+             "backward")
+    if kwargs.get("grad_scaler") is not None:
+        drop("update_in_backward", False, "a GradScaler may skip a step that backward would already have applied")
+    if _several_processes():
+        drop("update_in_backward", False, "several processes average each gradient before it can be applied")
+    if chosen["sparse_backward"] and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        drop("update_in_backward", False, "FSDP2's sparse backward reduces each weight's gradient per use")
+    auto = bool(chosen["update_in_backward"]) and "update_in_backward" not in explicit
+    return chosen, auto
