@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.optim.state import SparseStateMixin
+from sift.optim.state import SparseStateMixin, is_selected
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -105,20 +105,14 @@ class _SparseLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] and weight_gradient_wanted():
             dy = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = xc.reshape(-1, xc.shape[-1])
-            target = route.optimizer.compact_grad_target(weight) if route.sharded is None else route.sharded.target()
-            if target is None:
+            if route.selected():
+                # One opaque op that finds the buffer and keeps the optimizer's books when it runs, so
+                # under torch.compile that Python state stays out of the graph.
+                torch.ops.sift.sparse_weight_grad_routed_(dy, x2, route.id)
+            else:
                 # Not selected yet: the dense gradient, which the selection step reads.
                 dense = x2.t() @ dy if route.transposed else dy.t() @ x2
                 grad_w = dense.to(weight.dtype)
-            else:
-                indices, buffer = target
-                # Linear: W[out, in], row = out. Conv1D: W[in, out], row = in: swap the operands.
-                a, b = (x2, dy) if route.transposed else (dy, x2)
-                # The optimizer's indices are validated already: no host sync per layer.
-                # With update_in_backward the optimizer steps the weight once all its uses have added.
-                _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
-                if route.sharded is not None:  # every rank's entries, from this rank's data: sum to their owners
-                    route.sharded.reduce(buffer)
         return grad_x, grad_w, grad_b, None
 
 
@@ -130,6 +124,42 @@ class _Route:
         self.optimizer = optimizer
         self.transposed = transposed
         self.sharded = None  # an FSDP2 weight's cross-rank plan (sift.optim.sharded.ShardedSparseGrad)
+        self.id = _ops.register_weight_grad_route(self)
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (deepcopy of the patched model) routes to its own optimizer, not the original's.
+        self.__dict__.update(state)
+        self.id = _ops.register_weight_grad_route(self)
+
+    def selected(self) -> bool:
+        """Whether the backward computes the weight's gradient at its chosen entries only (else densely).
+
+        Reads state only: under torch.compile it becomes a guard, so a selection recompiles.
+        """
+        if self.sharded is not None:
+            return self.sharded.plan is not None
+        # The condition under which `compact_grad_target` returns a target.
+        return self.optimizer.compact_grads and is_selected(self.optimizer.state.get(self.weight, {}))
+
+    def add_weight_grad(self, grad_output: torch.Tensor, input: torch.Tensor) -> None:
+        """Add the gradient at the chosen entries, from dY [T, R] and X [T, C], to where this step
+        keeps it (`torch.ops.sift.sparse_weight_grad_routed_` runs this)."""
+        target = self.optimizer.compact_grad_target(self.weight) if self.sharded is None else self.sharded.target()
+        if target is None:
+            raise RuntimeError("the sparse backward ran for a weight whose entries are not chosen")
+        indices, buffer = target
+        # Linear: W[out, in], row = out. Conv1D: W[in, out], row = in: swap the operands.
+        a, b = (input, grad_output) if self.transposed else (grad_output, input)
+        # The optimizer's indices are validated already: no host sync per layer.
+        # With update_in_backward the optimizer steps the weight once all its uses have added.
+        _ops.call("sparse_weight_grad", a, b, indices, out=buffer, check_values=False)
+        if self.sharded is not None:  # every rank's entries, from this rank's data: sum to their owners
+            self.sharded.reduce(buffer)
+
+
+def _is_routed(module: nn.Module) -> bool:
+    """Whether `module`'s forward is the sparse backward's (set by an earlier `enable_sparse_backward`)."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _sparse_forward
 
 
 def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,8 +230,14 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
 
     check_sparse_backward(((f"{name}.weight", m.weight) for name, m in chosen.items()), optimizer.update_in_backward)
     for name, m in chosen.items():
-        if "forward" in m.__dict__:
-            raise ValueError(f"module {name!r} already has its forward replaced (sparse backward enabled twice?)")
+        if "forward" in m.__dict__ and not _is_routed(m):
+            raise ValueError(f"module {name!r} already has its forward replaced by something other than sift")
+    # A model an earlier call routed (for_model run again) is taken over whole: no layer may keep feeding
+    # the earlier optimizer's buffers.
+    for m in named.values():
+        if _is_routed(m):
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_sift_route", None)
     for m in chosen.values():
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
         m.forward = types.MethodType(_sparse_forward, m)

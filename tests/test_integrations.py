@@ -312,7 +312,7 @@ def test_trainer_compact_grads_under_fp16_loss_scaling_equals_plain_mode(tmp_pat
         torch.manual_seed(0)
         model = _tiny_bert_classifier()
         trainer = SparseTrainer(model=model, args=_train_args(tmp_path / str(compact), max_steps=3, fp16=True),
-                                train_dataset=_tiny_train_data(), density=0.05, compact_grads=compact)
+                                train_dataset=_tiny_train_data(), density=0.05, memory="plain", compact_grads=compact)
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what a GPU run gets
         trainer.accelerator.native_amp = True
         trainer.train()
@@ -336,7 +336,7 @@ def test_trainer_compact_grads_under_fp16_without_clipping(tmp_path):
         model = _tiny_bert_classifier()
         trainer = SparseTrainer(model=model, args=_train_args(tmp_path / str(compact), max_steps=3, fp16=True,
                                                               max_grad_norm=0.0),
-                                train_dataset=_tiny_train_data(), density=0.05, compact_grads=compact)
+                                train_dataset=_tiny_train_data(), density=0.05, memory="plain", compact_grads=compact)
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # what a GPU run gets
         trainer.accelerator.native_amp = True
         trainer.train()

@@ -177,6 +177,17 @@ def test_handle_remove_restores_the_dense_backward():
     assert all(p.grad is None for p in opt.state if "indices" in opt.state[p])
 
 
+def test_for_model_again_takes_the_layers_over_from_the_earlier_optimizer():
+    """Calling for_model twice on one model (its default enables the sparse backward) raised "enabled twice",
+    after the first call's freezing had changed the model; the second optimizer now owns every routed layer."""
+    model = _tiny("bert")
+    first = SparseAdamW.for_model(model, density=0.1, lr=1e-2)
+    second = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=["query"])
+    routed = [m for m in model.modules() if "_sift_route" in m.__dict__]
+    assert routed and all(m._sift_route.optimizer is second for m in routed)
+    assert {id(m.weight) for m in routed} == {id(p) for g in second.param_groups if g["density"] < 1 for p in g["params"]}
+
+
 def test_enable_sparse_backward_bad_input():
     model = _tiny("bert")
     q = model.bert.encoder.layer[0].attention.self.query
@@ -192,7 +203,8 @@ def test_enable_sparse_backward_bad_input():
         sift.enable_sparse_backward(model, opt, modules=["bert.encoder.layer.0.attention.self.key"])
     handle = sift.enable_sparse_backward(model, opt)
     assert list(handle.modules) == ["bert.encoder.layer.0.attention.self.query"]
-    with pytest.raises(ValueError, match="enabled twice"):
+    q.forward = lambda x: x  # someone else's forward is never replaced
+    with pytest.raises(ValueError, match="replaced by something other than sift"):
         sift.enable_sparse_backward(model, opt)
     with pytest.raises(ValueError, match="needs compact_grads=True"):
         SparseAdamW.for_model(_tiny("bert"), sparse_backward=True, compact_grads=False)
