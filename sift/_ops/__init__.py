@@ -27,8 +27,8 @@ re-exported here, so `sift._ops.<name>` is the one path callers use.
 """
 
 # The op families define their ops (and torch.ops.sift schemas) on import, in this order.
-from sift._ops.registry import (BACKENDS, Op, backend_unavailable_reason, call, define, define_schema,
-                                forced_backend, log, ops, register, resolve)
+from sift._ops.registry import (BACKENDS, Op, backend_unavailable_reason, call, define, define_ordered,
+                                define_schema, forced_backend, log, ops, register, resolve)
 from sift._ops.step import _step_on_device  # noqa: F401  (tests call a step op's CUDA entry)
 from sift._ops.sparse_adamw import sparse_adamw_ref
 from sift._ops.delta import (merge_sorted_deltas_ref, originals_like, sparse_delta_apply_ref,
@@ -38,13 +38,13 @@ from sift._ops.singular_values import CPP_SINGULAR_VALUES_MAX_K, singular_values
 from sift._ops.sparse_adamw_lean import (LEAN_WINDOW, LEAN_WINDOW_BITS, checked_lean_indices, decode_lean_indices,
                                          encode_lean_indices, lean_num_windows, lean_random_bits, lean_round_bf16,
                                          lean_unit, sparse_adamw_lean_ref)
-from sift._ops.weight_grad import (SPARSE_WEIGHT_GRAD_DTYPES, check_sparse_weight_grad_args, sparse_weight_grad,
-                                   sparse_weight_grad_ref)
+from sift._ops.weight_grad import (SPARSE_WEIGHT_GRAD_DTYPES, check_sparse_weight_grad_args,
+                                   register_weight_grad_route, sparse_weight_grad, sparse_weight_grad_ref)
 
 __all__ = ["BACKENDS", "CPP_SINGULAR_VALUES_MAX_K", "LEAN_WINDOW", "LEAN_WINDOW_BITS", "SPARSE_WEIGHT_GRAD_DTYPES", "Op",
            "backend_unavailable_reason", "call", "check_sparse_weight_grad_args", "checked_lean_indices",
-           "decode_lean_indices", "define", "define_schema", "encode_lean_indices", "forced_backend",
+           "decode_lean_indices", "define", "define_ordered", "define_schema", "encode_lean_indices", "forced_backend",
            "lean_num_windows", "lean_random_bits", "lean_round_bf16", "lean_unit", "log", "merge_sorted_deltas_ref",
-           "ops", "originals_like", "register", "resolve", "singular_values_gram_eigvalsh", "singular_values_ref",
-           "sparse_adamw_lean_ref", "sparse_adamw_ref", "sparse_delta_apply_ref", "sparse_delta_restore_ref",
+           "ops", "originals_like", "register", "register_weight_grad_route", "resolve", "singular_values_gram_eigvalsh",
+           "singular_values_ref", "sparse_adamw_lean_ref", "sparse_adamw_ref", "sparse_delta_apply_ref", "sparse_delta_restore_ref",
            "sparse_weight_grad", "sparse_weight_grad_ref"]

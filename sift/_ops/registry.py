@@ -196,6 +196,27 @@ def define_schema(name: str, schema: str, fake: Callable, cuda: Callable, *, tra
         _record_on_triton(name, registry or name, traced)
 
 
+def define_ordered(name: str, schema: str, impl: Callable) -> None:
+    """Define `torch.ops.sift.<name>`, an op returning nothing whose effect its schema cannot state
+    (state outside its arguments), with one Python kernel for every device.
+
+    Its ordered effect keeps every call, in order, in a torch.compile graph: a node with no
+    outputs and no mutated arguments would otherwise be dropped as dead code. Dynamo never traces
+    the kernel: a training step compiled whole runs it from the eager backward, where tracing its
+    Python state would only add graphs.
+    """
+    _LIB.define(schema)
+    torch.library.register_fake(f"sift::{name}", _no_output, lib=_LIB)
+    _LIB.impl(name, torch.compiler.disable(impl), "CompositeExplicitAutograd")
+    from torch._higher_order_ops import effects
+
+    op = getattr(torch.ops.sift, name).default
+    if hasattr(torch.library, "_register_effectful_op"):
+        torch.library._register_effectful_op(op, effects._EffectType.ORDERED, lib=_LIB)
+    else:  # older torch: the effects table itself
+        effects.SIDE_EFFECTS[op] = effects._EffectType.ORDERED
+
+
 def _record_on_triton(name: str, registry: str, traced: Callable) -> None:
     """Let torch.compile see the Triton kernels of `torch.ops.sift.<name>`.
 

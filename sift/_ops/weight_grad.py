@@ -1,11 +1,16 @@
 """The `sparse_weight_grad` op: a linear layer's weight gradient at its chosen entries only,
-its argument checks, reference and the checked entry `sparse_weight_grad`."""
+its argument checks, reference and the checked entry `sparse_weight_grad`; and
+`sparse_weight_grad_routed_`, the sparse backward's call of it as one opaque node."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from typing import Any
+
 import torch
 
-from sift._ops.registry import _no_output, call, define, define_schema, register
+from sift._ops.registry import _no_output, call, define, define_ordered, define_schema, register
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,3 +184,36 @@ def sparse_weight_grad(
         True
     """
     return call("sparse_weight_grad", grad_output, input, indices, out, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------
+# sparse_weight_grad_routed_(grad_output, input, route): the sparse backward's weight-gradient
+# part, one opaque node with an ordered effect. Where the [k] values go (the optimizer's compact
+# buffer, zeroed by a step's first call; an open buffer under update_in_backward; an FSDP2
+# reduce-scatter) and the optimizer's bookkeeping are Python state the route object handles when
+# the op runs: inside a torch.compile graph that state would break the graph or go stale in it.
+# The route registers itself (`register_weight_grad_route`) and is held weakly: its layer owns it.
+# ---------------------------------------------------------------------------------------
+
+_ROUTES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_route_ids = itertools.count()
+
+
+def register_weight_grad_route(route: Any) -> int:
+    """Give `route` (with a method `add_weight_grad(grad_output [T, R], input [T, C])`) its id for
+    `torch.ops.sift.sparse_weight_grad_routed_`."""
+    route_id = next(_route_ids)
+    _ROUTES[route_id] = route
+    return route_id
+
+
+def _sparse_weight_grad_routed(grad_output: torch.Tensor, input: torch.Tensor, route: int) -> None:
+    target = _ROUTES.get(route)
+    if target is None:
+        raise RuntimeError(f"sparse_weight_grad_routed_: no live route {route} (its layer's sparse backward was removed)")
+    target.add_weight_grad(grad_output, input)
+
+
+define_ordered("sparse_weight_grad_routed_",
+               "sparse_weight_grad_routed_(Tensor grad_output, Tensor input, int route) -> ()",
+               _sparse_weight_grad_routed)
