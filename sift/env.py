@@ -90,8 +90,14 @@ def report() -> str:
     from sift.triton_kernels._launch import record_unavailable_reason
 
     why_opaque = record_unavailable_reason()
-    lines.append(f"{'torch.compile':>14}: " + ("Triton launches recorded in graphs (CUDA)" if why_opaque is None
-                                               else f"Triton ops stay opaque in graphs: {why_opaque}"))
+    if why_opaque is not None:
+        compiled = f"Triton ops stay opaque in graphs: {why_opaque}"
+    elif torch.cuda.is_available():
+        compiled = "Triton launches recorded in graphs (CUDA)"
+    else:
+        # Nothing here runs Triton: what a CUDA machine would do is not this machine's behaviour.
+        compiled = "each op one graph node (no CUDA device: the C++ CPU kernels, opaque to Inductor)"
+    lines.append(f"{'torch.compile':>14}: {compiled}")
     if torch.cuda.is_available():
         from sift.bench._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
 
