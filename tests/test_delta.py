@@ -464,19 +464,20 @@ def test_from_optimizer_reproduces_training(dtype):
     for name, p in model.named_parameters():
         st = opt.state[p]
         assert torch.equal(delta[name].indices, st["indices"].to(torch.int32))
-        assert torch.equal(delta[name].values, st["delta"])  # exactly the optimizer's increments
+        if dtype == torch.bfloat16:
+            # A 16-bit weight's increment is tuned minus base (exact in fp32), what its file keeps in bf16.
+            tuned = p.detach().reshape(-1)[st["indices"].long()].float()
+            assert torch.equal(delta[name].values, tuned - st["base"].float())
+        else:
+            assert torch.equal(delta[name].values, st["delta"])  # exactly the optimizer's increments
     target = copy.deepcopy(original)
     delta.apply_(target)  # also checks the fingerprint against the untrained copy
     for (name, got), want in zip(target.state_dict().items(), model.state_dict().values()):
-        if dtype == torch.bfloat16:
-            assert torch.equal(got, want), name  # the optimizer writes round(base + delta) too
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
-    # The trained model is not the base: its changed entries are exactly what the check compares
-    # for bf16 (the optimizer keeps the base values), and fp32 has untouched entries only.
-    if dtype == torch.bfloat16:
-        with pytest.raises(DeltaError, match="another base model"):
-            delta.apply_(model)
+        assert torch.equal(got, want), name  # the optimizer writes round(base + delta) too
+    # The trained model is not the base: its changed entries are what the check compares (the optimizer
+    # keeps the base values at every chosen entry).
+    with pytest.raises(DeltaError, match="another base model"):
+        delta.apply_(model)
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["plain", "hook"])
@@ -983,3 +984,53 @@ def test_merged_tensors_hold_no_storage_beyond_their_entries(backend, index_dtyp
     for entry in merged.entries.values():
         for t in (entry.indices, entry.values):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_16_bit_weights_increments_are_stored_in_its_dtype_where_exact(tmp_path):
+    """Files kept every increment in fp32 (6 B an entry): a bf16 weight's increments that bf16 holds exactly
+    are now stored in bf16 (4 B), the others as fp32 exceptions; the reload is bit-exact either way, and a
+    delta whose increments mostly do not fit keeps fp32 (never larger than before)."""
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.arange(0, 4000, 4, dtype=torch.int32)
+    fits = torch.randn(1000, generator=g).to(torch.bfloat16).float()
+    fits[::50] += 1e-5  # 20 increments bf16 cannot hold
+    rough = torch.randn(1000, generator=g)  # fp32 values: nearly none fit bf16
+    delta = SparseDelta({"a": DeltaEntry((4000,), torch.bfloat16, idx, fits),
+                         "b": DeltaEntry((4000,), torch.bfloat16, idx, rough),
+                         "c": DeltaEntry((4000,), torch.float32, idx, rough)})
+    path = tmp_path / "d.safetensors"
+    delta.save(path)
+    with safe_open(path, framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert stored["a.values"].dtype == torch.bfloat16 and stored["a.exact_positions"].numel() == 20
+    assert stored["b.values"].dtype == torch.float32 and "b.exact_positions" not in stored
+    assert stored["c.values"].dtype == torch.float32
+    loaded = SparseDelta.load(path)
+    for name in ("a", "b", "c"):
+        assert torch.equal(loaded[name].values, delta[name].values), name
+    # 2 B index half + 2 B value per entry, 8 B per exception, and the window table.
+    assert sum(stored[k].numel() * stored[k].element_size() for k in stored if k.startswith("a.")) == \
+        1000 * 4 + 20 * 8 + 4 * 2
+
+
+def test_a_16_bit_file_with_broken_exceptions_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    idx = torch.arange(0, 400, 4, dtype=torch.int32)
+    values = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).float()
+    values[3] += 1e-5
+    path = tmp_path / "d.safetensors"
+    SparseDelta({"a": DeltaEntry((400,), torch.bfloat16, idx, values)}).save(path)
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    tensors["a.exact_positions"] = torch.tensor([100], dtype=torch.int32)  # past the 100 values
+    from sift.delta.storage import _checksum
+
+    metadata["checksum"] = _checksum(tensors)  # well-formed file, wrong content
+    save_file(tensors, tmp_path / "bad.safetensors", metadata=metadata)
+    with pytest.raises(DeltaError, match="exact_positions out of range"):
+        SparseDelta.load(tmp_path / "bad.safetensors")
