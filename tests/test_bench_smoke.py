@@ -271,3 +271,7 @@ def test_distributed_quick(tmp_path, monkeypatch):
     assert sparse_backward["sent/step/rank MiB"] < hook["sent/step/rank MiB"]
     assert sparse_backward["optim/rank MiB"] == hook["optim/rank MiB"]
     assert all(r["step ms"] > 0 for r in rows.values())
+    # The gradients' share of the traffic, and the k x 8 B it is held against.
+    assert 0 < sparse_backward["gradients sent MiB"] < plain["gradients sent MiB"] <= plain["sent/step/rank MiB"]
+    assert sparse_backward["compact grads MiB"] == hook["compact grads MiB"] > 0 == adamw["compact grads MiB"]
+    assert "gradients on the wire at most 2x" in markdown
