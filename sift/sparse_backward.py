@@ -16,7 +16,9 @@ into the optimizer's compact buffer (gradient accumulation adds up). Biases and 
 untouched. The optimizer must be in `compact_grads` mode, whose step, clipping and process-group
 averaging already read those buffers.
 
-Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, autocast (bf16/
+Supported: gradient accumulation, `sift.clip_grad_norm_` and `max_grad_norm`, `torch.compile` (once the
+entries are chosen the forward is one graph: the weight-gradient part is one opaque op,
+`torch.ops.sift.sparse_weight_grad_routed_`, that keeps the optimizer's books when it runs), autocast (bf16/
 fp16 compute; the op reads dY and X in the autocast dtype and accumulates in fp32), gradient
 checkpointing, several processes through the optimizer's `process_group` (k entries on the wire
 per weight), and the optimizer's `update_in_backward` (each weight is stepped once every use of

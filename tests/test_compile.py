@@ -84,7 +84,7 @@ def _assert_same_training(model_a, opt_a, model_b, opt_b, atol=1e-6):
 
 @pytest.mark.parametrize("sparse_backward", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_after_selection_is_one_graph(family, sparse_backward):
+def test_after_selection_the_forward_is_one_graph_and_the_backward_adds_no_break(family, sparse_backward):
     """The sparse backward's Function broke the graph at every sparse linear (its backward kept the optimizer's books)."""
     model = _tiny(family)
     opt = _optimizer(model, sparse_backward)
@@ -95,6 +95,16 @@ def test_forward_after_selection_is_one_graph(family, sparse_backward):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda ids, labels: model(input_ids=ids, labels=labels).loss)(*batch.values())
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [r.reason for r in explained.break_reasons]
+
+    def forward_backward(ids, labels):
+        model(input_ids=ids, labels=labels).loss.backward()
+
+    # A step compiled whole: dynamo breaks at `.backward()` itself (trace_autograd_ops is off) and nowhere
+    # else; the eager backward's op kernel and hooks are not traced into graphs of their own.
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward_backward)(*batch.values())
+    reasons = [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1 and len(reasons) == 1 and "Tensor.backward()" in reasons[0], reasons
 
 
 @pytest.mark.parametrize("sparse_backward", MODES)

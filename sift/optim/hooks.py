@@ -94,6 +94,9 @@ class HooksMixin:
                 self._quantized_handles[values] = self._accumulator_of(values).register_prehook(
                     functools.partial(self._quantized_prehook, values))
 
+    # The gradient hooks run from the eager backward, also when a training step is compiled whole
+    # (`.backward()` breaks the graph there): dynamo tracing their Python state would only add graphs.
+    @torch.compiler.disable
     @torch.no_grad()
     def _quantized_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
         """update_in_backward: a 4-bit layer's delta values have their whole gradient (every use has
@@ -135,6 +138,7 @@ class HooksMixin:
         self._unhooked = []
         self._hooks_ready = False
 
+    @torch.compiler.disable
     @torch.no_grad()
     def _grad_hook(self, p: torch.Tensor) -> None:
         grad = p.grad
@@ -207,6 +211,7 @@ class HooksMixin:
 
     # ----------------------------------------------------- update in backward
 
+    @torch.compiler.disable
     @torch.no_grad()
     def _accumulator_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
         """update_in_backward: p's AccumulateGrad node is about to run, so every use of p in this
