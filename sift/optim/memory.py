@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from sift.optim.state import is_selected
+
 logger = logging.getLogger("sift")
 
 MEMORY_MODES = ("low", "lowest", "plain")
@@ -92,3 +94,35 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
         drop("update_in_backward", False, "FSDP2's sparse backward reduces each weight's gradient per use")
     auto = bool(chosen["update_in_backward"]) and "update_in_backward" not in explicit
     return chosen, auto
+
+
+class MemoryPresetMixin:
+    """`SparseAdamW`'s side of `memory="lowest"`: the first step may still drop the update in backward."""
+
+    def _settle_update_in_backward(self) -> None:
+        """memory="lowest": on the steps before anything is selected (nothing was stepped in backward yet),
+        drop the update in backward with one log line if micro-batches accumulated or a GradScaler drives
+        the step; once entries are chosen, the choice is final (a later misuse raises)."""
+        if not self._update_in_backward_auto:
+            return
+        if any(is_selected(self.state.get(p, {})) for _, p in self._sparse_params()) or any(
+                route.selected for route in self._quantized.values()):
+            self._update_in_backward_auto = False
+            return
+        why = None
+        if self._accumulation_seen:
+            why = "micro-batches accumulate before each step"
+        elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None or \
+                self.grad_scaler is not None:
+            why = "a GradScaler may skip a step that backward would already have applied"
+        self._accumulation_seen = False
+        if why is None:
+            return
+        logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
+        self._update_in_backward_auto = False
+        self.update_in_backward = False
+        self._backward_seen.clear()
+        self.remove_hooks()
+        self._hooks_ready = True
+        self._sync_hooks()
+        self._hook_quantized()
