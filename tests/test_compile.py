@@ -19,16 +19,16 @@ MODES = [pytest.param(True, id="sparse-backward"), pytest.param(False, id="hook-
 FAMILIES = ["bert", "gpt2"]
 
 
-def _tiny(family: str) -> torch.nn.Module:
+def _tiny(family: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=40, max_position_embeddings=32, num_labels=3,
-                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=24, num_hidden_layers=layers,
+                                         num_attention_heads=4, intermediate_size=40, max_position_embeddings=32,
+                                         num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return transformers.BertForSequenceClassification(config)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=4, n_positions=32, num_labels=3,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=1,
-                                     eos_token_id=2)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=layers, n_head=4, n_positions=32,
+                                     num_labels=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2)
     return transformers.GPT2ForSequenceClassification(config)
 
 
@@ -85,7 +85,7 @@ def _assert_same_training(model_a, opt_a, model_b, opt_b, atol=1e-6):
 @pytest.mark.parametrize("sparse_backward", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_after_selection_the_forward_is_one_graph_and_the_backward_adds_no_break(family, sparse_backward):
-    """The sparse backward's Function broke the graph at every sparse linear (its backward kept the optimizer's books)."""
+    """The sparse backward broke the graph at every sparse linear: its backward kept the optimizer's books."""
     model = _tiny(family)
     opt = _optimizer(model, sparse_backward)
     assert (getattr(opt, "sparse_backward_handle", None) is not None) == sparse_backward
@@ -143,7 +143,8 @@ def test_compiled_training_equals_eager(family, sparse_backward):
 
 
 def test_compiled_training_equals_eager_under_inductor():
-    model_a, model_b = _tiny("bert"), _tiny("bert")
+    # One layer: building the C++ of its kernels is what Inductor costs here.
+    model_a, model_b = _tiny("bert", layers=1), _tiny("bert", layers=1)
     opt_a, opt_b = _optimizer(model_a, True), _optimizer(model_b, True)
     _train(model_a, opt_a, range(1))
     _train(model_b, opt_b, range(1))  # selected eagerly: one compile, of the sparse backward
@@ -152,3 +153,18 @@ def test_compiled_training_equals_eager_under_inductor():
     _train(model_a, opt_a, range(1, 3), micro=2)
     _train(compiled, opt_b, range(1, 3), micro=2)
     _assert_same_training(model_a, opt_a, model_b, opt_b, atol=1e-5)
+
+
+def test_compiled_update_in_backward_equals_eager():
+    """Under update_in_backward the compiled backward adds every layer's part to its open buffer before the
+    accumulators' pre-hooks step the weights, as eager does layer by layer."""
+    model_a, model_b = _tiny("gpt2"), _tiny("gpt2")
+    opt_a, opt_b = (SparseAdamW.for_model(m, density=0.05, lr=1e-2, compact_grads=True, update_in_backward=True,
+                                          sparse_backward=True) for m in (model_a, model_b))
+    _train(model_a, opt_a, range(1))
+    _train(model_b, opt_b, range(1))
+    torch._dynamo.reset()
+    compiled = torch.compile(model_b, backend="aot_eager")
+    _train(model_a, opt_a, range(1, 4))
+    _train(compiled, opt_b, range(1, 4))
+    _assert_same_training(model_a, opt_a, model_b, opt_b)
