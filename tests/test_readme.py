@@ -11,9 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
-# Recipes for torchrun on several GPUs (a first line `# torchrun ...`) cannot run here: they are
-# compiled, not run. Any other snippet runs.
-TORCHRUN = re.compile(r"\A# torchrun ")
+# Code for several processes (a torchrun recipe, FSDP2 sharding, a DDP wrap) cannot run in one test
+# process: it is compiled, not run. Any other snippet runs.
+SEVERAL_PROCESSES = re.compile(r"torchrun|init_process_group|fully_shard\(|DistributedDataParallel\(")
 
 
 def _snippets(page: pathlib.Path) -> list[str]:
@@ -56,7 +56,7 @@ def test_every_page_fence_is_closed():
 @pytest.mark.parametrize(("page", "index", "code"), SNIPPETS, ids=IDS)
 def test_snippet_runs(page, index, code, tmp_path, monkeypatch):
     compiled = compile(code, f"{page}:snippet-{index}", "exec")
-    if TORCHRUN.match(code):
-        pytest.skip("a torchrun recipe for several GPUs: compiled, not run")
+    if SEVERAL_PROCESSES.search(code):
+        pytest.skip("code for several processes (torchrun, FSDP2, DDP): compiled, not run")
     monkeypatch.chdir(tmp_path)  # whatever a snippet writes next to it stays out of the checkout
     exec(compiled, {"__name__": f"snippet_{index}"})
