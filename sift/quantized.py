@@ -65,8 +65,32 @@ def is_quantized_linear(module: nn.Module) -> bool:
     return is_linear4bit(module) or is_linear8bit(module)
 
 
-def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The [out, in] weight of a 4-bit or int8 layer in `dtype`: a new tensor, never kept."""
+def check_not_sharded(model: nn.Module) -> None:
+    """Refuse a model whose bitsandbytes layers FSDP2 already sharded: their weights are then DTensors of the
+    packed bytes, without the `quant_state` (4-bit) or row scales (8-bit) needed to read them, and a
+    bf16 `quant_storage` would even pass for a 16-bit weight and train the packed bytes as numbers.
+
+    Raises:
+        ValueError: a `Linear4bit` or `Linear8bitLt` whose weight is a DTensor.
+
+    Example:
+        >>> check_not_sharded(nn.Sequential(nn.Linear(4, 3)))  # nothing quantized, nothing sharded: no error
+    """
+    for name, module in model.named_modules():
+        kinds = {cls.__name__ for cls in type(module).__mro__}
+        if kinds & {"Linear4bit", "Linear8bitLt"} and type(getattr(module, "weight", None)).__name__ == "DTensor":
+            raise ValueError(
+                f"the bitsandbytes layer {name!r} is already sharded by fully_shard (FSDP2): for_model on a "
+                "quantized model must come before fully_shard; then pass ignored_params="
+                "sift.optim.sharded.replicated_quantized_deltas(optimizer) to every fully_shard call")
+
+
+def _dequantize(module: nn.Module, dtype: torch.dtype, quant_state: Any = None) -> torch.Tensor:
+    """The [out, in] weight of a 4-bit or int8 layer in `dtype`: a new tensor, never kept.
+
+    `quant_state`: the 4-bit weight's, when the weight itself no longer carries it (FSDP2 all-gathers the
+    packed bytes into a plain tensor, without bitsandbytes' `Params4bit` attributes).
+    """
     weight = module.weight
     if is_linear8bit(module):
         from bitsandbytes.functional import int8_vectorwise_dequant
@@ -80,10 +104,11 @@ def _dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return int8_vectorwise_dequant(weight.data, scales.float()).to(dtype)
     from bitsandbytes.functional import dequantize_4bit
 
-    if weight.quant_state is None:
+    quant_state = weight.quant_state if getattr(weight, "quant_state", None) is not None else quant_state
+    if quant_state is None:
         raise RuntimeError("the 4-bit layer's weight has no quant_state: move the model to its device first "
                            "(bitsandbytes quantizes on the move)")
-    dense = dequantize_4bit(weight.data, weight.quant_state)
+    dense = dequantize_4bit(weight.data, quant_state)
     return dense.to(dtype).reshape(module.out_features, module.in_features)
 
 
@@ -98,6 +123,12 @@ class QuantizedRoute:
         self.k = k
         self.numel = module.out_features * module.in_features
         self.values: nn.Parameter = getattr(module, DELTA)
+        # Kept here because FSDP2 swaps the packed Params4bit for DTensor / plain-tensor params that lack it;
+        # it describes the whole weight, so every rank dequantizes the all-gathered bytes with it.
+        self.quant_state = getattr(module.weight, "quant_state", None)
+        # Set by `sift.optim.sharded.replicated_quantized_deltas`: the ranks over which this layer's [k]
+        # gradient (and the selecting step's dense score) is averaged inside backward.
+        self.process_group: Any = None
         # Selection in progress: this step's entries and score (committed or dropped by step()).
         self.tentative: torch.Tensor | None = None
         self.step_score: torch.Tensor | None = None
@@ -130,7 +161,8 @@ class QuantizedRoute:
     def base_dtype(self) -> torch.dtype:
         """The dtype the weight had before it was quantized (what a 16-bit copy of the model holds): the 4-bit
         quant state records it; an int8 weight does not, so its bias's dtype, or fp32 without a bias."""
-        recorded = getattr(getattr(self.module.weight, "quant_state", None), "dtype", None)
+        state = getattr(self.module.weight, "quant_state", None)
+        recorded = getattr(state if state is not None else self.quant_state, "dtype", None)
         if recorded is not None:
             return recorded
         bias = self.module.bias
@@ -143,7 +175,7 @@ class QuantizedRoute:
 
     def weight(self, dtype: torch.dtype, values: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
         """dequant(Wq) + S in `dtype` (transient, [out, in]); S's `indices` None before selection."""
-        dense = _dequantize(self.module, dtype)
+        dense = _dequantize(self.module, dtype, self.quant_state)
         if indices is not None:
             dense.view(-1).index_add_(0, indices, values.to(dtype))
         return dense
@@ -167,6 +199,8 @@ class QuantizedRoute:
             self.tentative = indices.to(index_dtype(self.numel))
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
+        # Several ranks choose one set of entries: from the gradient of the global batch.
+        self.average(dense)
         # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
         score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
         score = score.reshape(-1)
@@ -179,6 +213,31 @@ class QuantizedRoute:
         self.tentative = top_k_positions(total, self.k).to(index_dtype(self.numel))
         self.step_score = None  # this step's score was only needed for the choice
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average `tensor` (this rank's share of a gradient) over `process_group` in place; unchanged without one."""
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+            tensor.div_(dist.get_world_size(self.process_group))
+        return tensor
+
+    def check_values(self, values: torch.Tensor) -> None:
+        """Refuse, at the forward, a layer whose delta FSDP2 took over or whose ranks nothing averages: either
+        would train each rank's replica apart (or not at all) without an error."""
+        if self.optimizer is None:
+            return
+        if values is not self.values:
+            raise ValueError(
+                f"the 4-bit layer {self.name!r} computes with a {DELTA} that is not the one SparseAdamW trains: "
+                "fully_shard (FSDP2) replaced it with its own param. Pass the deltas to fully_shard as "
+                "ignored_params=sift.optim.sharded.replicated_quantized_deltas(optimizer) on every call")
+        if self.process_group is None and _is_fsdp_module(self.module) and _world_size() > 1:
+            raise ValueError(
+                f"the 4-bit layer {self.name!r} is sharded by fully_shard (FSDP2) in a job of {_world_size()} "
+                f"processes, and nothing averages its {DELTA} gradient across ranks: take the ignored_params of "
+                "fully_shard from sift.optim.sharded.replicated_quantized_deltas(optimizer)")
 
     def commit(self) -> None:
         """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
@@ -238,11 +297,24 @@ class _QuantizedSparseLinear(torch.autograd.Function):
                 grad_values = _ops.call("sparse_weight_grad", dy, x2, indices, check_values=False)
             else:
                 grad_values = route.selection_grad(dy, x2, weight)
+            if grad_values is not None:
+                route.average(grad_values)
         return grad_x, grad_values, grad_b, None
 
 
+def _is_fsdp_module(module: nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" for cls in type(module).__mro__)
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _QuantizedSparseLinear.apply(x, getattr(self, DELTA), self.bias, self._sift_quantized)
+    route, values = self._sift_quantized, getattr(self, DELTA)
+    route.check_values(values)
+    return _QuantizedSparseLinear.apply(x, values, self.bias, route)
 
 
 def attach_deltas(model: nn.Module, names: list[str], density: float) -> dict[str, nn.Parameter]:

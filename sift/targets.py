@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.quantized import attach_deltas, bind_deltas, detach_deltas, is_linear8bit, is_quantized_linear
+from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear8bit,
+                            is_quantized_linear)
 from sift.sparse_backward import exclude_from_ddp
 from sift.optim.state import SparseStateMixin
 from sift.optim.state import is_selected as _selected
@@ -295,6 +296,7 @@ def for_model(
                          "replicas would drift apart: call for_model on the unwrapped model and wrap it in DDP "
                          "afterwards (for_model leaves the sparse weights to the optimizer, which averages them), "
                          "or train in plain mode under DDP")
+    check_not_sharded(model)
     plan = plan_targets(model, target_modules=target_modules, dense_modules=dense_modules)
     modules = dict(model.named_modules())
     # 4-bit targets train a sparse delta over their frozen packed weight (sift.quantized).

@@ -374,3 +374,59 @@ class ShardedOptimizerState:
             saved = torch.load(saved, weights_only=False)
         self.optimizer.load_state_dict(saved)
 
+
+def replicated_quantized_deltas(optimizer: SparseAdamW, process_group: Any = None) -> set[torch.nn.Parameter]:
+    """The 4-bit layers' [k] delta values for `fully_shard(..., ignored_params=...)`, each layer set to
+    average its gradient across the ranks.
+
+    A 4-bit base goes under FSDP2 *after* `for_model`: FSDP2 shards each packed `Params4bit` by rows (its
+    bytes; the per-weight `quant_state` stays whole on every rank, kept by the layer's route) and replaces
+    the module's params with its own, so the small delta values must stay out of it, the same tensors the
+    optimizer holds, replicated. Each layer then averages its [k] gradient over `process_group` inside
+    backward (one all-reduce of k floats per use; on the selecting step also its dense [out, in] score), so
+    every rank chooses and steps the same entries, as one process on the global batch.
+
+    Args:
+        optimizer: from `SparseAdamW.for_model` on the 4-bit model, before any `fully_shard`; it must train
+            nothing but 4-bit deltas (a 16-bit param it held would be replaced by FSDP2's).
+        process_group: the ranks the batch is split over; the default process group if None.
+
+    Returns:
+        The values params, one per 4-bit layer: pass the set to every `fully_shard` call.
+
+    Raises:
+        ValueError: the optimizer holds other params, an 8-bit layer, or no 4-bit layer; or a layer is
+            already sharded.
+
+    Example:
+        >>> opt = sift.SparseAdamW.for_model(model4bit, density=0.05, lr=2e-4)  # doctest: +SKIP
+        >>> deltas = replicated_quantized_deltas(opt)  # doctest: +SKIP
+        >>> for layer in model4bit.model.layers:  # doctest: +SKIP
+        ...     fully_shard(layer, ignored_params=deltas)
+        >>> fully_shard(model4bit, ignored_params=deltas)  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    routes = getattr(optimizer, "_quantized", {})
+    if not routes:
+        raise ValueError("the optimizer trains no 4-bit layer's delta: build it with SparseAdamW.for_model on a "
+                         "bitsandbytes 4-bit model")
+    others = [p for group in optimizer.param_groups for p in group["params"] if p not in routes]
+    if others:
+        raise ValueError(f"the optimizer trains {len(others)} params besides the 4-bit deltas; built before "
+                         "fully_shard, it would keep params FSDP2 replaces with its own: train only the 4-bit "
+                         "layers (target_modules naming them, no dense_modules) on a sharded 4-bit base")
+    for route in routes.values():
+        # By class name, as sift.quantized matches them (importing it here would close an import cycle).
+        if type(route.module.weight).__name__ == "Int8Params":
+            raise ValueError(f"{route.name!r} is an 8-bit layer: its row scales (SCB) live on the Int8Params that "
+                             "FSDP2 replaces; only 4-bit (Params4bit) layers train over a sharded base")
+        if any(cls.__name__ == "FSDPModule" for cls in type(route.module).__mro__) or is_dtensor(route.module.weight):
+            raise ValueError(f"{route.name!r} is already sharded: call replicated_quantized_deltas before fully_shard")
+        if route.quant_state is None:
+            raise ValueError(f"{route.name!r} has no quant_state: move the model to its device first "
+                             "(bitsandbytes quantizes on the move)")
+    group = process_group if process_group is not None else dist.group.WORLD
+    for route in routes.values():
+        route.process_group = group
+    return set(routes)
