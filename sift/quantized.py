@@ -200,7 +200,7 @@ class QuantizedRoute:
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
         # Several ranks choose one set of entries: from the gradient of the global batch.
-        self.average(dense)
+        self.average_score(dense)
         # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
         score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
         score = score.reshape(-1)
@@ -222,6 +222,18 @@ class QuantizedRoute:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
             tensor.div_(dist.get_world_size(self.process_group))
         return tensor
+
+    def average_score(self, dense: torch.Tensor) -> None:
+        """The selecting step's dense gradient averaged over the ranks that train together: the route's group,
+        or, under DDP (which averages the [k] values' gradient, not this one), the default group. Without it each
+        rank would choose its own entries and DDP would average values taken at different positions."""
+        if self.process_group is not None or _world_size() == 1:
+            self.average(dense)
+            return
+        import torch.distributed as dist
+
+        dist.all_reduce(dense, op=dist.ReduceOp.SUM)
+        dense.div_(_world_size())
 
     def check_values(self, values: torch.Tensor) -> None:
         """Refuse, at the forward, a layer whose delta FSDP2 took over or whose ranks nothing averages: either

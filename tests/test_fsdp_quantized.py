@@ -164,6 +164,21 @@ def _worker(rank: int, world: int, out: str) -> None:
         if name in EXPORTED:
             results[name]["delta"] = _entries(SparseDelta.from_optimizer(opt, model))
     results["refusals"] = _refusals()
+    # Plain DDP over an unsharded 4-bit model: the ranks chose their entries from their own gradients.
+    model = _model()
+    opt = _for_model(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    _train(ddp, opt, rank, world, STEPS, 1)
+    results["ddp"] = {"trained": _snapshot(model, opt)}
+    model = _model()
+    opt = _for_model(model, update_in_backward=True)
+    before = [p.detach().clone() for p in opt._quantized]
+    try:
+        _train(nn.parallel.DistributedDataParallel(model), opt, rank, world, 1, 1)
+        results["ddp-uib"] = {"error": None}
+    except RuntimeError as exc:
+        results["ddp-uib"] = {"error": str(exc), "moved": any(not torch.equal(p.detach(), b)
+                                                              for p, b in zip(opt._quantized, before))}
     torch.save(results, f"{out}.{rank}")
 
 
@@ -179,6 +194,24 @@ def _reference(config: dict, delta: bool = False) -> dict:
     opt = _for_model(model, **config["kwargs"])
     _train(model, opt, 0, 1, STEPS, config["micro"])
     return _entries(SparseDelta.from_optimizer(opt, model)) if delta else _snapshot(model, opt)
+
+
+def test_ddp_ranks_choose_the_4_bit_entries_of_the_global_batch(ranks):
+    """Under DDP each rank chose a 4-bit layer's entries from its own half of the batch, and DDP averaged [k]
+    values taken at different positions without an error; the ranks now choose from the averaged gradient."""
+    want = _reference(CONFIGS["plain"])
+    for rank, r in enumerate(ranks):
+        got = r["ddp"]["trained"]
+        for i in (0, 2):
+            assert torch.equal(got[i]["indices"], want[i]["indices"]), f"rank {rank} layer {i}: entries"
+            torch.testing.assert_close(got[i]["values"], want[i]["values"], **TOL, msg=f"rank {rank} layer {i}")
+
+
+def test_ddp_with_the_update_in_backward_over_4_bit_deltas_is_refused_before_anything_moves(ranks):
+    """Stepped inside backward, a 4-bit delta took each rank's own gradient before DDP averaged it."""
+    for r in ranks:
+        assert "update_in_backward=True in a job of 2 processes" in (r["ddp-uib"]["error"] or "")
+        assert not r["ddp-uib"]["moved"]
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))

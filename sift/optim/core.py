@@ -367,6 +367,12 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
+        if self.update_in_backward and any(route.process_group is None for route in self._quantized.values()):
+            # DDP reduces a 4-bit layer's delta gradient after its accumulator ran: stepped before that, each
+            # replica would train on its own gradient.
+            raise RuntimeError(f"update_in_backward=True in a job of {world} processes: the 4-bit layers' deltas would "
+                               "be stepped inside backward on each rank's own gradient, before DDP averages it; use "
+                               "update_in_backward=False")
         if all(is_dtensor(p) for _, p in self._sparse_params()):
             return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
         excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self._sparse_params())
