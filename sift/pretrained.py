@@ -1,14 +1,7 @@
 """A fine-tune as a Hugging Face-style directory, and merged checkpoints.
 
-`save_pretrained(delta, directory, model)` writes
-
-    delta.safetensors   the sparse entries, the dense parts (a trained head) and the base
-                        fingerprint, checksummed (`SparseDelta.save`'s file)
-    sift_config.json    what the fine-tune is: the base model's `name_or_path` and commit (when
-                        known), the sparse weights and dense params with their shapes, dtypes and
-                        entry counts, the density and selection rule, the package version
-    README.md           a short model card: base model, method, what was trained, size, how to load
-
+`save_pretrained(delta, directory, model)` writes the fine-tune directory (`delta.safetensors`,
+`sift_config.json`, a model card; the layout is `sift.delta.directory`'s).
 `from_pretrained(directory)` reads it back and refuses a directory it cannot trust (a missing or
 extra file, a config that disagrees with the tensors, a newer format). `merge_and_save` applies a
 delta to its base model and writes a plain `save_pretrained` checkpoint that `transformers`

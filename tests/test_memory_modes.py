@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from conftest import backward_and_step
 from sift import SparseAdamW
 
 transformers = pytest.importorskip("transformers")
@@ -49,14 +50,10 @@ def _train(family: str, steps: int = 4, micro: int = 1, scaler=None, **kwargs):
     model = MODELS[family]()
     opt = SparseAdamW.for_model(model, density=0.05, lr=1e-2, **kwargs)
     for step in range(steps):
-        for m in range(micro):
+        for m in range(micro - 1):
             loss = model(**_batch(family, step, m)).loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        backward_and_step(opt, model(**_batch(family, step, micro - 1)).loss, scaler)
         opt.zero_grad()
     return model, opt
 
