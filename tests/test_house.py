@@ -1,4 +1,4 @@
-"""House rules of the package's layout: imports point one way (no cycles)."""
+"""House rules of the package's layout: imports point one way (no cycles), and no module is huge."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # Package directory -> its dotted name: triton_kernels/ is installed as sift.triton_kernels (setup.py).
 PACKAGES = {REPO / "sift": "sift", REPO / "triton_kernels": "sift.triton_kernels"}
 NATIVE = {"sift._C"}  # the C++ extension: a leaf, imports nothing of the package
+MAX_LINES = 600
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -108,3 +109,8 @@ def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
+
+def test_no_module_over_600_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in module_files().items()}
+    too_long = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not too_long, f"modules over {MAX_LINES} lines: {too_long}"
