@@ -1,6 +1,6 @@
 // Sparse deltas on CPU: k-way merge of index-sorted (indices, values) lists, scatter-add apply
 // with a fused gather of the overwritten values, and the scatter that restores them. The math
-// is the contract in sift/_ops.py (merge_sorted_deltas_ref, sparse_delta_apply_ref,
+// is the contract in sift/_ops/ (merge_sorted_deltas_ref, sparse_delta_apply_ref,
 // sparse_delta_restore_ref); this file is its C++/OpenMP implementation.
 //
 // Merge. Each output tensor g has n_g inputs, each a strictly increasing index list with fp32
@@ -529,7 +529,7 @@ void sparse_delta_restore_cpu(at::TensorList params, at::TensorList indices, at:
 
 }  // namespace
 
-// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) {
   m.impl("merge_sorted_deltas", &merge_sorted_deltas_cpu);
   m.impl("sparse_delta_apply_", &sparse_delta_apply_cpu);

@@ -1,7 +1,7 @@
 // Python module entry of the ahead-of-time build (`import sift._C`). The ops' schemas and fake
-// kernels are defined in sift/_ops.py; each source registers its CPU kernel (TORCH_LIBRARY_IMPL)
+// kernels are defined in sift/_ops/; each source registers its CPU kernel (TORCH_LIBRARY_IMPL)
 // and defines its `<op>_isa` query, so the same files also load through the JIT build. The C++
-// checks guard memory when a kernel is called directly (torch.ops.sift.*); sift/_ops.py's
+// checks guard memory when a kernel is called directly (torch.ops.sift.*); sift/_ops/'s
 // entries name a bad argument the same way on every backend.
 #include <Python.h>
 

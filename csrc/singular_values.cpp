@@ -1,6 +1,6 @@
 // Batched singular values on CPU: x [B, S, D] -> [B, min(S, D)], descending.
 //
-// The contract and the reference are in sift/_ops.py (singular_values_ref, fp64 svdvals).
+// The contract and the reference are in sift/_ops/ (singular_values_ref, fp64 svdvals).
 // Method, per matrix: the fp64 Gram matrix of the shorter side (n = min(S, D)), Householder
 // tridiagonalisation of it (LAPACK's dsytd2), then the eigenvalues of the tridiagonal by
 // implicit QL with shifts (tqli), and sigma = sqrt(max(lambda, 0)) sorted descending. In fp64
@@ -56,7 +56,7 @@ constexpr int LANES = sv_generic::LANES;
 // which stays in L2 next to the Gram itself.
 constexpr int64_t PANEL_ROWS = 64;
 // Largest n = min(S, D) this kernel takes: the Gram of 8 matrices is n^2 x 64 B (16 MB at
-// 512); beyond that the per-matrix LAPACK path in sift/_ops.py is used.
+// 512); beyond that the per-matrix LAPACK path in sift/_ops/ is used.
 constexpr int64_t MAX_N = 512;
 
 Isa detect_isa() {
@@ -242,7 +242,7 @@ std::string singular_values_isa() { return isa_name(detect_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("singular_values_isa() -> str", &singular_values_isa); }
 
-// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("singular_values", &singular_values_cpu); }
 
 }  // namespace sift

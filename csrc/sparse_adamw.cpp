@@ -1,5 +1,5 @@
 // Fused SparseAdamW step on CPU: gather grad[idx] and w[idx], update the compact fp32
-// moments, scatter the new weights. The math is the contract in sift/_ops.py
+// moments, scatter the new weights. The math is the contract in sift/_ops/
 // (sparse_adamw_ref); this file is its C++/OpenMP implementation.
 //
 // Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
@@ -275,7 +275,7 @@ std::string sparse_adamw_isa() { return isa_name(detect_adamw_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_isa() -> str", &sparse_adamw_isa); }
 
-// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_", &sparse_adamw_cpu); }
 
 }  // namespace sift

@@ -1,5 +1,5 @@
 // SparseAdamW step on the lean state (at most 8 bytes per entry) on CPU. The math and the
-// layout are the contract in sift/_ops.py (sparse_adamw_lean_ref); this file is its
+// layout are the contract in sift/_ops/ (sparse_adamw_lean_ref); this file is its
 // C++/OpenMP implementation.
 //
 // Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
@@ -320,7 +320,7 @@ std::string sparse_adamw_lean_isa() { return isa_name(detect_lean_isa()); }
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa); }
 
-// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }
 
 }  // namespace sift

@@ -2,7 +2,7 @@
 // y = x W^T + b with W [R, C] and the tokens flattened to T rows,
 //   out[j] += sum_t dY[t, idx[j] / C] * X[t, idx[j] % C]      j < k, idx sorted ascending,
 // with dY [T, R] and X [T, C] in fp32, bf16 or fp16 and fp32 accumulation. The contract and the
-// plain-torch reference are in sift/_ops.py (sparse_weight_grad_ref).
+// plain-torch reference are in sift/_ops/ (sparse_weight_grad_ref).
 //
 // Method. Tokens are taken in blocks of Tb rows. Per block, dY is transposed into a packed fp32
 // panel Dp [R, Tb], and X one column block at a time into Xp [Cb, Tb] (widening bf16/fp16 on
@@ -468,7 +468,7 @@ std::string sparse_weight_grad_isa() {
 // Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
 TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_weight_grad_isa() -> str", &sparse_weight_grad_isa); }
 
-// CPU kernels of the schemas in sift/_ops.py (see module.cpp).
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_weight_grad_", &sparse_weight_grad_cpu); }
 
 }  // namespace sift
