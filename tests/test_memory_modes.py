@@ -140,6 +140,25 @@ def test_an_explicit_update_in_backward_still_refuses_accumulation():
         _train("bert", steps=1, micro=2, memory="lowest", update_in_backward=True)
 
 
+def test_a_ddp_wrapped_model_trains_in_plain_mode_with_one_log_line(caplog, monkeypatch):
+    """A model already wrapped in DDP cannot take the compact modes (DDP reduces .grad): the preset falls back."""
+    torch.manual_seed(0)
+    model = _bert()
+    monkeypatch.setattr(torch.nn.parallel.DistributedDataParallel, "__init__", lambda self, module: None)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)  # a stand-in: no process group is needed
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model
+    from sift.optim.memory import resolve_memory
+
+    with caplog.at_level(logging.WARNING, logger="sift"):
+        flags, auto = resolve_memory("lowest", wrapped, {})
+    assert flags == dict(compact_grads=False, sparse_backward=False, state="lean", update_in_backward=False)
+    assert not auto
+    assert [r.getMessage() for r in caplog.records] == [
+        "sift: memory='lowest' without update_in_backward, sparse_backward, compact_grads: the model is already "
+        "wrapped in DistributedDataParallel (call for_model before wrapping it)"]
+
+
 def test_a_bad_memory_value_is_refused_and_the_model_is_untouched():
     torch.manual_seed(0)
     model = _bert()

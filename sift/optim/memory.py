@@ -74,24 +74,25 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
         preset.update(sparse_backward=False, update_in_backward=False)
     chosen = {key: explicit.get(key, preset[key]) for key in FLAGS}
 
-    def drop(key: str, value: Any, why: str) -> None:
-        if key not in explicit and chosen[key] != value:
-            chosen[key] = value
-            logger.warning("sift: memory=%r without %s: %s", memory, key, why)
+    def drop(keys: tuple[str, ...], why: str) -> None:
+        """Turn the preset's `keys` off, with one log line naming those that were on."""
+        dropped = [key for key in keys if key not in explicit and chosen[key]]
+        for key in dropped:
+            chosen[key] = False
+        if dropped:
+            logger.warning("sift: memory=%r without %s: %s", memory, ", ".join(dropped), why)
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        why = "the model is already wrapped in DistributedDataParallel (call for_model before wrapping it)"
-        for key in ("update_in_backward", "sparse_backward", "compact_grads"):
-            drop(key, False, why)
+        drop(("update_in_backward", "sparse_backward", "compact_grads"),
+             "the model is already wrapped in DistributedDataParallel (call for_model before wrapping it)")
     if kwargs.get("max_grad_norm") is not None:
-        drop("update_in_backward", False, "max_grad_norm clips over all weights, which cannot wait for one inside "
-             "backward")
+        drop(("update_in_backward",), "max_grad_norm clips over all weights, which cannot wait for one inside backward")
     if kwargs.get("grad_scaler") is not None:
-        drop("update_in_backward", False, "a GradScaler may skip a step that backward would already have applied")
+        drop(("update_in_backward",), "a GradScaler may skip a step that backward would already have applied")
     if _several_processes():
-        drop("update_in_backward", False, "several processes average each gradient before it can be applied")
+        drop(("update_in_backward",), "several processes average each gradient before it can be applied")
     if chosen["sparse_backward"] and any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        drop("update_in_backward", False, "FSDP2's sparse backward reduces each weight's gradient per use")
+        drop(("update_in_backward",), "FSDP2's sparse backward reduces each weight's gradient per use")
     auto = bool(chosen["update_in_backward"]) and "update_in_backward" not in explicit
     return chosen, auto
 
@@ -124,5 +125,4 @@ class MemoryPresetMixin:
         self._backward_seen.clear()
         self.remove_hooks()
         self._hooks_ready = True
-        self._sync_hooks()
-        self._hook_quantized()
+        self._sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
