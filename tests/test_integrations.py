@@ -493,3 +493,20 @@ def test_trainer_save_model_writes_the_fine_tune(tmp_path):
     SparseDelta.from_pretrained(tmp_path / "final").apply_(fresh)
     for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_trainer_lowest_memory_trains_and_saves_its_fine_tune(tmp_path):
+    """SparseTrainer(memory="lowest") built a lean optimizer, whose checkpoints and save_model raised (a lean
+    state keeps no increments); it keeps the exact state and steps in backward, and saves the delta."""
+    from sift.integrations.hf import SparseTrainer
+
+    model = _tiny_bert_classifier()
+    trainer = SparseTrainer(model=model, args=_train_args(tmp_path / "out", max_steps=3, max_grad_norm=0.0),
+                            train_dataset=_tiny_train_data(), density=0.05, memory="lowest")
+    trainer.train()
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert opt.state_layout == "exact" and opt.update_in_backward
+    trainer.save_model(str(tmp_path / "tune"))
+    fresh = _tiny_bert_classifier()
+    SparseDelta.from_pretrained(tmp_path / "tune").apply_(fresh)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))

@@ -55,9 +55,9 @@ class SparseTrainer(Trainer):
         *args: passed to `transformers.Trainer`.
         density: fraction of each weight's entries to train, in (0, 1].
         memory: the memory mode, as for `SparseAdamW.for_model` (`sift.optim.memory`): "low" (the
-            default: hook mode and the sparse backward), "lowest" (also the lean state and the update
-            in backward, which the Trainer's clipping, gradient accumulation or fp16 scaling drop with
-            a log line) or "plain". With several processes the Trainer's DDP reduces `.grad`, so a
+            default: hook mode and the sparse backward), "lowest" (also the update in backward, which
+            the Trainer's clipping, gradient accumulation or fp16 scaling drop with a log line; the
+            state stays exact, since the Trainer's checkpoints export its increments) or "plain". With several processes the Trainer's DDP reduces `.grad`, so a
             preset falls back to plain mode there, with one log line.
         compact_grads: gradient-hook mode of `SparseAdamW` explicitly (single process only: with
             several processes use plain mode, which the Trainer's DDP handles). Under fp16
@@ -135,6 +135,10 @@ class SparseTrainer(Trainer):
             logger.warning("SparseTrainer: memory=%r falls back to plain mode with %d processes (the Trainer's DDP "
                            "averages .grad, which the memory modes free)", memory, training_args.world_size)
             memory = "plain"
+        if memory == "lowest":
+            # Its checkpoints are deltas, built from the exact state's increments; the lean state keeps none.
+            logger.warning("SparseTrainer: memory='lowest' keeps the exact state (its checkpoints and save_model "
+                           "export the increments, which the lean state does not keep)")
         self.sift_density = density
         self.sift_memory = memory
         self.sift_compact_grads = compact_grads
@@ -203,7 +207,7 @@ class SparseTrainer(Trainer):
 
     def _memory_hints(self) -> dict[str, Any]:
         """The explicit flag and what of the Trainer's setup rules the update in backward out up front."""
-        hints: dict[str, Any] = {"compact_grads": self.sift_compact_grads}
+        hints: dict[str, Any] = {"compact_grads": self.sift_compact_grads, "state": "exact"}
         if self.args.max_grad_norm:
             hints["max_grad_norm"] = self.args.max_grad_norm  # clipped by the Trainer over all weights
         return hints
@@ -223,6 +227,7 @@ class SparseTrainer(Trainer):
             select_steps=self.sift_select_steps,
             memory=self.sift_memory,
             compact_grads=self.sift_compact_grads,
+            state="exact",
             **self._no_update_in_backward_under_clipping(),
         )
         params = dict(opt_model.named_parameters())
