@@ -200,7 +200,7 @@ class QuantizedRoute:
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
         # Several ranks choose one set of entries: from the gradient of the global batch.
-        self.average_score(dense)
+        self.average(dense, everywhere=True)
         # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
         score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
         score = score.reshape(-1)
@@ -214,26 +214,20 @@ class QuantizedRoute:
         self.step_score = None  # this step's score was only needed for the choice
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
-    def average(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Average `tensor` (this rank's share of a gradient) over `process_group` in place; unchanged without one."""
-        if self.process_group is not None:
-            import torch.distributed as dist
+    def average(self, tensor: torch.Tensor, everywhere: bool = False) -> torch.Tensor:
+        """Average `tensor` (this rank's share of a gradient) in place over `process_group`, or with
+        `everywhere` and no group, over the default group of a job of several processes; else unchanged.
 
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
-            tensor.div_(dist.get_world_size(self.process_group))
-        return tensor
-
-    def average_score(self, dense: torch.Tensor) -> None:
-        """The selecting step's dense gradient averaged over the ranks that train together: the route's group,
-        or, under DDP (which averages the [k] values' gradient, not this one), the default group. Without it each
-        rank would choose its own entries and DDP would average values taken at different positions."""
-        if self.process_group is not None or _world_size() == 1:
-            self.average(dense)
-            return
+        The selecting step's dense score goes everywhere: under DDP, which averages the [k] values' gradient
+        but not this one, each rank would otherwise choose its own entries and DDP would average values
+        taken at different positions."""
+        group = self.process_group
+        if group is None and not (everywhere and _world_size() > 1):
+            return tensor
         import torch.distributed as dist
 
-        dist.all_reduce(dense, op=dist.ReduceOp.SUM)
-        dense.div_(_world_size())
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor.div_(dist.get_world_size(group))
 
     def check_values(self, values: torch.Tensor) -> None:
         """Refuse, at the forward, a layer whose delta FSDP2 took over or whose ranks nothing averages: either

@@ -164,6 +164,12 @@ def _is_routed(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _sparse_forward
 
 
+def _unroute(module: nn.Module) -> None:
+    """Give `module` its own forward back."""
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("_sift_route", None)
+
+
 def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _SparseLinearFunction.apply(x, self.weight, self.bias, self._sift_route)
 
@@ -176,8 +182,7 @@ class SparseBackwardHandle:
 
     def remove(self) -> None:
         for module in self.modules.values():
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("_sift_route", None)
+            _unroute(module)
         self.modules = {}
 
     def __repr__(self) -> str:
@@ -238,8 +243,7 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
     # the earlier optimizer's buffers.
     for m in named.values():
         if _is_routed(m):
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("_sift_route", None)
+            _unroute(m)
     for m in chosen.values():
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
         m.forward = types.MethodType(_sparse_forward, m)

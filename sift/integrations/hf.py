@@ -177,7 +177,7 @@ class SparseTrainer(Trainer):
                 density = min(self.sift_density, 0.5)
             weight_decay = self.args.weight_decay if name in decay else 0.0
             groups.setdefault((density, weight_decay), []).append(p)
-        flags, auto = resolve_memory(self.sift_memory, opt_model, self._memory_hints())
+        flags, auto = self._memory_flags(opt_model)
         sparse_backward = flags.pop("sparse_backward")
         optimizer = SparseAdamW(
             [{"params": ps, "density": d, "weight_decay": wd} for (d, wd), ps in groups.items()],
@@ -197,23 +197,18 @@ class SparseTrainer(Trainer):
             optimizer.sparse_backward_handle = enable_sparse_backward(opt_model, optimizer)
         return optimizer
 
-    def _no_update_in_backward_under_clipping(self) -> dict[str, Any]:
-        """memory="lowest" with the Trainer's clipping (over all weights, after backward): no update in backward."""
-        if self.sift_memory != "lowest" or not self.args.max_grad_norm:
-            return {}
-        logger.warning("SparseTrainer: memory='lowest' without update_in_backward: the Trainer clips over all "
-                       "weights after backward (max_grad_norm=%g)", self.args.max_grad_norm)
-        return {"update_in_backward": False}
-
-    def _memory_hints(self) -> dict[str, Any]:
-        """The explicit flag and what of the Trainer's setup rules the update in backward out up front."""
+    def _memory_flags(self, model: torch.nn.Module) -> tuple[dict[str, Any], bool]:
+        """The memory preset's flags for `model` (`resolve_memory`), given the explicit `compact_grads`, the
+        exact state (the checkpoints are deltas) and the Trainer's clipping, which rules the update in backward
+        out up front; and whether the first step may still drop the update in backward."""
         hints: dict[str, Any] = {"compact_grads": self.sift_compact_grads, "state": "exact"}
         if self.args.max_grad_norm:
             hints["max_grad_norm"] = self.args.max_grad_norm  # clipped by the Trainer over all weights
-        return hints
+        return resolve_memory(self.sift_memory, model, hints)
 
     def _create_optimizer_for_targets(self, opt_model: torch.nn.Module) -> SparseAdamW:
         target_modules, dense_modules = self.sift_targets
+        flags, auto = self._memory_flags(opt_model)
         optimizer = SparseAdamW.for_model(
             opt_model,
             density=self.sift_density,
@@ -225,11 +220,9 @@ class SparseTrainer(Trainer):
             eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay,
             select_steps=self.sift_select_steps,
-            memory=self.sift_memory,
-            compact_grads=self.sift_compact_grads,
-            state="exact",
-            **self._no_update_in_backward_under_clipping(),
+            **flags,
         )
+        optimizer._update_in_backward_auto = auto
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():
             optimizer.set_indices(params[name], idx)

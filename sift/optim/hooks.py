@@ -105,8 +105,9 @@ class HooksMixin:
         grad = grad_inputs[0]
         if grad is None:
             return None
-        self._mark_backward(p, self._quantized[p].selected)
-        if not self._quantized[p].selected or not p.requires_grad:
+        selected = self._quantized[p].selected
+        self._mark_backward(p, selected)
+        if not selected or not p.requires_grad:
             return None
         if self.max_grad_norm is not None:
             grad = grad.clone()  # clipped on its own, as every weight stepped in backward
@@ -223,8 +224,9 @@ class HooksMixin:
             return None
         if grad is not None and grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        self._mark_backward(p, is_selected(self.state[p]))
-        if not is_selected(self.state[p]):
+        selected = is_selected(self.state[p])
+        self._mark_backward(p, selected)
+        if not selected:
             return None  # accumulated as in plain mode: the selection in step() reads it
         if grad is not None:
             indices = self.indices_of(p)

@@ -98,8 +98,9 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     grad = p.grad
     if grad is None:
         return
-    optimizer._mark_backward(p, is_selected(optimizer.state[p]))
-    if not is_selected(optimizer.state[p]) or not p.requires_grad:
+    selected = is_selected(optimizer.state[p])
+    optimizer._mark_backward(p, selected)
+    if not selected or not p.requires_grad:
         return
     optimizer._update_now(p, optimizer._gather_scratch(p, grad))
     p.grad = None
