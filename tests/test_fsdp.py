@@ -257,6 +257,7 @@ def _worker(rank: int, world: int, out: str) -> None:
             _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
         results[name] = _snapshot(model, opt)
         results[f"{name}-reduce-scatters"] = log
+        results[f"{name}-plans-final"] = getattr(opt, "_sharded_plans_final", None)
         base = _model().state_dict() if name in LEAN else None
         if name in ("plain", "hook", "hook-lean", "sparse-backward"):
             results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
@@ -416,6 +417,9 @@ def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gr
         else:
             assert dense == micro * biases, (rank, log)
             assert sparse == sorted(world * width for width in widths * micro), (rank, log)
+            # Entries chosen everywhere: the steps stopped checking for changed plans (a collective and a
+            # host read each).
+            assert r[f"{mode}-plans-final"] is True, rank
 
 
 def test_sparse_backward_follows_set_indices_after_refresh(ranks):

@@ -218,16 +218,24 @@ def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> lis
 
 
 def _refresh_stale(optimizer: SparseAdamW) -> None:
-    """After a step: rebuild the plans if any rank's entries changed (one scalar all-reduce a step)."""
+    """After a step: rebuild the plans if any rank's entries changed. One all-reduce of two flags (and its
+    host read) per step, until every rank has chosen every weight's entries and the plans hold them: from
+    then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once)."""
     import torch.distributed as dist
 
     plans = getattr(optimizer, "_sharded_sparse_grads", [])
-    if not plans:
+    if not plans or getattr(optimizer, "_sharded_plans_final", False):
         return
-    flag = torch.tensor([float(any(plan.stale() for plan in plans))], device=local_tensor(plans[0].weight).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=plans[0].group)
-    if flag.item():
+    flags = torch.tensor([float(any(plan.stale() for plan in plans)),
+                          # A rank's empty shard (FSDP2 pads dim 0) never chooses entries: nothing pends there.
+                          float(any(plan._local_indices() is None and local_tensor(plan.weight).numel() > 0
+                                    for plan in plans))],
+                         device=local_tensor(plans[0].weight).device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=plans[0].group)
+    stale, pending = flags.tolist()
+    if stale:
         refresh_sparse_backward(optimizer)
+    optimizer._sharded_plans_final = not pending
 
 
 def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
@@ -244,6 +252,7 @@ def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
     """
     for plan in getattr(optimizer, "_sharded_sparse_grads", []):
         plan.refresh()
+    optimizer._sharded_plans_final = False  # entries changed outside step(): the next step checks again
 
 
 # ----------------------------------------------------------------------------- delta export
