@@ -16,6 +16,7 @@ from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
 from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of
+from sift.delta.packing import shortest_increments
 from sift.optim.state import increments, is_dense_stepped, is_dtensor
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class DeltaConstructionMixin:
         A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: give `base` (the
         state before training), and its chosen entries' increments are the tuned values minus
         the base values there (in fp32: exact for bf16/fp16 weights).
+
+        For a bf16/fp16 weight whose base is known, each increment is the 16-bit value nearest
+        tuned minus base that gives the same tuned value (`apply_` rounds the sum to the weight's
+        dtype), where one exists: the file then stores it in 2 bytes. The tuned model is the same.
 
         The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
         `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
@@ -107,15 +112,12 @@ class DeltaConstructionMixin:
                     # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
                     # gathered (collective: every rank walks the same params), never the weight itself.
                     local = p.to_local()
-                    exact = sharded.gather_entries(p, increments(st, local.numel()) if not lean else _lean_increments(
-                        local, st, sharded.local_shard_of(p, base_state.get(name))))
+                    exact = sharded.gather_entries(p, _short(local, increments(st, local.numel()) if not lean else
+                                                             _lean_increments(local, st, sharded.local_shard_of(
+                                                                 p, base_state.get(name)))))
                 else:
-                    exact = increments(st, numel) if not lean else _lean_increments(p, st, base_state.get(name))
-                    if exact is not None and not lean and exact[2] is not None and p.dtype != torch.float32:
-                        # A 16-bit weight's increment as tuned minus base: exact in fp32, and the same weight
-                        # once applied, but most of them fit the weight's dtype (so its file stores 4 B an entry).
-                        idx, _, base_values = exact
-                        exact = idx, _tuned(p, idx).float() - base_values.float(), base_values
+                    exact = _short(p, increments(st, numel) if not lean else
+                                   _lean_increments(p, st, base_state.get(name)))
                 if exact is not None:
                     idx, values, base_values = exact
                     entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
@@ -174,9 +176,11 @@ class DeltaConstructionMixin:
 
         Returns:
             The delta over the floating-point tensors of `tuned` (the first name of tied
-            tensors only), values `fp32(tuned) - fp32(base)`, fingerprinted with `base`.
-            Tensors without a kept entry are left out. Applied to `base`, a kept entry gives
-            `tuned` back exactly for bf16/fp16 weights, within one rounding for fp32 ones.
+            tensors only), values `fp32(tuned) - fp32(base)` (for bf16/fp16 tensors the
+            16-bit value nearest it that gives the same tuned value, where one exists),
+            fingerprinted with `base`. Tensors without a kept entry are left out. Applied to
+            `base`, a kept entry gives `tuned` back exactly for bf16/fp16 weights, within one
+            rounding for fp32 ones.
 
         Example:
             >>> from sift import SparseDelta
@@ -217,7 +221,11 @@ class DeltaConstructionMixin:
             else:
                 idx = (diff.abs() > threshold).nonzero().view(-1)
             if idx.numel():
-                entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), diff[idx])
+                values = diff[idx]
+                if t.dtype in (torch.bfloat16, torch.float16):
+                    flat_t, flat_b = t.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+                    values = shortest_increments(flat_b[idx], flat_t[idx], values)
+                entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), values)
         if problems:
             raise DeltaError("cannot diff these state dicts", problems)
         return cls(entries, BaseFingerprint.of(base_state))
@@ -235,6 +243,17 @@ def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tens
     idx = _ops.decode_lean_indices(state["indices_low"].cpu(), state["window_offsets"].cpu(), _index_dtype(numel))
     base_values = base.detach().reshape(-1)[idx.long()].cpu()
     return idx, _tuned(p, idx).float() - base_values.float(), base_values
+
+
+def _short(p: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """For a 16-bit weight whose base is known, each increment as the 16-bit value that gives the
+    tuned weight where one exists (2 bytes in the file), else tuned minus base in fp32."""
+    if exact is None or exact[2] is None or p.dtype not in (torch.bfloat16, torch.float16):
+        return exact
+    idx, _, base_values = exact
+    tuned = _tuned(p, idx)
+    return idx, shortest_increments(base_values, tuned, tuned.float() - base_values.float()), base_values
 
 
 def _tuned(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from sift._index import index_dtype as _index_dtype
 from sift.delta.directory import read_directory, write_directory
 from sift.delta.entry import DeltaEntry, DeltaError, _dtype_name
 from sift.delta.fingerprint import BaseFingerprint
+from sift.delta.packing import decode_positions, decode_words, encode_positions, encode_words, high_bits_for
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -28,8 +29,13 @@ if TYPE_CHECKING:
 
 FORMAT = "sift.sparse_delta"
 # 2: dense parts (`<name>.dense`) and the "dense" metadata. 3: indices as 16-bit halves under a
-# window table (`<name>.indices_low`, `<name>.window_offsets`). Older files read as before.
-FORMAT_VERSION = 4
+# window table (`<name>.indices_low`, `<name>.window_offsets`). 4: 16-bit weights' values in their
+# dtype with fp32 exceptions. 5: every weight in a few shared tensors (Elias-Fano positions, 16-bit
+# words). Older files read as before.
+FORMAT_VERSION = 5
+# Format 5's shared tensors: name -> dtype.
+_PACKED = {"positions.low": torch.uint8, "positions.high": torch.uint8, "values.float32": torch.float32,
+           "values.words16": torch.int16, "values.mask": torch.uint8, "values.rest16": torch.int16}
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -42,14 +48,18 @@ class DeltaFileMixin:
     def save(self, path: str | os.PathLike) -> None:
         """Writes the delta to a safetensors file, atomically.
 
-        Layout: per sparse weight, its sorted indices as their low 16 bits (`<name>.indices_low`,
-        int16) under a table of where each 65536-element window starts (`<name>.window_offsets`,
-        int32), and `<name>.values`: fp32 (6 bytes per entry), or for bf16/fp16 weights where it is
-        smaller, in the weight's dtype (4 bytes per entry) with the values that dtype cannot hold
-        exactly kept in fp32 under `<name>.exact_positions` (int32, positions in the entry list) and
-        `<name>.exact_values` (8 bytes each); plus 4 bytes per 65536 weight elements. Bit-exact on reload. `<name>.dense` for each dense part (in its dtype); metadata with the format version, each weight's shape and dtype,
-        the dense parts' names, the base fingerprint and a blake2b checksum of the tensors. The file is written under a temporary name in the same directory and renamed
-        over `path`, so a crash never leaves a partial file under `path`.
+        Layout (format 5): every weight's sorted positions in Elias-Fano form (`positions.low` and
+        `positions.high`, uint8: about 1.1 bytes an entry at 1% density); the values of fp32 weights as
+        fp32 (`values.float32`) and those of bf16/fp16 weights as one 16-bit word each (`values.words16`,
+        int16), the weight's dtype where it holds the increment exactly, else the high half of its fp32
+        bits with the low half in `values.rest16` under a bit mask (`values.mask`). So an entry costs
+        about 5.1 bytes for an fp32 weight and 3.1 for a 16-bit one, plus 2 for each 16-bit increment
+        that needs more (`SparseDelta.from_optimizer` and `from_diff` pick, for a 16-bit weight, the
+        16-bit increment that gives the tuned value where one exists). Bit-exact on reload.
+        `<name>.dense` for each dense part (in its dtype); metadata with the format version, each
+        weight's shape, dtype and counts, the dense parts' names, the base fingerprint and a blake2b
+        checksum of the tensors. The file is written under a temporary name in the same directory and
+        renamed over `path`, so a crash never leaves a partial file under `path`.
 
         Args:
             path: destination file.
@@ -68,29 +78,7 @@ class DeltaFileMixin:
         problems = self.problems()
         if problems:
             raise DeltaError("refusing to save an invalid delta", problems)
-        tensors, meta_entries, storages = {}, {}, set()
-        for name, e in self.entries.items():
-            low, offsets = _ops.encode_lean_indices(e.indices.cpu(), e.numel)
-            parts = [(f"{name}.indices_low", low), (f"{name}.window_offsets", offsets)]
-            values = e.values.detach().cpu()
-            half = values.to(e.dtype) if e.dtype in _HALF else None
-            inexact = torch.nonzero(half.float() != values).view(-1) if half is not None else None
-            # A 16-bit weight's increment (tuned minus base) fits its dtype when the weight moved by less than
-            # its own size; each one that does not costs 8 bytes, so fp32 values are kept when that is smaller.
-            if inexact is not None and 8 * inexact.numel() < 2 * values.numel():
-                parts += [(f"{name}.values", half), (f"{name}.exact_positions", inexact.to(torch.int32)),
-                          (f"{name}.exact_values", values[inexact])]
-            else:
-                parts.append((f"{name}.values", values))
-            for key, t in parts:
-                t = t.detach().cpu().contiguous()
-                # safetensors refuses tensors that share memory (slices of one user tensor).
-                ptr = t.untyped_storage().data_ptr()
-                if t.numel() and ptr in storages:
-                    t = t.clone()
-                storages.add(t.untyped_storage().data_ptr())
-                tensors[key] = t
-            meta_entries[name] = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype)}
+        tensors, meta_entries = _encode_entries(self.entries)
         for name, t in self.dense.items():
             tensors[f"{name}.dense"] = t.detach().cpu().contiguous().clone()
         metadata = {
@@ -190,7 +178,11 @@ class DeltaFileMixin:
                 raise TypeError("dense is not a list of names")
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
-        entries, expected = {}, set()
+        if version >= 5:
+            entries, expected = _decode_entries(meta_entries, tensors, problems)
+            meta_entries = {}
+        else:
+            entries, expected = {}, set()
         for name, info in meta_entries.items():
             keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
                 f"{name}.values",)
@@ -239,6 +231,85 @@ class DeltaFileMixin:
         if problems:
             raise DeltaError(what, problems)
         return delta
+
+
+def _encode_entries(entries: Mapping[str, DeltaEntry]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Format 5's shared tensors and per-weight metadata for `entries`."""
+    parts: dict[str, list[torch.Tensor]] = {key: [] for key in _PACKED}
+    meta = {}
+    for name, e in entries.items():
+        low_bits, low, high = encode_positions(e.indices, e.numel)
+        parts["positions.low"].append(low)
+        parts["positions.high"].append(high)
+        info = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "nnz": e.nnz, "low_bits": low_bits}
+        values = e.values.detach().float().cpu()
+        words = encode_words(values, e.dtype) if e.dtype in _HALF else None
+        # Words cost 2 bytes, plus 2 and a bit for an increment the dtype cannot hold: fp32 when cheaper.
+        if words is not None and 2 * words[0].numel() + words[1].numel() + 2 * words[2].numel() <= 4 * e.nnz:
+            info["values"], info["rest"] = "words16", words[2].numel()
+            for key, t in zip(("values.words16", "values.mask", "values.rest16"), words):
+                parts[key].append(t)
+        else:
+            info["values"] = "float32"
+            parts["values.float32"].append(values)
+        meta[name] = info
+    tensors = {key: (torch.cat(ts) if ts else torch.zeros(0, dtype=_PACKED[key])).contiguous()
+               for key, ts in parts.items()}
+    return tensors, meta
+
+
+def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, torch.Tensor],
+                    problems: list[str]) -> tuple[dict[str, DeltaEntry], set[str]]:
+    """Format 5's entries from its shared tensors, every problem recorded; and the tensor names used."""
+    entries: dict[str, DeltaEntry] = {}
+    missing = [k for k, dt in _PACKED.items() if k not in tensors or tensors[k].dtype != dt or tensors[k].dim() != 1]
+    if missing:
+        problems.append(f"shared tensors missing or of the wrong dtype: {', '.join(missing)}")
+        return entries, set(_PACKED)
+    at = dict.fromkeys(_PACKED, 0)
+
+    def take(key: str, n: int) -> torch.Tensor:
+        t = tensors[key][at[key]:at[key] + n]
+        at[key] += n
+        return t
+
+    for name, info in meta_entries.items():
+        fields = ("shape", "dtype", "nnz", "low_bits", "values")
+        if not (isinstance(info, dict) and all(f in info for f in fields)):
+            problems.append(f"{name}: unreadable metadata (needs {', '.join(fields)})")
+            return entries, set(_PACKED)
+        shape, k, low_bits, dtype = info["shape"], info["nnz"], info["low_bits"], _DTYPE_NAMES.get(info["dtype"])
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)) or type(k) is not int \
+                or type(low_bits) is not int or not 0 <= k <= math.prod(shape) or dtype is None:
+            problems.append(f"{name}: unreadable metadata: shape {shape!r}, nnz {k!r}, low_bits {low_bits!r}, "
+                            f"dtype {info['dtype']!r}")
+            return entries, set(_PACKED)
+        numel = math.prod(shape)
+        n_low = -(-k * low_bits // 8) if 0 <= low_bits < 63 else 0
+        low, high = take("positions.low", n_low), take("positions.high", -(-high_bits_for(k, numel, low_bits) // 8))
+        rest = info.get("rest", 0)
+        if info["values"] == "words16" and dtype in _HALF and type(rest) is int and rest >= 0:
+            words, mask = take("values.words16", k), take("values.mask", -(-k // 8) if rest else 0)
+            parts = (words, mask, take("values.rest16", rest))
+        elif info["values"] == "float32":
+            parts = (take("values.float32", k),)
+        else:
+            problems.append(f"{name}: unreadable metadata: values {info['values']!r} (rest {rest!r}) for a "
+                            f"{info['dtype']} weight")
+            return entries, set(_PACKED)
+        try:
+            indices = decode_positions(low_bits, low, high, k, numel).to(_index_dtype(numel))
+            values = decode_words(*parts, dtype) if len(parts) == 3 else parts[0].clone()
+            if values.numel() != k:
+                raise ValueError(f"{values.numel()} values for {k} positions")
+        except ValueError as exc:
+            problems.append(f"{name}: {exc} (truncated or corrupted?)")
+            continue
+        entries[name] = DeltaEntry(tuple(shape), dtype, indices, values)
+    left = [f"{key} ({tensors[key].numel() - n} more)" for key, n in at.items() if tensors[key].numel() != n]
+    if left:
+        problems.append(f"the shared tensors do not match the metadata: {', '.join(left)}")
+    return entries, set(_PACKED)
 
 
 def _exact_values(half: torch.Tensor, positions: torch.Tensor, exact: torch.Tensor, name: str,
