@@ -82,6 +82,40 @@ def test_minilm_fine_tune_saves_loads_onto_a_fresh_base_and_merges(tmp_path):
         assert torch.equal(plain(**batch).logits, tuned)
 
 
+@pytest.mark.parametrize("dtype, most", [pytest.param(torch.float32, 6, id="fp32"),
+                                         pytest.param(torch.bfloat16, 4, id="bf16")])
+def test_minilm_fine_tune_file_stores_at_most_6_bytes_an_fp32_entry_and_4_a_16_bit_one(tmp_path, dtype, most):
+    """Format 4 stored 6.01 bytes an entry for fp32 weights and 5.67-6.01 for bf16 ones (every increment that
+    bf16 could not hold as an 8-byte exception); the reload stays bit for bit."""
+    from safetensors import safe_open
+
+    model = _minilm(seed=0).to(dtype)
+    batch, labels = _minilm_batch()
+    opt = SparseAdamW.for_model(model, density=0.01, lr=1e-2)  # large moves: many weights cross zero
+    for _ in range(8):
+        model(**batch, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        tuned = model(**batch).logits
+    delta = SparseDelta.from_optimizer(opt, model)
+    delta.save_pretrained(tmp_path / "tune", model)
+    with safe_open(str(tmp_path / "tune" / "delta.safetensors"), framework="pt") as f:
+        sparse = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+                     if not k.endswith(".dense"))
+        wider = f.get_tensor("values.rest16").numel()
+    assert delta.nnz == 24 * -(-384 * 384 // 100)
+    assert sparse <= most * delta.nnz
+    if dtype == torch.bfloat16:
+        assert wider > 0  # the wider increments are there, and still fit the budget
+    fresh = _minilm(seed=1).to(dtype)
+    SparseDelta.from_pretrained(tmp_path / "tune").apply_(fresh)
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch).logits, tuned)
+
+
 def test_llama_lm_fine_tune_reloads_from_its_base_checkpoint(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
