@@ -50,8 +50,9 @@ def test_positions_round_trip_at_elias_fanos_size(numel, k):
     assert torch.equal(decode_positions(low_bits, low, high, k, numel), x)
     if k:
         assert low_bits == int(math.floor(math.log2(numel / k)))
-        # Elias-Fano's bound: at most 2 + ceil(log2(numel / k)) bits an entry, plus the byte padding.
-        assert 8 * (low.numel() + high.numel()) <= k * (2 + math.ceil(math.log2(numel / k))) + 16
+        # Elias-Fano's bound: at most 2 + ceil(log2(numel / k)) bits an entry, plus a byte's padding for the
+        # upper bits and for each bit plane of the low ones.
+        assert 8 * (low.numel() + high.numel()) <= k * (2 + math.ceil(math.log2(numel / k))) + 8 * (low_bits + 1)
 
 
 def test_damaged_positions_are_refused():
@@ -63,7 +64,7 @@ def test_damaged_positions_are_refused():
         decode_positions(low_bits, low[:-1], high, 5, 100)
     # Equal positions (two entries in one bucket with equal low bits) are not sorted and unique.
     low_bits, low, high = encode_positions(torch.tensor([8, 9]), 16)
-    dup_low = pack_bits(torch.tensor([0, 0, 0, 0, 0, 0], dtype=torch.bool))
+    dup_low = torch.zeros(3, dtype=torch.uint8)  # three bit planes, both entries' low bits 0
     with pytest.raises(ValueError, match="not sorted, unique"):
         decode_positions(low_bits, dup_low, high, 2, 16)
 

@@ -21,7 +21,8 @@ from sift._index import index_dtype as _index_dtype
 from sift.delta.directory import read_directory, write_directory
 from sift.delta.entry import DeltaEntry, DeltaError, _dtype_name
 from sift.delta.fingerprint import BaseFingerprint
-from sift.delta.packing import decode_positions, decode_words, encode_positions, encode_words, high_bits_for
+from sift.delta.packing import (decode_positions, decode_words, encode_positions, encode_words, high_bits_for,
+                                low_bytes_for)
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -285,7 +286,7 @@ def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, to
                             f"dtype {info['dtype']!r}")
             return entries, set(_PACKED)
         numel = math.prod(shape)
-        n_low = -(-k * low_bits // 8) if 0 <= low_bits < 63 else 0
+        n_low = low_bytes_for(k, low_bits) if 0 <= low_bits < 63 else 0
         low, high = take("positions.low", n_low), take("positions.high", -(-high_bits_for(k, numel, low_bits) // 8))
         rest = info.get("rest", 0)
         if info["values"] == "words16" and dtype in _HALF and type(rest) is int and rest >= 0:
