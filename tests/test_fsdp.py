@@ -1,11 +1,14 @@
 """SparseAdamW under FSDP2 (`fully_shard`), gloo on 2 and 3 processes (an odd count puts shard
 boundaries mid-weight and leaves one rank an empty shard of the 2-row head).
 
-The reference is one process on the same global batches whose optimizer selects as the ranks do:
-the top-k of each block of rows (the blocks being FSDP2's shards, `torch.chunk` over the world),
-k = ceil(density * block numel). Every mode is compared with it after several steps (params,
-chosen entries, moments, increments), and modes that promise the same result with each other.
-One spawn per world size runs every case; the tests read what the ranks saved.
+The global selection (the default) is compared with one process on the same global batches, plain
+`SparseAdamW`: the whole weight's top-k. Its model has dead rows in the middle layer (zero gradients),
+so every rank but the first gets 0 entries of that weight. `sharded_selection="per_shard"` is compared
+with one process whose optimizer selects as the ranks do: the top-k of each block of rows (the blocks
+being FSDP2's shards, `torch.chunk` over the world), k = ceil(density * block numel). Every mode is
+compared after several steps (params, chosen entries, moments, increments), and modes that promise
+the same result with each other. One spawn per world size runs every case; the tests read what the
+ranks saved.
 """
 
 from __future__ import annotations
@@ -40,13 +43,24 @@ CONFIGS = {
                                  sparse_backward=True),
 }
 LEAN = {"plain-lean", "hook-lean", "sparse-backward-lean"}
+PER_SHARD = dict(sharded_selection="per_shard")
+# Global selection only: the other rules.
+GLOBAL_CONFIGS = {**CONFIGS,
+                  "saliency": dict(kwargs=dict(selection="saliency", max_grad_norm=0.5), micro=1),
+                  "random": dict(kwargs=dict(compact_grads=True, selection="random", seed=3), micro=1)}
 
 
-def _model() -> torch.nn.Module:
+def _model(dead: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     # 15 and 16 rows split 8/7 and 6/6/4; the 2-row head leaves the third rank an empty shard.
-    return torch.nn.Sequential(torch.nn.Linear(12, 15), torch.nn.ReLU(), torch.nn.Linear(15, 16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 15), torch.nn.ReLU(), torch.nn.Linear(15, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 2))
+    if dead:
+        with torch.no_grad():
+            # Rows 6 on of the middle layer never fire: their gradients are 0, so its whole-weight top-k
+            # (48 of 240) lies in the first rank's rows and the other ranks get none of its entries.
+            model[2].bias[6:] = -100.0
+    return model
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
@@ -89,11 +103,11 @@ class RowBlockSparseAdamW(SparseAdamW):
         return torch.cat(chosen).to(index_dtype(p.numel()))
 
 
-def _sharded_model(world: int) -> torch.nn.Module:
+def _sharded_model(world: int, dead: bool = False) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = _model(dead)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -200,20 +214,20 @@ def _optimizer(model, kwargs: dict, sparse_backward: bool = False, cls=SparseAda
 
 
 def _checkpoint_resume(rank: int, world: int, directory: str, kwargs: dict, micro: int,
-                       sparse_backward: bool = False) -> dict:
+                       sparse_backward: bool = False, dead: bool = False) -> dict:
     """2 steps, a DCP save of model and optimizer, 2 more; and a fresh model that loads the save and runs the
     same 2: both snapshots, which must be equal."""
     import torch.distributed.checkpoint as dcp
 
     from sift.optim.sharded import ShardedOptimizerState
 
-    model = _sharded_model(world)
+    model = _sharded_model(world, dead)
     opt = _optimizer(model, kwargs, sparse_backward)
     _train(model, opt, rank, world, 2, micro)
     dcp.save({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
     _train(model, opt, rank, world, 2, micro, first=2)
     uninterrupted = _snapshot(model, opt)
-    model = _sharded_model(world)  # the initial weights: the load must replace them
+    model = _sharded_model(world, dead)  # the initial weights: the load must replace them
     opt = _optimizer(model, kwargs, sparse_backward)
     dcp.load({"model": model.state_dict(), "optim": ShardedOptimizerState(opt)}, checkpoint_id=directory)
     _train(model, opt, rank, world, 2, micro, first=2)
@@ -245,35 +259,80 @@ def _for_model(model, cls=SparseAdamW, **kwargs) -> SparseAdamW:
                          sparse_backward=True, state="lean", max_grad_norm=0.5, **kwargs)
 
 
+# Scores for `sharded_top_k` alone, each split over the ranks as FSDP2 splits rows (`torch.chunk`), with the
+# k to take: ties within and across ranks, NaN, signed zeros, negatives, infinities, an empty shard.
+TOP_K_CASES = {
+    "all-equal": (torch.ones(10), 4),
+    "ties-across-ranks": (torch.tensor([3.0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 0, 1]), 9),
+    "nan": (torch.tensor([float("nan"), 1.0, float("nan"), 2.0, 0.5, 0.0]), 3),
+    "nan-all": (torch.tensor([float("nan"), 1.0, float("nan"), 2.0, 0.5, 0.0]), 6),
+    "signed-zeros": (torch.tensor([0.0, -0.0, -0.0, 0.0, 1.0, 0.0]), 3),
+    "negative": (torch.tensor([-1.0, -2.0, 3.0, -0.5, -0.5, -3.0]), 3),
+    "inf-subnormal": (torch.tensor([float("inf"), 1e-40, 3e-45, 0.0, float("inf"), 1e-40]), 4),
+    "empty-shard": (torch.tensor([0.5, 0.25]), 1),
+    "k-is-one": (torch.tensor([1.0, 5.0, 5.0, 2.0, 5.0, 1.0, 0.0]), 1),
+    "many-ties": ((torch.rand(1000, generator=torch.Generator().manual_seed(5)) * 10).floor(), 137),
+}
+
+
+def _top_k_parts(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's part of every TOP_K_CASES top-k, as positions of the whole vector (one search for all)."""
+    from sift.optim.selection import sharded_top_k
+
+    mine, offsets = [], []
+    for full, _ in TOP_K_CASES.values():
+        blocks = list(full.chunk(world)) + [full[:0]] * world
+        mine.append(blocks[rank].clone())
+        offsets.append(sum(b.numel() for b in blocks[:rank]))
+    got = sharded_top_k(mine, [k for _, k in TOP_K_CASES.values()], torch.distributed.group.WORLD)
+    return {name: idx + offset for name, idx, offset in zip(TOP_K_CASES, got, offsets)}
+
+
+def _run_mode(rank: int, world: int, name: str, config: dict, extra: dict, dead: bool) -> dict:
+    """STEPS steps of one mode; the last one's reduce-scatters logged. Returns what the tests read."""
+    model = _sharded_model(world, dead)
+    opt = _optimizer(model, {**config["kwargs"], **extra}, config.get("sparse_backward", False))
+    _train(model, opt, rank, world, STEPS - 1, config["micro"])
+    log: list[tuple[str, int]] = []
+    with _reduce_scatters(log):  # the last step's, long after selection
+        _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
+    out = {"snapshot": _snapshot(model, opt), "reduce-scatters": log,
+           "plans-final": getattr(opt, "_sharded_plans_final", None)}
+    base = _model(dead).state_dict() if name in LEAN else None
+    if name in ("plain", "hook", "hook-lean", "sparse-backward"):
+        out["snapshot"]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
+    return out
+
+
 @gloo_rank
 def _worker(rank: int, world: int, out: str) -> None:
     results = {}
-    for name, config in CONFIGS.items():
-        model = _sharded_model(world)
-        opt = _optimizer(model, config["kwargs"], config.get("sparse_backward", False))
-        _train(model, opt, rank, world, STEPS - 1, config["micro"])
-        log: list[tuple[str, int]] = []
-        with _reduce_scatters(log):  # the last step's, long after selection
-            _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
-        results[name] = _snapshot(model, opt)
-        results[f"{name}-reduce-scatters"] = log
-        results[f"{name}-plans-final"] = getattr(opt, "_sharded_plans_final", None)
-        base = _model().state_dict() if name in LEAN else None
-        if name in ("plain", "hook", "hook-lean", "sparse-backward"):
-            results[name]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))
+    for prefix, configs, extra, dead in (("", CONFIGS, PER_SHARD, False), ("global-", GLOBAL_CONFIGS, {}, True)):
+        for name, config in configs.items():
+            run = _run_mode(rank, world, name, config, extra, dead)
+            results[f"{prefix}{name}"] = run["snapshot"]
+            results[f"{prefix}{name}-reduce-scatters"] = run["reduce-scatters"]
+            results[f"{prefix}{name}-plans-final"] = run["plans-final"]
     model = _sharded_model(world)
-    opt = _for_model(model)
+    opt = _for_model(model, **PER_SHARD)
     _train(model, opt, rank, world, STEPS, 2)
     results["for-model"] = _snapshot(model, opt)
+    model = _sharded_model(world, dead=True)
+    opt = _for_model(model)
+    _train(model, opt, rank, world, STEPS, 2)
+    results["global-for-model"] = _snapshot(model, opt)
     model = _sharded_model(world)
-    opt = _optimizer(model, dict(compact_grads=True), sparse_backward=True)
+    opt = _optimizer(model, dict(compact_grads=True, **PER_SHARD), sparse_backward=True)
     _set_indices_midway(model, opt, rank, world, world)
     results["set-indices"] = _snapshot(model, opt)
     results["refusals"] = _refusals(world)
-    for name in ("hook", "hook-lean", "sparse-backward-lean"):
-        config = CONFIGS[name]
-        results[f"checkpoint-{name}"] = _checkpoint_resume(rank, world, f"{out}.dcp-{name}", config["kwargs"],
-                                                           config["micro"], config.get("sparse_backward", False))
+    results["top-k"] = _top_k_parts(rank, world)
+    for prefix, extra, dead in (("", PER_SHARD, False), ("global-", {}, True)):
+        for name in ("hook", "hook-lean", "sparse-backward-lean"):
+            config = CONFIGS[name]
+            results[f"checkpoint-{prefix}{name}"] = _checkpoint_resume(
+                rank, world, f"{out}.dcp-{prefix}{name}", {**config["kwargs"], **extra}, config["micro"],
+                config.get("sparse_backward", False), dead)
     torch.save(results, f"{out}.{rank}")
 
 
@@ -291,6 +350,33 @@ def _reference(world: int, config: dict):
     opt = _optimizer(model, config["kwargs"], config.get("sparse_backward", False), RowBlockSparseAdamW, world=world)
     _train(model, opt, 0, 1, STEPS, config["micro"])
     return model, opt
+
+
+def _global_reference(config: dict):
+    """One process on the global batches, plain SparseAdamW (the whole weight's top-k), the dead-row model."""
+    model = _model(dead=True)
+    opt = _optimizer(model, config["kwargs"], config.get("sparse_backward", False))
+    _train(model, opt, 0, 1, STEPS, config["micro"])
+    return model, opt
+
+
+def _assert_equals_one_process(per_rank: list[dict], mode: str, model, opt, lean: bool,
+                               lean_tol: dict | None = None) -> None:
+    """Params, chosen entries and moments (and increments) of the ranks' shards joined equal one process's."""
+    for name, p in model.named_parameters():
+        got = _full(per_rank, name, p.shape)
+        # Lean moments round stochastically from each entry's index in its own shard: close, not equal.
+        tol = (lean_tol or dict(rtol=1e-3, atol=1e-4)) if lean else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["param"], p.detach(), **tol, msg=f"{mode} {name}")
+        state = opt.state[p]
+        if name.endswith("weight"):
+            assert torch.equal(got["indices"], opt.indices_of(p).long()), f"{mode} {name}: another selection"
+            keys = ("exp_avg", "exp_avg_sq") + (() if lean else ("delta",))
+        else:
+            keys = ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            torch.testing.assert_close(got[key].float(), state[key].reshape(-1).float(),
+                                       **(dict(rtol=2e-2, atol=1e-5) if lean else tol), msg=f"{mode} {name} {key}")
 
 
 def _full(per_rank: list[dict], name: str, shape) -> dict:
@@ -312,21 +398,57 @@ def test_mode_equals_one_process_selecting_per_row_block(ranks, mode):
     selects per block of rows (accumulation, several selection steps and the global-norm clip included)."""
     world, per_rank = ranks
     model, opt = _reference(world, CONFIGS[mode])
-    lean = mode in LEAN
+    _assert_equals_one_process([r[mode] for r in per_rank], mode, model, opt, mode in LEAN)
+
+
+@pytest.mark.parametrize("mode", list(GLOBAL_CONFIGS))
+def test_global_selection_equals_one_process(ranks, mode):
+    """The default under FSDP2: params, chosen entries and optimizer state equal one process on the global
+    batch (the whole weight's top-k), in every mode and rule, though all but one rank hold 0 entries of the
+    middle weight."""
+    world, per_rank = ranks
+    model, opt = _global_reference(GLOBAL_CONFIGS[mode])
+    # A shard's lean entries round from their positions in it, which the global k moves: as the lean deltas.
+    _assert_equals_one_process([r[f"global-{mode}"] for r in per_rank], mode, model, opt, mode in LEAN,
+                               lean_tol=dict(rtol=0, atol=5e-4))
+    counts = [r[f"global-{mode}"]["2.weight"]["indices"].numel() for r in per_rank]
+    if mode != "random":
+        assert counts[0] == opt.indices_of(model[2].weight).numel() and not any(counts[1:]), counts
+
+
+def test_global_selection_with_for_model_equals_one_process(ranks):
+    """docs/distributed.md's recipe (for_model, sparse backward, lean, clipping, accumulation), selecting globally."""
+    world, per_rank = ranks
+    model = _model(dead=True)
+    opt = _for_model(model)
+    _train(model, opt, 0, 1, STEPS, 2)
     for name, p in model.named_parameters():
-        got = _full([r[mode] for r in per_rank], name, p.shape)
-        # Lean moments round stochastically from each entry's index in its own shard: close, not equal.
-        tol = dict(rtol=1e-3, atol=1e-4) if lean else dict(rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["param"], p.detach(), **tol, msg=f"{mode} {name}")
-        state = opt.state[p]
-        if name.endswith("weight"):
-            assert torch.equal(got["indices"], opt.indices_of(p).long()), f"{mode} {name}: another selection"
-            keys = ("exp_avg", "exp_avg_sq") + (() if lean else ("delta",))
-        else:
-            keys = ("exp_avg", "exp_avg_sq")
-        for key in keys:
-            torch.testing.assert_close(got[key].float(), state[key].reshape(-1).float(),
-                                       **(dict(rtol=2e-2, atol=1e-5) if lean else tol), msg=f"{mode} {name} {key}")
+        got = _full([r["global-for-model"] for r in per_rank], name, p.shape)
+        # Lean moments round stochastically from each entry's index in its own shard; as the lean deltas.
+        torch.testing.assert_close(got["param"], p.detach(), rtol=0, atol=5e-4, msg=name)
+        if "indices_low" in opt.state.get(p, {}):
+            assert torch.equal(got["indices"], opt.indices_of(p).long()), name
+
+
+@pytest.mark.parametrize("case", list(TOP_K_CASES))
+def test_sharded_top_k_equals_one_process_top_k_ties_included(ranks, case):
+    """The ranks' parts, joined, are the whole vector's `top_k_positions`: ties to the lowest flat position
+    across rank boundaries, NaN lowest, -0.0 equal to +0.0; a rank may take 0."""
+    world, per_rank = ranks
+    full, k = TOP_K_CASES[case]
+    got = torch.cat([r["top-k"][case] for r in per_rank])
+    assert torch.equal(got, top_k_positions(full, k)), (case, got)
+
+
+def test_sharded_selection_bad_value_is_refused_and_nothing_changes():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="sharded_selection must be 'global' or 'per_shard', got 'rows'"):
+        SparseAdamW(model.parameters(), sharded_selection="rows")
+    with pytest.raises(ValueError, match="got None"):
+        SparseAdamW.for_model(model, density=DENSITY, target_modules=["0"], sharded_selection=None)
+    assert all(p.requires_grad for p in model.parameters())  # for_model froze nothing
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("mode, partner", [("hook-noclip", "update-in-backward"), ("plain-lean", "hook-lean")],
@@ -341,12 +463,17 @@ def test_modes_that_promise_the_same_result_agree_on_every_rank(ranks, mode, par
                 torch.testing.assert_close(value, other["state"][key], rtol=0, atol=0, msg=f"rank {rank} {name} {key}")
 
 
-@pytest.mark.parametrize("mode", ["plain", "hook", "hook-lean", "sparse-backward"])
+@pytest.mark.parametrize("mode", [f"{prefix}{name}" for prefix in ("", "global-")
+                                  for name in ("plain", "hook", "hook-lean", "sparse-backward")])
 def test_delta_from_sharded_optimizer_equals_one_process(ranks, mode):
     """Every rank builds the same delta from its shards' entries, equal to one process's with the same selection."""
     world, per_rank = ranks
-    model, opt = _reference(world, CONFIGS[mode])
-    want = _delta_dict(SparseDelta.from_optimizer(opt, model, base=_model().state_dict() if mode in LEAN else None))
+    base_mode = mode.removeprefix("global-")
+    dead = mode != base_mode
+    model, opt = _global_reference(CONFIGS[base_mode]) if dead else _reference(world, CONFIGS[base_mode])
+    mode_is_lean = base_mode in LEAN
+    want = _delta_dict(SparseDelta.from_optimizer(opt, model, base=_model(dead).state_dict() if mode_is_lean
+                                                  else None))
     for rank, r in enumerate(per_rank):
         got = r[mode]["delta"]
         assert sorted(got["entries"]) == sorted(want["entries"])
@@ -355,17 +482,19 @@ def test_delta_from_sharded_optimizer_equals_one_process(ranks, mode):
             assert (g_shape, g_dtype) == (shape, dtype) and g_idx.dtype == idx.dtype
             assert torch.equal(g_idx, idx), f"rank {rank} {name}"
             # Lean increments are differences of weights that drift by the moments' stochastic rounding.
-            torch.testing.assert_close(g_values, values, **(dict(rtol=0, atol=5e-4) if mode in LEAN else
+            torch.testing.assert_close(g_values, values, **(dict(rtol=0, atol=5e-4) if mode_is_lean else
                                                             dict(rtol=1e-5, atol=1e-6)), msg=f"rank {rank} {name}")
         assert sorted(got["dense"]) == sorted(want["dense"])
         for name, t in want["dense"].items():
-            torch.testing.assert_close(got["dense"][name], t, **(dict(rtol=1e-3, atol=1e-4) if mode in LEAN else
+            torch.testing.assert_close(got["dense"][name], t, **(dict(rtol=1e-3, atol=1e-4) if mode_is_lean else
                                                                  dict(rtol=1e-5, atol=1e-6)))
         assert got["fingerprint"] == want["fingerprint"], f"rank {rank}"
 
 
-@pytest.mark.parametrize("mode", ["hook", "hook-lean", "sparse-backward-lean"])
+@pytest.mark.parametrize("mode", [f"{prefix}{name}" for prefix in ("", "global-")
+                                  for name in ("hook", "hook-lean", "sparse-backward-lean")])
 def test_dcp_save_and_load_mid_run_resumes_identically(ranks, mode):
+    """Per shard and globally (where ranks hold 0 entries of a weight)."""
     world, per_rank = ranks
     for rank, r in enumerate(per_rank):
         run = r[f"checkpoint-{mode}"]
@@ -392,27 +521,32 @@ def test_refused_combinations_raise_before_any_weight_changes(ranks, combination
         assert not result["changed"], f"rank {rank}: a weight moved"
 
 
-@pytest.mark.parametrize("mode", ["hook", "sparse-backward", "sparse-backward-lean"])
+@pytest.mark.parametrize("mode", [f"{prefix}{name}" for prefix in ("", "global-")
+                                  for name in ("hook", "sparse-backward", "sparse-backward-lean")])
 def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gradient(ranks, mode):
     """After selection FSDP2 reduce-scatters only the biases' dense gradients under the sparse backward; each
     weight's gradient crosses ranks as one reduce-scatter of world x (largest k of a shard) values a
-    micro-batch. Hook mode, for contrast, lets FSDP2 reduce-scatter every dense gradient."""
+    micro-batch (per shard the k of the largest shard; globally the most entries any rank holds, which the
+    dead rows put all on the first rank). Hook mode, for contrast, lets FSDP2 reduce-scatter every dense
+    gradient."""
     world, per_rank = ranks
-    micro = CONFIGS[mode]["micro"]
+    micro = CONFIGS[mode.removeprefix("global-")]["micro"]
     padded, widths = {}, []
     for name, p in _model().named_parameters():
         rows, per_row = p.shape[0], p.numel() // p.shape[0]
         padded[name] = -(-rows // world) * world * per_row  # FSDP2 pads dim 0 to a multiple of the world
         if name.endswith("weight"):  # the largest k of a shard: what the padded reduce-scatter carries a rank
-            widths.append(max(max(1, entries_for(DENSITY, len(block) * per_row))
-                              for block in torch.arange(rows).chunk(world)))
+            widths.append(max(r[mode][name]["indices"].numel() for r in per_rank if "indices" in r[mode][name]))
+            if not mode.startswith("global-"):
+                assert widths[-1] == max(max(1, entries_for(DENSITY, len(block) * per_row))
+                                         for block in torch.arange(rows).chunk(world))
     biases = sum(n for name, n in padded.items() if name.endswith("bias"))
     weights = sum(n for name, n in padded.items() if name.endswith("weight"))
     for rank, r in enumerate(per_rank):
         log = r[f"{mode}-reduce-scatters"]
         dense = sum(n for kind, n in log if kind == "dense")
         sparse = sorted(n for kind, n in log if kind == "sparse")
-        if mode == "hook":
+        if mode.endswith("hook"):
             assert dense == micro * (biases + weights) and sparse == [], (rank, log)
         else:
             assert dense == micro * biases, (rank, log)

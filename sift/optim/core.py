@@ -101,6 +101,15 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             unscale the compact buffers with this scaler's scale. `scaler.step(optimizer)` needs
             no link: it hands `step()` the scale and the inf flag itself (see `sift.optim.amp`).
             May be set later as `optimizer.grad_scaler`; not pickled or copied.
+        sharded_selection: which entries FSDP2 (`fully_shard`) params train. "global" (the
+            default): the top `ceil(density * numel)` of the whole weight's gradient score, as one
+            process on the same global batch chooses (ties to the lower flat index), found by a
+            threshold search of a few dozen small all-reduces at selection; each rank keeps the
+            entries in its shard, however many (0 included); `selection="random"` draws the whole
+            weight's seeded scores on every rank (no communication). "per_shard": each rank the top
+            `ceil(density * shard numel)` of its own shard, no communication (equal to one process
+            selecting per block of rows). No effect on unsharded params. Not pickled or copied (a
+            copy selects globally).
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -131,6 +140,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         state: str = "exact",
         update_in_backward: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        sharded_selection: str = "global",
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay, density)
         if not isinstance(update_in_backward, bool):
@@ -146,6 +156,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                              "inside backward, before its gradient could be averaged across ranks")
         if state not in ("exact", "lean"):
             raise ValueError(f"state must be 'exact' or 'lean', got {state!r}")
+        if sharded_selection not in ("global", "per_shard"):
+            raise ValueError(f"sharded_selection must be 'global' or 'per_shard', got {sharded_selection!r}")
         if isinstance(select_steps, bool) or not isinstance(select_steps, int) or select_steps < 1:
             raise ValueError(f"select_steps must be a positive integer, got {select_steps!r}")
         if selection not in ("magnitude", "saliency", "random"):
@@ -160,6 +172,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                         maximize=maximize)
         self.select_steps = select_steps
         self.selection = selection
+        self.sharded_selection = sharded_selection
         self.seed = seed
         self.compact_grads = compact_grads
         self.state_layout = state

@@ -6,6 +6,11 @@ and "random" (seeded). `_select` is the one entry point that commits a selection
 the committing step) computes the entries with, so the clip and the step agree. Both modes go
 through it: in plain mode the step reads the dense gradient at the chosen entries, in
 `compact_grads` mode the dense gradient is gathered into the compact buffer and freed.
+
+FSDP2 params (`sharded_selection="global"`, the default) take the whole weight's top-k: every
+pending weight's k-th largest score across the shards is found at once by `sharded_top_k`, a
+bisection over the scores' fp32 bit patterns with one all-reduce of a count vector per round, and
+each rank keeps its shard's part (any number of entries, 0 included).
 """
 
 from __future__ import annotations
@@ -17,23 +22,144 @@ import torch
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
-from sift.optim.state import is_selected, local_tensor, uses_grad
+from sift.optim.sharded import shard_group, shard_offset
+from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
+
+# Weights searched together hold their fp32 scores at once: at most this many elements of whole
+# weights a round of collectives (a shard holds its share), so selection never holds a copy of them all.
+SEARCH_BUDGET = 2**30
+
+
+def _order_keys(score: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered as `score`'s floats, in place of it ([n] fp32, consumed): NaN ranks below every
+    number and -0.0 ties +0.0, as in `top_k_positions`."""
+    score.masked_fill_(torch.isnan(score), float("-inf")).add_(0.0)  # + 0.0 turns -0.0 into +0.0
+    key = score.view(torch.int32)
+    # Non-negative floats order as their bits; negative ones in reverse: flip their 31 low bits.
+    return key.bitwise_xor_(key.bitwise_right_shift(31).bitwise_and_(0x7FFFFFFF))
+
+
+def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list[torch.Tensor]:
+    """Each weight's top-k across the shards of `group`: this rank's part, as positions in its shard.
+
+    Collective: every rank of `group` calls it with the same weights in the same order, rank r holding
+    the r-th block of each weight's flat positions (FSDP2's row shards). The result equals
+    `top_k_positions` of the whole weight, ties taken by the lowest flat position: the k-th largest
+    key is found by bisection (one all-reduce of [n] counts a round, about 32 rounds for all weights at
+    once), then one all-reduce of every rank's counts above and at it tells each rank how many of its
+    ties come first.
+
+    Args:
+        scores: n [numel_r] fp32 scores of this rank's shards (consumed: they become the keys).
+        ks: n entries to choose of each whole weight, 0 <= k <= its numel.
+        group: the process group the weights are sharded over.
+
+    Returns:
+        n [k_r] int64 ascending positions within this rank's shards (the k_r add up to k).
+    """
+    import torch.distributed as dist
+
+    if not scores:
+        return []
+    world, me, n = dist.get_world_size(group), dist.get_rank(group), len(scores)
+    device = scores[0].device
+    keys = [_order_keys(s.reshape(-1)) for s in scores]
+    far = 1 << 40  # beyond every int32 key: an empty shard's bounds never win
+    lows = torch.stack([-k.min().long() if k.numel() else torch.tensor(-far, device=device) for k in keys])
+    highs = torch.stack([k.max().long() if k.numel() else torch.tensor(-far, device=device) for k in keys])
+    bounds = torch.cat([lows, highs])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    # count(key >= lo) >= k > count(key >= hi) all along: lo ends as the k-th largest key.
+    lo, hi = -bounds[:n], bounds[n:] + 1
+    need = torch.tensor(ks, dtype=torch.long, device=device)
+    rounds = max(1, int((hi - lo).max()).bit_length())  # one host read: the same count on every rank
+    for _ in range(rounds):
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        counts = torch.stack([(k >= m).sum() for k, m in zip(keys, mid.to(torch.int32))])
+        dist.all_reduce(counts, group=group)
+        enough = counts >= need
+        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid)
+    threshold = lo.to(torch.int32)
+    table = torch.zeros(world, 2 * n, dtype=torch.long, device=device)
+    table[me] = torch.stack([(k > t).sum() for k, t in zip(keys, threshold)] +
+                            [(k == t).sum() for k, t in zip(keys, threshold)])
+    dist.all_reduce(table, group=group)
+    # Ties in rank order are ties in flat order: the ranks before this one take theirs first.
+    ties = need - table[:, :n].sum(0) - table[:me, n:].sum(0)
+    take = torch.minimum(ties.clamp_min(0), table[me, n:]).tolist()
+    out = []
+    for k, t, m in zip(keys, threshold, take):
+        above = (k > t).nonzero().reshape(-1)
+        tied = (k == t).nonzero().reshape(-1)[:m]
+        out.append(torch.sort(torch.cat([above, tied])).values)
+    return out
 
 
 class SelectionMixin:
     """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps."""
 
+    def _selects_globally(self, p: torch.Tensor) -> bool:
+        """Whether p is an FSDP2 shard whose entries are the whole weight's top-k (`sharded_selection`)."""
+        return is_dtensor(p) and getattr(self, "sharded_selection", "global") == "global"
+
     def _num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
-        return max(1, _entries_for(group["density"], local_tensor(p).numel()))
+        """k: of the whole weight when selecting globally (`p.numel()` of a DTensor is the full one)."""
+        numel = p.numel() if self._selects_globally(p) else local_tensor(p).numel()
+        return max(1, _entries_for(group["density"], numel))
 
     def _choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         k = self._num_selected(group, p)
+        local = local_tensor(p).numel()
         if self.selection == "random":
             position = next(i for i, q in enumerate(q for _, q in self._sparse_params()) if q is p)
             gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + position)
-            score = torch.rand(local_tensor(p).numel(), generator=gen, device=p.device)
+            if self._selects_globally(p):
+                # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
+                start = shard_offset(p)
+                chosen = top_k_positions(torch.rand(p.numel(), generator=gen, device=p.device), k)
+                chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
+                return chosen.to(_index_dtype(local))
+            score = torch.rand(local, generator=gen, device=p.device)
         assert score is not None
-        return top_k_positions(score, k).to(_index_dtype(local_tensor(p).numel()))
+        return top_k_positions(score, k).to(_index_dtype(local))
+
+    def _average_pending(self) -> None:
+        """The cross-rank work before anything selects (`step()` and `clip_grad_norm_` call it): the
+        process group's averaging, then the global search of FSDP2 weights on their selecting step."""
+        super()._average_pending()
+        self._search_globally()
+
+    def _search_globally(self) -> None:
+        """Choose, by `sharded_top_k`, the entries of every FSDP2 weight selecting globally this step, and
+        cache them as the tentative indices. Collective over each weight's mesh; a no-op once every weight
+        is selected. The weights considered are the same on every rank (empty shards included)."""
+        import torch.distributed as dist
+
+        if self.selection == "random":
+            return  # drawn locally, from the seed (see _choose)
+        pending = [(group, p) for group, p in self._pending_with_grad()
+                   if self._selects_globally(p) and p.numel() > 0 and self._is_final_selection(p)]
+        by_group: dict[Any, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+        for group, p in pending:
+            by_group.setdefault(shard_group(p), []).append((group, p))
+        for mesh_group, members in by_group.items():
+            # A clip before the step searched already: search again only if any rank's gradient changed.
+            missing = torch.tensor([float(any(self._tentative.get(p, (None,))[0] != self._grad_key(p)
+                                              for _, p in members))], device=local_tensor(members[0][1]).device)
+            dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=mesh_group)
+            if not missing.item():
+                continue
+            chunk: list[tuple[dict[str, Any], torch.Tensor]] = []
+            for i, (group, p) in enumerate(members):
+                chunk.append((group, p))
+                size = sum(q.numel() for _, q in chunk)
+                if i + 1 == len(members) or size + members[i + 1][1].numel() > SEARCH_BUDGET:
+                    keys = [self._grad_key(q) for _, q in chunk]
+                    chosen = sharded_top_k([self._final_score(q) for _, q in chunk],
+                                           [self._num_selected(g, q) for g, q in chunk], mesh_group)
+                    for (_, q), key, idx in zip(chunk, keys, chosen):
+                        self._tentative[q] = (key, idx.to(_index_dtype(local_tensor(q).numel())))
+                    chunk = []
 
     def _score_now(self, p: torch.Tensor) -> torch.Tensor | None:
         """This step's contribution to p's selection score (fp32, p's local shape); None for "random"."""
@@ -60,13 +186,29 @@ class SelectionMixin:
     def _is_final_selection(self, p: torch.Tensor) -> bool:
         return self.state[p].get("selection_calls", 0) + 1 >= self.select_steps
 
+    def _has_entries_to_choose(self, p: torch.Tensor) -> bool:
+        """An empty shard (FSDP2 pads dim 0) chooses nothing per shard; selecting globally it takes part
+        in the search like every rank, and gets 0 entries."""
+        return local_tensor(p).numel() > 0 or (self._selects_globally(p) and p.numel() > 0)
+
     def _pending_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
         """Sparse params whose entries are not chosen yet, that this step would select for."""
         if self._pending == []:
             return []
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
         return [(group, p) for group, p in candidates
-                if not is_selected(self.state.get(p, {})) and local_tensor(p).numel() > 0 and uses_grad(p)]
+                if not is_selected(self.state.get(p, {})) and self._has_entries_to_choose(p) and uses_grad(p)]
+
+    def _final_score(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The score p's entries are chosen by on its last selection step (fp32, p's local shape; a new
+        tensor): this step's plus the earlier steps'; None for "random"."""
+        score = self._score_now(p)
+        previous = self.state[p].get("score")
+        if score is not None and previous is not None:
+            score = score.add_(previous)
+        if score is not None and self.selection == "saliency":
+            score = score.abs_()
+        return score
 
     def _tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         """The entries this step would choose for pending p (its final selection step); not committed."""
@@ -74,13 +216,11 @@ class SelectionMixin:
         hit = self._tentative.get(p)
         if hit is not None and hit[0] == key:
             return hit[1]
-        score = self._score_now(p)
-        previous = self.state[p].get("score")
-        if score is not None and previous is not None:
-            score = score.add_(previous)
-        if score is not None and self.selection == "saliency":
-            score = score.abs_()
-        indices = self._choose(group, p, score)
+        if self._selects_globally(p) and self.selection != "random":
+            # Chosen together with the other ranks: computing it here alone would leave them waiting.
+            raise RuntimeError("the gradient of an FSDP2 weight changed after its entries were searched across "
+                               "the ranks in this step; change gradients before clip_grad_norm_ and step()")
+        indices = self._choose(group, p, self._final_score(p))
         self._tentative[p] = (key, indices)
         return indices
 
@@ -108,7 +248,7 @@ class SelectionMixin:
         # Only params still pending are scanned next time: after selection the per-step cost is nil.
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
         self._pending = [(g, p) for g, p in candidates if not is_selected(self.state.get(p, {}))
-                         and local_tensor(p).numel() > 0]
+                         and self._has_entries_to_choose(p)]
 
     def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""

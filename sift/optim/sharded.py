@@ -3,10 +3,12 @@ sits in its weight, the update-in-backward hook of sharded params, the modes tha
 gathering a delta's entries across ranks, and a DCP-checkpointable optimizer state.
 
 FSDP2 keeps each param as a DTensor sharded on dim 0 (`torch.chunk` rows) over a 1-D mesh. The
-optimizer works on each rank's local shard: it selects the top `ceil(density * shard numel)` of
-the shard's reduce-scattered gradient (per-shard selection, no communication; the same entries as
-one process whose optimizer selects per block of rows, the blocks being the shards), and its state
-holds positions within the shard. FSDP2 reduce-scatters the gradient and then runs the sharded
+optimizer works on each rank's local shard: by default it selects the whole weight's top
+`ceil(density * numel)` of the reduce-scattered gradient, as one process would (a threshold search
+across the ranks, `sift.optim.selection.sharded_top_k`), each rank keeping its shard's part, of any
+size (0 included); with `sharded_selection="per_shard"` the top `ceil(density * shard numel)` of
+each shard (no communication; one process selecting per block of rows). The state holds positions
+within the shard. FSDP2 reduce-scatters the gradient and then runs the sharded
 param's post-accumulate-grad hooks (`foreach_reduce` in torch's `_fsdp_collectives.py`), so the
 compact mode's gather, and the update in backward, run there on the averaged shard gradient.
 
@@ -77,6 +79,10 @@ def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, spa
                          "gradient FSDP2 already reduce-scatters (each rank's shard differs): leave process_group unset")
     if not sparse:
         return
+    if getattr(optimizer, "sharded_selection", "global") == "global" and not _is_row_sharded(p):
+        raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
+                         "mesh: the global selection supports FSDP2's default sharding, Shard(0) over a 1-D mesh; "
+                         "pass sharded_selection='per_shard' to select within each shard")
     if optimizer.compact_grads and not _is_row_sharded(p):
         raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                          "mesh: compact_grads mode supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
@@ -368,8 +374,16 @@ class ShardedOptimizerState:
 
     def state_dict(self) -> dict[str, io.BytesIO]:
         # One opaque object per rank: DCP writes it as bytes and gives the same bytes back to that rank.
+        saved = self.optimizer.state_dict()
+        # A global selection may leave a shard 0 entries, which load_state_dict's checks (a sparse state
+        # needs an entry) refuse: such states travel as their step counts and come back empty.
+        empty = {pid: {"step": st["step"], "selection_calls": st.get("selection_calls", 0)}
+                 for pid, st in saved["state"].items() if _has_no_entries(st)}
+        if empty:
+            saved = {**saved, "state": {pid: st for pid, st in saved["state"].items() if pid not in empty},
+                     "sift_empty_shards": empty}
         buffer = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buffer)
+        torch.save(saved, buffer)
         buffer.seek(0)
         return {self._key(): buffer}
 
@@ -382,7 +396,27 @@ class ShardedOptimizerState:
         if isinstance(saved, io.BytesIO):
             saved.seek(0)
             saved = torch.load(saved, weights_only=False)
+        saved = dict(saved)
+        empty = saved.pop("sift_empty_shards", {})
         self.optimizer.load_state_dict(saved)
+        if empty:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            for pid, st in empty.items():
+                p = params[pid]
+                self.optimizer._init_sparse_state(p, torch.zeros(0, dtype=_index_dtype(local_tensor(p).numel())))
+                self.optimizer.state[p]["step"].copy_(st["step"])
+                self.optimizer.state[p]["selection_calls"] = st["selection_calls"]
+            self.optimizer._pending = None
+        if getattr(self.optimizer, "_sharded_sparse_grads", None):
+            # The load's own rebuild of the plans ran before the empty states were back (collective: on
+            # every rank whether or not its shards had any).
+            refresh_sparse_backward(self.optimizer)
+
+
+def _has_no_entries(state: Mapping[str, Any]) -> bool:
+    """Whether a saved sparse state is selected with 0 entries."""
+    indices = state.get("indices", state.get("indices_low"))
+    return isinstance(indices, torch.Tensor) and indices.numel() == 0
 
 
 def replicated_quantized_deltas(optimizer: SparseAdamW, process_group: Any = None) -> set[torch.nn.Parameter]:
