@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from sift.optim.state import is_selected, local_tensor, uses_grad
+from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -110,6 +110,7 @@ class AmpMixin:
         if compact_inv is not None:
             self._unscale_compact(compact_inv)
         if under_scaler and self.compact_grads:
+            self._agree_found_inf()
             self._report_found_inf()
         flags = [t for t in (found_inf, *self._compact_found_inf.values()) if t is not None]
         if not flags:
@@ -128,6 +129,25 @@ class AmpMixin:
                 return candidate
             frame = frame.f_back
         return None
+
+    def _agree_found_inf(self) -> None:
+        """Under FSDP2, make the compact buffers' inf/NaN flag the same on every rank (one scalar all-reduce).
+
+        Each rank checks only its own shard's buffers, which the scaler never sees; a rank that skipped
+        while the others stepped would leave their collectives (clip, selection, the next forward) waiting.
+        """
+        sharded = next((p for group in self.param_groups for p in group["params"] if is_dtensor(p)), None)
+        if sharded is None:
+            return
+        import torch.distributed as dist
+
+        device = local_tensor(sharded).device
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for t in self._compact_found_inf.values():
+            flag.add_(t.to(device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
+        self._compact_found_inf.clear()
+        self._compact_found_inf[device] = flag
 
     def _report_found_inf(self) -> None:
         """Add the compact buffers' inf/NaN flags to the scaler's, so that `scaler.update()` backs off
