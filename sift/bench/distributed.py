@@ -20,6 +20,12 @@ frozen, as in the memory suite. Every step clips to a global norm of 1.0 (`max_g
     grads       gradient bytes held when `step()` starts: dense shard `.grad`s, plus compact buffers
     optim       optimizer state bytes of this rank
 
+The selection table times the selecting step itself, `sharded_selection="global"` (the default: the
+whole weight's top-k by a threshold search across the ranks) against "per_shard" (each shard's own
+top-k, no communication): fresh plain-mode optimizers on the same gradients, interleaved, the step's
+collectives and bytes counted as above, and how the two choices differ (entries in common, the largest
+rank's share of the entries, which sets the sparse backward's padded reduce-scatter).
+
 A second table projects the per-rank figures to Llama-2-70B (fp32 sharded params, bf16 all-gathers,
 fp32 reduce-scatters, attention and MLP weights trained at 5%) on 2 and 8 GPUs: see `project`.
 """
@@ -43,6 +49,9 @@ MODES = ("FSDP2 + AdamW", "FSDP2 + SparseAdamW plain", "FSDP2 + SparseAdamW hook
 COLUMNS = ("mode", "ranks", "sent/step/rank MiB", "gradients sent MiB", "compact grads MiB", "collectives/step",
            "step ms", "p20 ms", "p80 ms",
            "params/rank MiB", "grads/rank MiB", "optim/rank MiB", "sum/rank MiB")
+SELECTION_COLUMNS = ("sharded_selection", "ranks", "collectives", "sent/rank KiB", "selecting step ms", "p20 ms",
+                     "p80 ms", "entries", "common with per_shard", "largest rank's share")
+SELECTION_RULES = ("global", "per_shard")
 PROJECTED_COLUMNS = ("model", "mode", "GPUs", "sent/step/rank GiB", "params/rank GiB", "grads/rank GiB",
                      "optim/rank GiB", "sum/rank GiB")
 MIB, GIB = 2**20, 2**30
@@ -166,6 +175,44 @@ def _step(model, opt, batch: torch.Tensor, memory: dict | None = None) -> None:
     opt.step()
 
 
+def _selection(model, batch: torch.Tensor, world: int, counter: CollectiveCounter, repeats: int) -> dict:
+    """The selecting step of fresh plain-mode optimizers over one backward's gradients, per rule: its
+    collectives, bytes sent and times, and this rank's chosen entries (global positions) of each weight."""
+    import torch.distributed as dist
+
+    from sift.optim import SparseAdamW
+    from sift.optim.sharded import shard_offset
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    model(input_ids=batch, labels=batch).loss.backward()
+    grads = [p.grad for p in trained]
+    out: dict[str, Any] = {rule: {"samples": []} for rule in SELECTION_RULES}
+    saved = [p.detach().to_local().clone() for p in trained]
+    for repeat in range(repeats + 1):
+        for rule in SELECTION_RULES:
+            opt = SparseAdamW(trained, lr=1e-4, density=DENSITY, max_grad_norm=1.0, sharded_selection=rule)
+            for p, g in zip(trained, grads):
+                p.grad = g  # the same gradients every time (the clip scales gathered copies, not .grad)
+            dist.barrier()
+            counter.on, counter.bytes, counter.calls = repeat == 0, 0.0, 0
+            t0 = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([(time.perf_counter() - t0) * 1e3])
+            counter.on = False
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat == 0:  # the first round warms up; its counts are the same every time
+                out[rule].update(calls=counter.calls, sent=counter.bytes, entries=[
+                    (opt.indices_of(p).long() + shard_offset(p)).tolist() for p in trained])
+            else:
+                out[rule]["samples"].append(float(elapsed))
+            with torch.no_grad():
+                for p, value in zip(trained, saved):
+                    p.to_local().copy_(value)
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def _worker(rank: int, world: int, init_file: str, out: str, quick: bool) -> None:
     import torch.distributed as dist
 
@@ -188,6 +235,8 @@ def _worker(rank: int, world: int, init_file: str, out: str, quick: bool) -> Non
             rows[mode] = {"sent": counter.bytes, "reduced": counter.reduced, "compact": _compact_bytes(opt),
                           "calls": counter.calls, "grads": memory["grads"],
                           "params": _local_bytes(model.parameters()), "optim": _optim_bytes(opt), "samples": []}
+        selection_model, _ = _build("FSDP2 + AdamW", sizes, world)
+        selection = _selection(selection_model, batch, world, counter, 2 if quick else 20)
         counter.restore()
         for _ in range(2 if quick else 30):
             for mode, (model, opt) in runs.items():
@@ -197,6 +246,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, quick: bool) -> Non
                 elapsed = torch.tensor([(time.perf_counter() - t0) * 1e3])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step lasts as long as its slower rank
                 rows[mode]["samples"].append(float(elapsed))
+        rows["selection"] = selection
         per_rank = [None] * world
         dist.all_gather_object(per_rank, rows)
         if rank == 0:
@@ -241,6 +291,54 @@ def project(model: dict[str, int], gpus: int, mode: str, density: float = DENSIT
     return {"sent": sent, "params": params, "grads": grads, "optim": optim, "sum": params + grads + optim}
 
 
+def _selection_rows(ranks: list[dict], world: int) -> list[dict[str, Any]]:
+    """The selection table's rows from every rank's `_selection` results."""
+    chosen = {rule: [set().union(*(r["selection"][rule]["entries"][w] for r in ranks))
+                     for w in range(len(ranks[0]["selection"][rule]["entries"]))] for rule in SELECTION_RULES}
+    rows = []
+    for rule in SELECTION_RULES:
+        parts = [r["selection"][rule] for r in ranks]
+        times = summary(parts[0]["samples"])
+        per_rank = [sum(len(e) for e in part["entries"]) for part in parts]
+        entries = sum(len(e) for e in chosen[rule])
+        common = sum(len(a & b) for a, b in zip(chosen[rule], chosen["per_shard"]))
+        rows.append({"sharded_selection": rule, "ranks": world, "collectives": max(p["calls"] for p in parts),
+                     "sent/rank KiB": max(p["sent"] for p in parts) / 2**10, "selecting step ms": times["median_ms"],
+                     "p20 ms": times["p20_ms"], "p80 ms": times["p80_ms"], "entries": entries,
+                     "common with per_shard": f"{common / entries:.1%}",
+                     "largest rank's share": f"{max(per_rank) / entries:.1%}"})
+    return rows
+
+
+def project_selection(model: dict[str, int], gpus: int, density: float = DENSITY) -> dict[str, float]:
+    """What the global selection of a Llama's attention and MLP weights costs once, by the algorithm's counts
+    (`sift.optim.selection`): per mesh, one all-reduce of a flag, then per chunk of weights (at most
+    `SEARCH_BUDGET` elements of whole weights) one of the bounds, one per bisection round (32 for fp32 keys
+    spanning the non-negative floats) and one of the [ranks, 2 x weights] tie table; int64 counts, the ring
+    model's 2 (w - 1) / w for all-reduce. `passes`: the times each rank reads its scores (bounds, rounds, ties)."""
+    from sift.optim.selection import SEARCH_BUDGET
+
+    h, i, kv, layers = model["hidden"], model["intermediate"], model["kv"], model["layers"]
+    sizes = [h * h, h * kv, h * kv, h * h, h * i, h * i, i * h] * layers  # q k v o gate up down
+    chunks, current = [], []
+    for n in sizes:
+        if current and sum(current) + n > SEARCH_BUDGET:
+            chunks.append(current)
+            current = []
+        current.append(n)
+    chunks.append(current)
+    rounds = 32
+    share = 2 * (gpus - 1) / gpus
+    sent = share * (4 + 8 * sum(2 * len(c) + rounds * len(c) + gpus * 2 * len(c) for c in chunks))
+    collectives, passes, scores = 1 + len(chunks) * (rounds + 2), rounds + 4, sum(sizes) / gpus
+    # Assumed, not measured: a small NCCL all-reduce's latency, and an H200's memory bandwidth for the passes
+    # over the fp32 scores.
+    latency_s, bandwidth = 30e-6, 4e12
+    return {"weights": len(sizes), "chunks": len(chunks), "collectives": collectives, "sent": sent, "passes": passes,
+            "scores": scores, "density": density, "latency_s": collectives * latency_s,
+            "read_s": passes * scores * 4 / bandwidth}
+
+
 def run(quick: bool = False) -> str:
     import torch.multiprocessing as mp
 
@@ -276,8 +374,21 @@ def run(quick: bool = False) -> str:
             projected.append({"model": "Llama-2-70B", "mode": mode, "GPUs": gpus,
                               **{f"{key}/rank GiB": figures[key if key != "sent/step" else "sent"] / GIB
                                  for key in ("sent/step", "params", "grads", "optim", "sum")}})
+    selection_rows = _selection_rows(result["ranks"], world)
+    markdown += "\n\n" + markdown_table(
+        "The selecting step: sharded_selection global (the default) against per_shard, plain mode, clip 1.0",
+        SELECTION_COLUMNS, selection_rows)
     markdown += "\n\n" + markdown_table("Projected (not measured): Llama-2-70B under FSDP2, see `project`",
                                         PROJECTED_COLUMNS, projected)
+    selection_projected = project_selection(LLAMA2_70B, 8)
+    markdown += ("\n\nProjected (not measured), the global selection of Llama-2-70B's attention and MLP weights at "
+                 f"{DENSITY:.0%} on 8 GPUs, once per run: {selection_projected['collectives']} all-reduces "
+                 f"({selection_projected['weights']} weights searched in {selection_projected['chunks']} chunks of "
+                 f"at most 2**30 elements), {selection_projected['sent'] / 2**10:.0f} KiB sent per rank, "
+                 f"{selection_projected['passes']} passes over each rank's "
+                 f"{selection_projected['scores'] / 1e9:.2f} G scores: at an assumed 30 us an all-reduce and "
+                 f"4 TB/s, about {selection_projected['latency_s']:.2f} s of latency and "
+                 f"{selection_projected['read_s']:.2f} s of reads; see `project_selection`.")
     wire = next(row for row in rows if row["mode"].endswith("sparse backward, lean"))
     ratio = wire["gradients sent MiB"] / wire["compact grads MiB"] if wire["compact grads MiB"] else float("nan")
     markdown += ("\n\nGradients sent: the reductions' bytes (reduce-scatter, all-reduce; the rest is FSDP2's "
@@ -292,6 +403,8 @@ def run(quick: bool = False) -> str:
     if hasattr(os, "getloadavg"):  # step times on a shared machine: how busy it was
         markdown += f" Load average over the run's last minute: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."
     save_results("distributed", rows, markdown, extra={"projected": projected, "sizes": sizes,
+                                                       "selection": selection_rows,
+                                                       "selection_projected": selection_projected,
                                                        "samples_ms": {m: result["ranks"][0][m]["samples"]
                                                                       for m in MODES}}, quick=quick)
     return markdown
