@@ -55,10 +55,10 @@ def _trainer(case: str, output_dir: str, world: int):
         max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, seed=0, data_seed=0,
         average_tokens_across_devices=False, **fsdp)
     model = _model()
-    if case == "trainer":
+    if case.startswith("trainer"):
         # A plain Trainer given a sift optimizer: built on the unsharded model, as the Trainer requires, in plain
         # mode (accelerate swaps its params for the shards; the compact modes' hooks would stay on the old ones).
-        opt = SparseAdamW.for_model(model, density=DENSITY, lr=1e-2, memory="plain")
+        opt = SparseAdamW.for_model(model, density=DENSITY, lr=1e-2, memory="low" if case == "trainer-low" else "plain")
         trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(), optimizers=(opt, None))
     else:
         trainer = SparseTrainer(model=model, args=args, train_dataset=_data(), density=DENSITY,
@@ -98,6 +98,8 @@ def _result(trainer) -> dict:
 
 @gloo_rank
 def _worker(rank: int, world: int, out: str) -> None:
+    from sift.optim.sharded import full_tensor
+
     # accelerate reads the job from the launcher's variables; the process group is already up.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     results = {}
@@ -105,6 +107,15 @@ def _worker(rank: int, world: int, out: str) -> None:
         trainer = _trainer(case, f"{out}.{case}.{rank}", world)
         trainer.train()
         results[case] = _result(trainer)
+    trainer = _trainer("trainer-low", f"{out}.low.{rank}", world)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    try:
+        trainer.train()
+        results["refusal"] = None
+    except RuntimeError as exc:
+        results["refusal"] = str(exc)
+    results["moved"] = [n for n, p in trainer.model.named_parameters()
+                        if not torch.equal(full_tensor(p.detach()), before[n])]
     torch.save(results, f"{out}.{rank}")
 
 
@@ -132,3 +143,11 @@ def test_trainer_under_accelerate_fsdp2_equals_one_process(ranks, case, tmp_path
             torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compact_mode_optimizer_whose_params_accelerate_replaced_is_refused(ranks):
+    """memory="low" (hook mode, sparse backward) built before accelerate's fully_shard hooked the old params: the
+    first step refuses, before any weight moves, rather than train the shards wrongly."""
+    for rank, r in enumerate(ranks):
+        assert r["refusal"] is not None and "was replaced after it was built" in r["refusal"], (rank, r["refusal"])
+        assert r["moved"] == [], (rank, r["moved"])

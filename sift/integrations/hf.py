@@ -57,7 +57,8 @@ class SparseTrainer(Trainer):
         memory: the memory mode, as for `SparseAdamW.for_model` (`sift.optim.memory`): "low" (the
             default: hook mode and the sparse backward), "lowest" (also the update in backward, which
             the Trainer's clipping, gradient accumulation or fp16 scaling drop with a log line; the
-            state stays exact, since the Trainer's checkpoints export its increments) or "plain". With several processes the Trainer's DDP reduces `.grad`, so a
+            state stays exact, since the Trainer's checkpoints export its increments) or "plain". With several processes the Trainer's DDP reduces `.grad`
+            (and accelerate's FSDP2 swaps the shards into the optimizer after it is built), so a
             preset falls back to plain mode there, with one log line.
         compact_grads: gradient-hook mode of `SparseAdamW` explicitly (single process only: with
             several processes use plain mode, which the Trainer's DDP handles). Under fp16
@@ -133,7 +134,9 @@ class SparseTrainer(Trainer):
             )
         if memory != "plain" and compact_grads is None and training_args is not None and training_args.world_size > 1:
             logger.warning("SparseTrainer: memory=%r falls back to plain mode with %d processes (the Trainer's DDP "
-                           "averages .grad, which the memory modes free)", memory, training_args.world_size)
+                           "averages .grad, which the memory modes free; under FSDP2 accelerate swaps the shards in "
+                           "after the optimizer is built, which only plain mode follows)", memory,
+                           training_args.world_size)
             memory = "plain"
         if memory == "lowest":
             # Its checkpoints are deltas, built from the exact state's increments; the lean state keeps none.

@@ -18,6 +18,10 @@ scaler (`found_inf_per_device`), so `scaler.update()` backs the scale off for an
 not see and finds a check even when no trained param kept a dense `.grad`. The scaler that calls
 `step()` is found from the call itself when `optimizer.grad_scaler` was not set (and then kept as
 the link); a step that cannot find it refuses before changing anything rather than stall.
+
+Under FSDP2 the scaler's own check all-reduces `.grad`'s flag over the DTensor mesh (torch's DTensor
+rule for the check), but each rank checks only its own shard's compact buffers: the step all-reduces
+their flag too, so that every rank skips, selects and backs off the scale on the same steps.
 """
 
 from __future__ import annotations

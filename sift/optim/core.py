@@ -442,6 +442,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._settle_update_in_backward()
         self._validate_grads()
         self._hook_new_params()
+        if self.compact_grads and not self.state:
+            self._check_params_not_replaced()
         self._sync_grads()
         self.last_step_skipped = self._amp_begin()
         if self.last_step_skipped:
@@ -469,6 +471,16 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         finally:
             self._end_step()
         return loss
+
+    def _check_params_not_replaced(self) -> None:
+        """Refuse params swapped into the groups after construction (accelerate's FSDP2 `prepare` does so): the
+        compact modes' hooks and sparse backward hold the old ones, and the new ones would train wrongly."""
+        for _, p in self._sparse_params():
+            if p.requires_grad and p not in self._hook_handles and not any(p is q for q in self._unhooked):
+                raise RuntimeError("a param of this SparseAdamW was replaced after it was built (accelerate's FSDP2 "
+                                   "prepare swaps an optimizer's params for the sharded ones): compact_grads and the "
+                                   "sparse backward hooked the old params. Build the optimizer after fully_shard, or "
+                                   "use plain mode (memory='plain') with accelerate")
 
     def _end_step(self) -> None:
         """Drop what lived for this step: caches, gathered compact gradients, the backward marks."""
