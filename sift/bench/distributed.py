@@ -315,7 +315,9 @@ def project_selection(model: dict[str, int], gpus: int, density: float = DENSITY
     (`sift.optim.selection`): per mesh, one all-reduce of a flag, then per chunk of weights (at most
     `SEARCH_BUDGET` elements of whole weights) one of the bounds, one per bisection round (32 for fp32 keys
     spanning the non-negative floats) and one of the [ranks, 2 x weights] tie table; int64 counts, the ring
-    model's 2 (w - 1) / w for all-reduce. `passes`: the times each rank reads its scores (bounds, rounds, ties)."""
+    model's 2 (w - 1) / w for all-reduce. `passes`: the full reads of each rank's scores (min and max, the 8 rounds
+    before the undecided keys are kept alone, that filter, the ties, the final pick); the later rounds read
+    the undecided remainder only, not counted."""
     from sift.optim.selection import SEARCH_BUDGET
 
     h, i, kv, layers = model["hidden"], model["intermediate"], model["kv"], model["layers"]
@@ -330,7 +332,7 @@ def project_selection(model: dict[str, int], gpus: int, density: float = DENSITY
     rounds = 32
     share = 2 * (gpus - 1) / gpus
     sent = share * (4 + 8 * sum(2 * len(c) + rounds * len(c) + gpus * 2 * len(c) for c in chunks))
-    collectives, passes, scores = 1 + len(chunks) * (rounds + 2), rounds + 4, sum(sizes) / gpus
+    collectives, passes, scores = 1 + len(chunks) * (rounds + 2), 2 + 8 + 2 + 2 + 2, sum(sizes) / gpus
     # Assumed, not measured: a small NCCL all-reduce's latency, and an H200's memory bandwidth for the passes
     # over the fp32 scores.
     latency_s, bandwidth = 30e-6, 4e12

@@ -46,7 +46,7 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     the r-th block of each weight's flat positions (FSDP2's row shards). The result equals
     `top_k_positions` of the whole weight, ties taken by the lowest flat position: the k-th largest
     key is found by bisection (one all-reduce of [n] counts a round, about 32 rounds for all weights at
-    once), then one all-reduce of every rank's counts above and at it tells each rank how many of its
+    once; after every 8 rounds only the keys still undecided are read), then one all-reduce of every rank's counts above and at it tells each rank how many of its
     ties come first.
 
     Args:
@@ -73,9 +73,16 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     lo, hi = -bounds[:n], bounds[n:] + 1
     need = torch.tensor(ks, dtype=torch.long, device=device)
     rounds = max(1, int((hi - lo).max()).bit_length())  # one host read: the same count on every rank
-    for _ in range(rounds):
+    # The keys still undecided ([lo, hi)) and, per weight, how many of this rank's lie at or above hi: every
+    # 8 rounds the undecided ones are kept alone, so later rounds read a small fraction of the scores.
+    live, above = keys, torch.zeros(n, dtype=torch.long, device=device)
+    for r in range(rounds):
+        if r and r % 8 == 0:
+            above = above + torch.stack([(k >= h).sum() for k, h in zip(live, hi.to(torch.int32))])
+            live = [k[(k >= a) & (k < b)] for k, a, b in zip(live, lo.to(torch.int32), hi.clamp_max(2**31 - 1)
+                                                               .to(torch.int32))]
         mid = torch.div(lo + hi, 2, rounding_mode="floor")
-        counts = torch.stack([(k >= m).sum() for k, m in zip(keys, mid.to(torch.int32))])
+        counts = above + torch.stack([(k >= m).sum() for k, m in zip(live, mid.to(torch.int32))])
         dist.all_reduce(counts, group=group)
         enough = counts >= need
         lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid)
