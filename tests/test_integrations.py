@@ -136,7 +136,8 @@ def _fsdp_worker(rank: int, world: int, steps: int, out: str) -> None:
 
 
 def test_fsdp2_shards_train_like_one_process_on_their_entries(tmp_path):
-    """FSDP2 (DTensor params): each rank selects and steps on its own shard (plain mode)."""
+    """FSDP2 (DTensor params): each rank takes its shard's part of the whole weight's top-k and steps on
+    it (plain mode)."""
     pytest.importorskip("torch.distributed.fsdp")
     steps, world = 4, 2
     out = str(tmp_path / "params")
@@ -145,12 +146,13 @@ def test_fsdp2_shards_train_like_one_process_on_their_entries(tmp_path):
     model = _model()
     x, y = _data(0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    for i, p in enumerate(model.parameters()):  # each rank chose the top-k of its own shard
-        for r, grad_shard in enumerate(torch.chunk(p.grad, world, dim=0)):
-            k = shards[r][i][1].numel()
-            assert k == max(1, -(-grad_shard.numel() // 5))  # ceil(0.2 * numel)
-            top = torch.topk(grad_shard.abs().reshape(-1), k).indices.sort().values
-            assert torch.equal(shards[r][i][1].long(), top)
+    for i, p in enumerate(model.parameters()):  # the ranks' entries together: the whole weight's top-k
+        offset, chosen = 0, []
+        for r in range(world):
+            chosen.append(shards[r][i][1].long() + offset)
+            offset += shards[r][i][0].numel()
+        k = max(1, -(-p.numel() // 5))  # ceil(0.2 * numel)
+        assert torch.equal(torch.cat(chosen), torch.topk(p.grad.abs().reshape(-1), k).indices.sort().values)
     model.zero_grad()
     opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, max_grad_norm=0.5)
     expected_params = []
