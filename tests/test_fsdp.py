@@ -116,6 +116,19 @@ def _sharded_model(world: int, dead: bool = False) -> torch.nn.Module:
     return model
 
 
+def _column_sharded_model(world: int) -> torch.nn.Module:
+    """FSDP2 sharding the weights by columns (`Shard(1)`), which the global selection does not support."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)),
+                # FSDP2 shards dim 1 evenly only: the first weight's 12 columns split over 2 and 3 ranks.
+                shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else Shard(0))
+    return model
+
+
 @contextlib.contextmanager
 def _reduce_scatters(log: list[tuple[str, int]]):
     """Record (whose, input numel) of every reduce-scatter: FSDP2's of dense gradients ("dense") and the sparse
@@ -178,8 +191,8 @@ def _refusals(world: int) -> dict:
     """Each refused combination on this rank: its error, and whether any weight moved."""
     results = {}
 
-    def attempt(name, build):
-        model = _sharded_model(world)
+    def attempt(name, build, model_fn=None):
+        model = (model_fn or _sharded_model)(world)
         before = [p.to_local().detach().clone() for p in model.parameters()]
         try:
             opt = build(model)
@@ -203,6 +216,9 @@ def _refusals(world: int) -> dict:
                                                        process_group=torch.distributed.group.WORLD))
     attempt("update-in-backward-clip", lambda model: SparseAdamW(_groups(model), lr=1e-2, update_in_backward=True,
                                                                  max_grad_norm=0.5))
+    attempt("global-shard-dim-1", lambda model: SparseAdamW(_groups(model), lr=1e-2), _column_sharded_model)
+    attempt("per-shard-shard-dim-1", lambda model: SparseAdamW(_groups(model), lr=1e-2, **PER_SHARD),
+            _column_sharded_model)
     return results
 
 
@@ -554,6 +570,16 @@ def test_sparse_backward_reduces_k_entries_a_weight_and_fsdp2_no_dense_weight_gr
             # Entries chosen everywhere: the steps stopped checking for changed plans (a collective and a
             # host read each).
             assert r[f"{mode}-plans-final"] is True, rank
+
+
+def test_global_selection_refuses_a_sharding_other_than_rows_and_per_shard_trains(ranks):
+    world, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        refused = r["refusals"]["global-shard-dim-1"]
+        assert refused["error"].startswith("ValueError") and "sharded_selection='per_shard'" in refused["error"]
+        assert not refused["changed"], rank
+        trained = r["refusals"]["per-shard-shard-dim-1"]
+        assert trained["error"] is None and trained["changed"], (rank, trained)
 
 
 def test_sparse_backward_follows_set_indices_after_refresh(ranks):
