@@ -45,14 +45,14 @@ def _data() -> list[dict]:
     return [{"input_ids": torch.randint(0, 64, (10,), generator=gen), "labels": int(i % 2)} for i in range(16)]
 
 
-def _trainer(case: str, output_dir: str, world: int):
+def _trainer(case: str, output_dir: str, world: int, save_strategy: str = "no"):
     from sift.integrations.hf import SparseTrainer
 
     fsdp = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}) if world > 1 \
         else {}
     args = transformers.TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=STEPS, learning_rate=1e-2,
-        max_grad_norm=1.0, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, seed=0, data_seed=0,
+        max_grad_norm=1.0, report_to=[], save_strategy=save_strategy, save_steps=1, use_cpu=True, logging_steps=1, seed=0, data_seed=0,
         average_tokens_across_devices=False, **fsdp)
     model = _model()
     if case.startswith("trainer"):
@@ -107,6 +107,17 @@ def _worker(rank: int, world: int, out: str) -> None:
         trainer = _trainer(case, f"{out}.{case}.{rank}", world)
         trainer.train()
         results[case] = _result(trainer)
+        if case == "sparse-trainer":
+            trainer.save_model(f"{out}.saved")  # collective: every rank gathers the k entries, rank 0 writes
+    trainer = _trainer("sparse-trainer", f"{out}.checkpointing.{rank}", world, save_strategy="steps")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    try:
+        trainer.train()
+        results["checkpoint refusal"] = None
+    except ValueError as exc:
+        results["checkpoint refusal"] = str(exc)
+    results["checkpoint moved"] = [n for n, p in trainer.model.named_parameters()
+                                   if not torch.equal(full_tensor(p.detach()), before[n])]
     trainer = _trainer("trainer-low", f"{out}.low.{rank}", world)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     try:
@@ -120,10 +131,15 @@ def _worker(rank: int, world: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("trainer-fsdp") / "result")
     mp.spawn(_worker, args=(2, f"{out}.init", out), nprocs=2, join=True)
-    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+    return out, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(run):
+    return run[1]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -151,3 +167,26 @@ def test_a_compact_mode_optimizer_whose_params_accelerate_replaced_is_refused(ra
     for rank, r in enumerate(ranks):
         assert r["refusal"] is not None and "was replaced after it was built" in r["refusal"], (rank, r["refusal"])
         assert r["moved"] == [], (rank, r["moved"])
+
+
+def test_save_model_under_fsdp2_writes_the_fine_tune_gathered_from_the_shards(run):
+    """save_model ran the delta's gathering on rank 0 alone (the Trainer calls _save on the main process):
+    rank 0 waited on a collective the others never joined. Every rank now gathers, rank 0 writes; the
+    directory applied to a fresh base model gives the trained params bit for bit."""
+    from sift import SparseDelta
+
+    out, ranks = run
+    delta = SparseDelta.from_pretrained(f"{out}.saved")
+    model = _model()
+    delta.apply_(model)
+    trained = ranks[0]["sparse-trainer"]["params"]
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), trained[name]), name
+    assert delta.dense and delta.nnz == sum(i.numel() for r in ranks for i in r["sparse-trainer"]["indices"].values())
+
+
+def test_checkpoints_under_fsdp2_are_refused_before_training(ranks):
+    """torch's FSDP state-dict helpers would save the per-shard [k] optimizer tensors once, as if replicated."""
+    for rank, r in enumerate(ranks):
+        assert r["checkpoint refusal"] is not None and "save_strategy='no'" in r["checkpoint refusal"], rank
+        assert r["checkpoint moved"] == [], (rank, r["checkpoint moved"])

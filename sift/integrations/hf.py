@@ -17,6 +17,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
+from sift.optim.state import is_dtensor
 from sift.targets import model_family, plan_targets
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,11 @@ class _ReportSkippedSteps(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, SparseAdamW) and inner.last_step_skipped and hasattr(optimizer, "_is_overflow"):
             optimizer._is_overflow = True
+
+
+def _is_sharded(optimizer: SparseAdamW) -> bool:
+    """Whether the optimizer holds FSDP2 shards (DTensor params)."""
+    return any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])
 
 
 class SparseTrainer(Trainer):
@@ -154,6 +160,13 @@ class SparseTrainer(Trainer):
         self.add_callback(_ReportSkippedSteps())
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.is_fsdp_enabled and self.args.save_strategy != "no":
+            # Its optimizer state would go through torch's FSDP state-dict helpers, which save SparseAdamW's
+            # per-shard [k] tensors once as if replicated: a resume would be wrong. Refused before training.
+            raise ValueError(
+                f"SparseTrainer cannot write checkpoints under FSDP (save_strategy={self.args.save_strategy!r}): "
+                "set save_strategy='no' and call trainer.save_model() at the end (the fine-tune, gathered from the "
+                "shards), or checkpoint with torch.distributed.checkpoint and sift.optim.sharded.ShardedOptimizerState")
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             self.optimizer = (self._create_optimizer_for_targets(opt_model) if self.sift_targets is not None
@@ -243,16 +256,21 @@ class SparseTrainer(Trainer):
         exact values (`sift_trained_values.safetensors`, 4 bytes an entry) so that a resume
         continues bit for bit where base + increment would round differently (fp32 weights)."""
         optimizer = self._sparse_optimizer()
-        if optimizer is None or not self.args.should_save:
+        sharded = optimizer is not None and _is_sharded(optimizer)
+        if optimizer is None or not (self.args.should_save or sharded):
             return super()._save(output_dir, state_dict)
         from safetensors.torch import save_file
 
         from sift.delta import SparseDelta
 
+        model = self.accelerator.unwrap_model(self.model)
+        # Under FSDP2 every rank gathers the shards' k entries (collective); the main process writes.
+        delta = SparseDelta.from_optimizer(optimizer, model)
+        if not self.args.should_save:
+            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
-        model = self.accelerator.unwrap_model(self.model)
-        SparseDelta.from_optimizer(optimizer, model).save_pretrained(output_dir, model)
+        delta.save_pretrained(output_dir, model)
         if getattr(self, "_sift_checkpointing", False):
             names = {p: n for n, p in model.named_parameters()}
             exact = {}
@@ -263,6 +281,15 @@ class SparseTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP2 the fine-tune is gathered from the shards' chosen entries on every rank and written
+        by the main process, without the Trainer's gather of the whole model's state dict."""
+        optimizer = self._sparse_optimizer()
+        if optimizer is None or not _is_sharded(optimizer):
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)
+        self.accelerator.wait_for_everyone()
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         self._sift_checkpointing = True
