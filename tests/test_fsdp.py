@@ -1,14 +1,11 @@
 """SparseAdamW under FSDP2 (`fully_shard`), gloo on 2 and 3 processes (an odd count puts shard
 boundaries mid-weight and leaves one rank an empty shard of the 2-row head).
 
-The global selection (the default) is compared with one process on the same global batches, plain
-`SparseAdamW`: the whole weight's top-k. Its model has dead rows in the middle layer (zero gradients),
-so every rank but the first gets 0 entries of that weight. `sharded_selection="per_shard"` is compared
-with one process whose optimizer selects as the ranks do: the top-k of each block of rows (the blocks
-being FSDP2's shards, `torch.chunk` over the world), k = ceil(density * block numel). Every mode is
-compared after several steps (params, chosen entries, moments, increments), and modes that promise
-the same result with each other. One spawn per world size runs every case; the tests read what the
-ranks saved.
+The global selection (the default) is compared with plain `SparseAdamW` in one process on the same global
+batches, on a model whose middle layer's dead rows leave every rank but the first 0 of its entries;
+`sharded_selection="per_shard"` with one process selecting per block of rows as the ranks do (FSDP2's
+`torch.chunk` shards, k = ceil(density * block numel)). Each mode is compared after several steps (params,
+entries, moments, increments). One spawn per world size runs every case; the tests read what ranks saved.
 """
 
 from __future__ import annotations
@@ -432,20 +429,6 @@ def test_global_selection_equals_one_process(ranks, mode):
         assert counts[0] == opt.indices_of(model[2].weight).numel() and not any(counts[1:]), counts
 
 
-def test_global_selection_with_for_model_equals_one_process(ranks):
-    """docs/distributed.md's recipe (for_model, sparse backward, lean, clipping, accumulation), selecting globally."""
-    world, per_rank = ranks
-    model = _model(dead=True)
-    opt = _for_model(model)
-    _train(model, opt, 0, 1, STEPS, 2)
-    for name, p in model.named_parameters():
-        got = _full([r["global-for-model"] for r in per_rank], name, p.shape)
-        # Lean moments round stochastically from each entry's index in its own shard; as the lean deltas.
-        torch.testing.assert_close(got["param"], p.detach(), rtol=0, atol=5e-4, msg=name)
-        if "indices_low" in opt.state.get(p, {}):
-            assert torch.equal(got["indices"], opt.indices_of(p).long()), name
-
-
 @pytest.mark.parametrize("case", list(TOP_K_CASES))
 def test_sharded_top_k_equals_one_process_top_k_ties_included(ranks, case):
     """The ranks' parts, joined, are the whole vector's `top_k_positions`: ties to the lowest flat position
@@ -598,16 +581,20 @@ def test_sparse_backward_follows_set_indices_after_refresh(ranks):
                 torch.testing.assert_close(got[key], opt.state[p][key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
-def test_for_model_with_the_sparse_backward_and_lean_state_equals_one_process(ranks):
-    """docs/distributed.md's recipe (for_model after fully_shard, sparse backward, lean, clipping, accumulation)."""
+@pytest.mark.parametrize("rule", ["per-shard", "global"])
+def test_for_model_with_the_sparse_backward_and_lean_state_equals_one_process(ranks, rule):
+    """docs/distributed.md's recipe (for_model after fully_shard, sparse backward, lean, clipping, accumulation),
+    per shard against the row-block reference, globally against plain SparseAdamW."""
     world, per_rank = ranks
-    model = _model()
-    opt = _for_model(model, RowBlockSparseAdamW, world=world)
+    model = _model(dead=rule == "global")
+    opt = _for_model(model) if rule == "global" else _for_model(model, RowBlockSparseAdamW, world=world)
     _train(model, opt, 0, 1, STEPS, 2)
     for name, p in model.named_parameters():
-        got = _full([r["for-model"] for r in per_rank], name, p.shape)
-        # Lean moments round stochastically from each entry's index in its own shard: close, not equal.
-        torch.testing.assert_close(got["param"], p.detach(), rtol=1e-3, atol=1e-4, msg=name)
+        got = _full([r["for-model" if rule == "per-shard" else "global-for-model"] for r in per_rank], name, p.shape)
+        # Lean moments round stochastically from each entry's index in its own shard: close, not equal (globally
+        # the k moves those positions: as the lean deltas).
+        tol = dict(rtol=1e-3, atol=1e-4) if rule == "per-shard" else dict(rtol=0, atol=5e-4)
+        torch.testing.assert_close(got["param"], p.detach(), **tol, msg=name)
         if "indices_low" in opt.state.get(p, {}):
             assert torch.equal(got["indices"], opt.indices_of(p).long()), name
     assert sum("indices_low" in opt.state.get(p, {}) for p in model.parameters()) == 2  # 0.weight and 2.weight
