@@ -278,3 +278,16 @@ def test_copy_builds_its_own_tables_and_steps_like_the_original():
     _assert_same_steps(clone, ref)
     own = {id(t) for t in _kernel_module().owner_tables(clone._kernel_cache)}
     assert own and own.isdisjoint(id(t) for t in _kernel_module().owner_tables(opt._kernel_cache))
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+def test_copies_keep_every_setting_of_the_original(copier):
+    """sharded_selection was not carried: a copy of a per-shard optimizer selected globally."""
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = SparseAdamW([w], density=0.25, sharded_selection="per_shard", select_steps=2, selection="saliency",
+                      seed=7, max_grad_norm=0.5)
+    clone = copier(opt)
+    assert (clone.sharded_selection, clone.select_steps, clone.selection, clone.seed, clone.max_grad_norm) == \
+        ("per_shard", 2, "saliency", 7, 0.5)
+    for name in type(opt)._PICKLED:
+        assert getattr(clone, name) == getattr(opt, name), name

@@ -41,7 +41,7 @@ class CheckpointMixin:
     """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
 
     _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto")
+                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto", "sharded_selection")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
