@@ -184,3 +184,13 @@ def gloo_rank(worker):
             dist.destroy_process_group()
 
     return spawned_rank(run)
+
+
+def run_ranks(worker, world: int, directory) -> list:
+    """Spawn a `gloo_rank` worker on `world` processes, each saving its results to `<out>.<rank>` for
+    `out = directory / "result"` (the worker gets `out`), and load what each rank saved."""
+    import torch.multiprocessing as mp
+
+    out = str(directory / "result")
+    mp.spawn(worker, args=(world, f"{out}.init", out), nprocs=world, join=True)
+    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]

@@ -14,10 +14,9 @@ import contextlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import sift
-from conftest import gloo_rank
+from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW, SparseDelta
 from sift._index import entries_for, index_dtype, top_k_positions
 
@@ -353,9 +352,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 def ranks(request, tmp_path_factory):
     """(world, [what each rank saved])."""
     world = request.param
-    out = str(tmp_path_factory.mktemp(f"fsdp{world}") / "result")
-    mp.spawn(_worker, args=(world, f"{out}.init", out), nprocs=world, join=True)
-    return world, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
+    return world, run_ranks(_worker, world, tmp_path_factory.mktemp(f"fsdp{world}"))
 
 
 def _reference(world: int, config: dict):

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import sift
-from conftest import gloo_rank
+from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW
 from test_fsdp import BATCH, _data, _full, _groups, _model, _sharded_model, _snapshot
 
@@ -143,9 +142,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 def ranks(request, tmp_path_factory):
     """(world, [what each rank saved])."""
     world = request.param
-    out = str(tmp_path_factory.mktemp(f"fsdp-amp{world}") / "result")
-    mp.spawn(_worker, args=(world, f"{out}.init", out), nprocs=world, join=True)
-    return world, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
+    return world, run_ranks(_worker, world, tmp_path_factory.mktemp(f"fsdp-amp{world}"))
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))

@@ -17,9 +17,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import gloo_rank
+from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW
 
 transformers = pytest.importorskip("transformers")
@@ -98,8 +97,6 @@ def _result(trainer) -> dict:
 
 @gloo_rank
 def _worker(rank: int, world: int, out: str) -> None:
-    from sift.optim.sharded import full_tensor
-
     # accelerate reads the job from the launcher's variables; the process group is already up.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     results = {}
@@ -109,32 +106,30 @@ def _worker(rank: int, world: int, out: str) -> None:
         results[case] = _result(trainer)
         if case == "sparse-trainer":
             trainer.save_model(f"{out}.saved")  # collective: every rank gathers the k entries, rank 0 writes
-    trainer = _trainer("sparse-trainer", f"{out}.checkpointing.{rank}", world, save_strategy="steps")
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    try:
-        trainer.train()
-        results["checkpoint refusal"] = None
-    except ValueError as exc:
-        results["checkpoint refusal"] = str(exc)
-    results["checkpoint moved"] = [n for n, p in trainer.model.named_parameters()
-                                   if not torch.equal(full_tensor(p.detach()), before[n])]
-    trainer = _trainer("trainer-low", f"{out}.low.{rank}", world)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    try:
-        trainer.train()
-        results["refusal"] = None
-    except RuntimeError as exc:
-        results["refusal"] = str(exc)
-    results["moved"] = [n for n, p in trainer.model.named_parameters()
-                        if not torch.equal(full_tensor(p.detach()), before[n])]
+    results["checkpoint refusal"], results["checkpoint moved"] = _refused(
+        _trainer("sparse-trainer", f"{out}.checkpointing.{rank}", world, save_strategy="steps"), ValueError)
+    results["refusal"], results["moved"] = _refused(_trainer("trainer-low", f"{out}.low.{rank}", world), RuntimeError)
     torch.save(results, f"{out}.{rank}")
+
+
+def _refused(trainer, error: type) -> tuple[str | None, list[str]]:
+    """Train, expecting `error`: its message (None if training went through) and the params that moved."""
+    from sift.optim.sharded import full_tensor
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    try:
+        trainer.train()
+        message = None
+    except error as exc:
+        message = str(exc)
+    return message, [n for n, p in trainer.model.named_parameters()
+                     if not torch.equal(full_tensor(p.detach()), before[n])]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("trainer-fsdp") / "result")
-    mp.spawn(_worker, args=(2, f"{out}.init", out), nprocs=2, join=True)
-    return out, [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+    directory = tmp_path_factory.mktemp("trainer-fsdp")
+    return str(directory / "result"), run_ranks(_worker, 2, directory)
 
 
 @pytest.fixture(scope="module")
