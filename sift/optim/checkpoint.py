@@ -14,7 +14,7 @@ from sift import _ops
 from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
-from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_selected, local_tensor, num_entries
+from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_dtensor, is_selected, local_tensor, num_entries
 
 
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
@@ -237,7 +237,8 @@ def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, wh
     if missing:
         raise ValueError(f"{what}: missing {', '.join(missing)}")
     indices = saved["indices"]
-    _check_indices(indices, local_tensor(p).numel(), f"{what}: indices")
+    # An FSDP2 shard may hold 0 entries of the whole weight's top-k (the global selection).
+    _check_indices(indices, local_tensor(p).numel(), f"{what}: indices", allow_empty=is_dtensor(p))
     k = indices.numel()
     for key in ("exp_avg", "exp_avg_sq", "delta") + (() if derive_base else ("base",)):
         value = saved[key]
@@ -317,7 +318,7 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
     if missing:
         raise ValueError(f"{what}: missing {', '.join(missing)}")
     low = saved["indices_low"]
-    _ops.checked_lean_indices(low, saved["window_offsets"], local_tensor(p).numel(), what)
+    _ops.checked_lean_indices(low, saved["window_offsets"], local_tensor(p).numel(), what, allow_empty=is_dtensor(p))
     k = low.numel()
     dtypes = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "residual": torch.int8}
     for key in keys[2:4] + keys[5:]:

@@ -108,8 +108,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             entries in its shard, however many (0 included); `selection="random"` draws the whole
             weight's seeded scores on every rank (no communication). "per_shard": each rank the top
             `ceil(density * shard numel)` of its own shard, no communication (equal to one process
-            selecting per block of rows). No effect on unsharded params. Not pickled or copied (a
-            copy selects globally).
+            selecting per block of rows). No effect on unsharded params.
 
     Example:
         >>> model = torch.nn.Linear(64, 32)

@@ -374,16 +374,8 @@ class ShardedOptimizerState:
 
     def state_dict(self) -> dict[str, io.BytesIO]:
         # One opaque object per rank: DCP writes it as bytes and gives the same bytes back to that rank.
-        saved = self.optimizer.state_dict()
-        # A global selection may leave a shard 0 entries, which load_state_dict's checks (a sparse state
-        # needs an entry) refuse: such states travel as their step counts and come back empty.
-        empty = {pid: {"step": st["step"], "selection_calls": st.get("selection_calls", 0)}
-                 for pid, st in saved["state"].items() if _has_no_entries(st)}
-        if empty:
-            saved = {**saved, "state": {pid: st for pid, st in saved["state"].items() if pid not in empty},
-                     "sift_empty_shards": empty}
         buffer = io.BytesIO()
-        torch.save(saved, buffer)
+        torch.save(self.optimizer.state_dict(), buffer)
         buffer.seek(0)
         return {self._key(): buffer}
 
@@ -396,27 +388,7 @@ class ShardedOptimizerState:
         if isinstance(saved, io.BytesIO):
             saved.seek(0)
             saved = torch.load(saved, weights_only=False)
-        saved = dict(saved)
-        empty = saved.pop("sift_empty_shards", {})
         self.optimizer.load_state_dict(saved)
-        if empty:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            for pid, st in empty.items():
-                p = params[pid]
-                self.optimizer._init_sparse_state(p, torch.zeros(0, dtype=_index_dtype(local_tensor(p).numel())))
-                self.optimizer.state[p]["step"].copy_(st["step"])
-                self.optimizer.state[p]["selection_calls"] = st["selection_calls"]
-            self.optimizer._pending = None
-        if getattr(self.optimizer, "_sharded_sparse_grads", None):
-            # The load's own rebuild of the plans ran before the empty states were back (collective: on
-            # every rank whether or not its shards had any).
-            refresh_sparse_backward(self.optimizer)
-
-
-def _has_no_entries(state: Mapping[str, Any]) -> bool:
-    """Whether a saved sparse state is selected with 0 entries."""
-    indices = state.get("indices", state.get("indices_low"))
-    return isinstance(indices, torch.Tensor) and indices.numel() == 0
 
 
 def replicated_quantized_deltas(optimizer: SparseAdamW, process_group: Any = None) -> set[torch.nn.Parameter]:
