@@ -46,8 +46,8 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     the r-th block of each weight's flat positions (FSDP2's row shards). The result equals
     `top_k_positions` of the whole weight, ties taken by the lowest flat position: the k-th largest
     key is found by bisection (one all-reduce of [n] counts a round, about 32 rounds for all weights at
-    once; after every 8 rounds only the keys still undecided are read), then one all-reduce of every rank's counts above and at it tells each rank how many of its
-    ties come first.
+    once; after every 8 rounds only the keys still undecided are read), then one all-reduce of every
+    rank's counts above and at it tells each rank how many of its ties come first.
 
     Args:
         scores: n [numel_r] fp32 scores of this rank's shards (consumed: they become the keys).
@@ -96,9 +96,9 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     take = torch.minimum(ties.clamp_min(0), table[me, n:]).tolist()
     out = []
     for k, t, m in zip(keys, threshold, take):
-        above = (k > t).nonzero().reshape(-1)
-        tied = (k == t).nonzero().reshape(-1)[:m]
-        out.append(torch.sort(torch.cat([above, tied])).values)
+        tied = k == t
+        # Everything above the threshold and this rank's first m ties, already in ascending order.
+        out.append(((k > t) | (tied & (tied.cumsum(0) <= m))).nonzero().reshape(-1))
     return out
 
 
