@@ -17,7 +17,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
-from sift.optim.state import is_dtensor
+from sift.optim.state import first_shard
 from sift.targets import model_family, plan_targets
 
 logger = logging.getLogger(__name__)
@@ -36,11 +36,6 @@ class _ReportSkippedSteps(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, SparseAdamW) and inner.last_step_skipped and hasattr(optimizer, "_is_overflow"):
             optimizer._is_overflow = True
-
-
-def _is_sharded(optimizer: SparseAdamW) -> bool:
-    """Whether the optimizer holds FSDP2 shards (DTensor params)."""
-    return any(is_dtensor(p) for group in optimizer.param_groups for p in group["params"])
 
 
 class SparseTrainer(Trainer):
@@ -63,9 +58,10 @@ class SparseTrainer(Trainer):
         memory: the memory mode, as for `SparseAdamW.for_model` (`sift.optim.memory`): "low" (the
             default: hook mode and the sparse backward), "lowest" (also the update in backward, which
             the Trainer's clipping, gradient accumulation or fp16 scaling drop with a log line; the
-            state stays exact, since the Trainer's checkpoints export its increments) or "plain". With several processes the Trainer's DDP reduces `.grad`
-            (and accelerate's FSDP2 swaps the shards into the optimizer after it is built), so a
-            preset falls back to plain mode there, with one log line.
+            state stays exact, since the Trainer's checkpoints export its increments) or "plain".
+            With several processes the Trainer's DDP reduces `.grad` (and accelerate's FSDP2 swaps
+            the shards into the optimizer after it is built), so a preset falls back to plain mode
+            there, with one log line.
         compact_grads: gradient-hook mode of `SparseAdamW` explicitly (single process only: with
             several processes use plain mode, which the Trainer's DDP handles). Under fp16
             loss scaling the optimizer is given the Trainer's scaler (`grad_scaler`), so the
@@ -256,7 +252,7 @@ class SparseTrainer(Trainer):
         exact values (`sift_trained_values.safetensors`, 4 bytes an entry) so that a resume
         continues bit for bit where base + increment would round differently (fp32 weights)."""
         optimizer = self._sparse_optimizer()
-        sharded = optimizer is not None and _is_sharded(optimizer)
+        sharded = optimizer is not None and first_shard(optimizer) is not None
         if optimizer is None or not (self.args.should_save or sharded):
             return super()._save(output_dir, state_dict)
         from safetensors.torch import save_file
@@ -286,7 +282,7 @@ class SparseTrainer(Trainer):
         """Under FSDP2 the fine-tune is gathered from the shards' chosen entries on every rank and written
         by the main process, without the Trainer's gather of the whole model's state dict."""
         optimizer = self._sparse_optimizer()
-        if optimizer is None or not _is_sharded(optimizer):
+        if optimizer is None or first_shard(optimizer) is None:
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
         self.accelerator.wait_for_everyone()

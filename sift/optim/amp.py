@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.state import first_shard, is_selected, local_tensor, uses_grad
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ class AmpMixin:
         Each rank checks only its own shard's buffers, which the scaler never sees; a rank that skipped
         while the others stepped would leave their collectives (clip, selection, the next forward) waiting.
         """
-        sharded = next((p for group in self.param_groups for p in group["params"] if is_dtensor(p)), None)
+        sharded = first_shard(self)
         if sharded is None:
             return
         import torch.distributed as dist

@@ -28,6 +28,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
+def first_shard(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The optimizer's first DTensor (FSDP2) param, or None when it holds none."""
+    return next((p for group in optimizer.param_groups for p in group["params"] if is_dtensor(p)), None)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor (a view of its storage), else `t` itself."""
     return t.to_local() if is_dtensor(t) else t
