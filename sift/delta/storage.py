@@ -180,42 +180,9 @@ class DeltaFileMixin:
         except (KeyError, ValueError, TypeError, AttributeError) as exc:
             raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
         if version >= 5:
-            entries, expected = _decode_entries(meta_entries, tensors, problems)
-            meta_entries = {}
+            entries, expected = _decode_entries(meta_entries, tensors, problems), set(_PACKED)
         else:
-            entries, expected = {}, set()
-        for name, info in meta_entries.items():
-            keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
-                f"{name}.values",)
-            dtype = _DTYPE_NAMES.get(info.get("dtype")) if isinstance(info, dict) else None
-            stored = tensors.get(f"{name}.values")
-            exact_keys = (f"{name}.exact_positions", f"{name}.exact_values") if (
-                version >= 4 and dtype in _HALF and stored is not None and stored.dtype == dtype) else ()
-            expected.update(keys + exact_keys)
-            # The checksum covers the tensors only: the metadata is checked field by field.
-            shape = info.get("shape") if isinstance(info, dict) else None
-            if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-                problems.append(f"{name}: unreadable metadata: shape {shape!r} is not a list of sizes")
-                continue
-            if dtype is None:
-                problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
-                continue
-            missing = [k for k in keys + exact_keys if k not in tensors]
-            if missing:
-                problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
-                continue
-            if version >= 3:
-                indices = _decode_indices(tensors[keys[0]], tensors[keys[1]], math.prod(shape), name, problems)
-                if indices is None:
-                    continue
-            else:
-                indices = tensors[keys[0]]
-            values = tensors[keys[-1]]
-            if exact_keys:
-                values = _exact_values(values, tensors[exact_keys[0]], tensors[exact_keys[1]], name, problems)
-                if values is None:
-                    continue
-            entries[name] = DeltaEntry(tuple(shape), dtype, indices, values)
+            entries, expected = _decode_named_entries(meta_entries, tensors, version, problems)
         dense = {}
         for name in dense_names:
             key = f"{name}.dense"
@@ -260,13 +227,13 @@ def _encode_entries(entries: Mapping[str, DeltaEntry]) -> tuple[dict[str, torch.
 
 
 def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, torch.Tensor],
-                    problems: list[str]) -> tuple[dict[str, DeltaEntry], set[str]]:
-    """Format 5's entries from its shared tensors, every problem recorded; and the tensor names used."""
+                    problems: list[str]) -> dict[str, DeltaEntry]:
+    """Format 5's entries from its shared tensors (`_PACKED`), every problem recorded."""
     entries: dict[str, DeltaEntry] = {}
     missing = [k for k, dt in _PACKED.items() if k not in tensors or tensors[k].dtype != dt or tensors[k].dim() != 1]
     if missing:
         problems.append(f"shared tensors missing or of the wrong dtype: {', '.join(missing)}")
-        return entries, set(_PACKED)
+        return entries
     at = dict.fromkeys(_PACKED, 0)
 
     def take(key: str, n: int) -> torch.Tensor:
@@ -278,16 +245,17 @@ def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, to
         fields = ("shape", "dtype", "nnz", "low_bits", "values")
         if not (isinstance(info, dict) and all(f in info for f in fields)):
             problems.append(f"{name}: unreadable metadata (needs {', '.join(fields)})")
-            return entries, set(_PACKED)
+            return entries
         shape, k, low_bits, dtype = info["shape"], info["nnz"], info["low_bits"], _DTYPE_NAMES.get(info["dtype"])
         if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)) or type(k) is not int \
-                or type(low_bits) is not int or not 0 <= k <= math.prod(shape) or dtype is None:
+                or type(low_bits) is not int or not 0 <= low_bits < 63 or not 0 <= k <= math.prod(shape) \
+                or dtype is None:
             problems.append(f"{name}: unreadable metadata: shape {shape!r}, nnz {k!r}, low_bits {low_bits!r}, "
                             f"dtype {info['dtype']!r}")
-            return entries, set(_PACKED)
+            return entries
         numel = math.prod(shape)
-        n_low = low_bytes_for(k, low_bits) if 0 <= low_bits < 63 else 0
-        low, high = take("positions.low", n_low), take("positions.high", -(-high_bits_for(k, numel, low_bits) // 8))
+        low = take("positions.low", low_bytes_for(k, low_bits))
+        high = take("positions.high", -(-high_bits_for(k, numel, low_bits) // 8))
         rest = info.get("rest", 0)
         if info["values"] == "words16" and dtype in _HALF and type(rest) is int and rest >= 0:
             words, mask = take("values.words16", k), take("values.mask", -(-k // 8) if rest else 0)
@@ -297,7 +265,7 @@ def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, to
         else:
             problems.append(f"{name}: unreadable metadata: values {info['values']!r} (rest {rest!r}) for a "
                             f"{info['dtype']} weight")
-            return entries, set(_PACKED)
+            return entries
         try:
             indices = decode_positions(low_bits, low, high, k, numel).to(_index_dtype(numel))
             values = decode_words(*parts, dtype) if len(parts) == 3 else parts[0].clone()
@@ -310,7 +278,48 @@ def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, to
     left = [f"{key} ({tensors[key].numel() - n} more)" for key, n in at.items() if tensors[key].numel() != n]
     if left:
         problems.append(f"the shared tensors do not match the metadata: {', '.join(left)}")
-    return entries, set(_PACKED)
+    return entries
+
+
+def _decode_named_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, torch.Tensor], version: int,
+                          problems: list[str]) -> tuple[dict[str, DeltaEntry], set[str]]:
+    """The entries of a file before format 5 (tensors named per weight), every problem recorded; and the
+    tensor names they use."""
+    entries: dict[str, DeltaEntry] = {}
+    expected: set[str] = set()
+    for name, info in meta_entries.items():
+        keys = ((f"{name}.indices_low", f"{name}.window_offsets") if version >= 3 else (f"{name}.indices",)) + (
+            f"{name}.values",)
+        dtype = _DTYPE_NAMES.get(info.get("dtype")) if isinstance(info, dict) else None
+        stored = tensors.get(f"{name}.values")
+        exact_keys = (f"{name}.exact_positions", f"{name}.exact_values") if (
+            version >= 4 and dtype in _HALF and stored is not None and stored.dtype == dtype) else ()
+        expected.update(keys + exact_keys)
+        # The checksum covers the tensors only: the metadata is checked field by field.
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+            problems.append(f"{name}: unreadable metadata: shape {shape!r} is not a list of sizes")
+            continue
+        if dtype is None:
+            problems.append(f"{name}: unsupported weight dtype {info.get('dtype')!r}")
+            continue
+        missing = [k for k in keys + exact_keys if k not in tensors]
+        if missing:
+            problems.append(f"{name}: tensors missing from the file: {', '.join(missing)}")
+            continue
+        if version >= 3:
+            indices = _decode_indices(tensors[keys[0]], tensors[keys[1]], math.prod(shape), name, problems)
+            if indices is None:
+                continue
+        else:
+            indices = tensors[keys[0]]
+        values = tensors[keys[-1]]
+        if exact_keys:
+            values = _exact_values(values, tensors[exact_keys[0]], tensors[exact_keys[1]], name, problems)
+            if values is None:
+                continue
+        entries[name] = DeltaEntry(tuple(shape), dtype, indices, values)
+    return entries, expected
 
 
 def _exact_values(half: torch.Tensor, positions: torch.Tensor, exact: torch.Tensor, name: str,
