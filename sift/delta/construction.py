@@ -16,7 +16,7 @@ from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
 from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of
-from sift.delta.packing import shortest_increments
+from sift.delta.packing import HALF_DTYPES, shortest_increments
 from sift.optim.state import increments, is_dense_stepped, is_dtensor
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class DeltaConstructionMixin:
                 idx = (diff.abs() > threshold).nonzero().view(-1)
             if idx.numel():
                 values = diff[idx]
-                if t.dtype in (torch.bfloat16, torch.float16):
+                if t.dtype in HALF_DTYPES:
                     flat_t, flat_b = t.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
                     values = shortest_increments(flat_b[idx], flat_t[idx], values)
                 entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), values)
@@ -249,7 +249,7 @@ def _short(p: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor, torch.Tenso
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """For a 16-bit weight whose base is known, each increment as the 16-bit value that gives the
     tuned weight where one exists (2 bytes in the file), else tuned minus base in fp32."""
-    if exact is None or exact[2] is None or p.dtype not in (torch.bfloat16, torch.float16):
+    if exact is None or exact[2] is None or p.dtype not in HALF_DTYPES:
         return exact
     idx, _, base_values = exact
     tuned = _tuned(p, idx)

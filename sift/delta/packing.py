@@ -12,7 +12,7 @@ import math
 
 import torch
 
-_HALF = (torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 _BIT = torch.arange(8, dtype=torch.uint8)
 
 
@@ -164,16 +164,16 @@ def shortest_increments(base: torch.Tensor, tuned: torch.Tensor, exact: torch.Te
         [k] fp32 increments, each giving `tuned` bit for bit.
     """
     dtype = base.dtype
-    if dtype not in _HALF:
+    if dtype not in HALF_DTYPES:
         return exact
     base, tuned, exact = base.reshape(-1).cpu(), tuned.reshape(-1).cpu(), exact.reshape(-1).float().cpu()
     nearest = exact.to(dtype)
     out = exact.clone()
-    target = tuned.view(torch.int16)
+    target, start = tuned.view(torch.int16), base.float()
     # Neighbours first, the nearest last: where several work, the nearest wins.
     for step in (1, -1, 0):
         cand = (nearest.view(torch.int16) + step).view(dtype) if step else nearest
         c = cand.float()
-        good = torch.isfinite(c) & ((base.float() + c).to(dtype).view(torch.int16) == target)
+        good = torch.isfinite(c) & ((start + c).to(dtype).view(torch.int16) == target)
         out = torch.where(good, c, out)
     return out

@@ -21,8 +21,8 @@ from sift._index import index_dtype as _index_dtype
 from sift.delta.directory import read_directory, write_directory
 from sift.delta.entry import DeltaEntry, DeltaError, _dtype_name
 from sift.delta.fingerprint import BaseFingerprint
-from sift.delta.packing import (decode_positions, decode_words, encode_positions, encode_words, high_bits_for,
-                                low_bytes_for)
+from sift.delta.packing import (HALF_DTYPES, decode_positions, decode_words, encode_positions, encode_words,
+                                high_bits_for, low_bytes_for)
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -37,7 +37,6 @@ FORMAT_VERSION = 5
 # Format 5's shared tensors: name -> dtype.
 _PACKED = {"positions.low": torch.uint8, "positions.high": torch.uint8, "values.float32": torch.float32,
            "values.words16": torch.int16, "values.mask": torch.uint8, "values.rest16": torch.int16}
-_HALF = (torch.bfloat16, torch.float16)
 
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -211,7 +210,7 @@ def _encode_entries(entries: Mapping[str, DeltaEntry]) -> tuple[dict[str, torch.
         parts["positions.high"].append(high)
         info = {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "nnz": e.nnz, "low_bits": low_bits}
         values = e.values.detach().float().cpu()
-        words = encode_words(values, e.dtype) if e.dtype in _HALF else None
+        words = encode_words(values, e.dtype) if e.dtype in HALF_DTYPES else None
         # Words cost 2 bytes, plus 2 and a bit for an increment the dtype cannot hold: fp32 when cheaper.
         if words is not None and 2 * words[0].numel() + words[1].numel() + 2 * words[2].numel() <= 4 * e.nnz:
             info["values"], info["rest"] = "words16", words[2].numel()
@@ -257,7 +256,7 @@ def _decode_entries(meta_entries: Mapping[str, object], tensors: Mapping[str, to
         low = take("positions.low", low_bytes_for(k, low_bits))
         high = take("positions.high", -(-high_bits_for(k, numel, low_bits) // 8))
         rest = info.get("rest", 0)
-        if info["values"] == "words16" and dtype in _HALF and type(rest) is int and rest >= 0:
+        if info["values"] == "words16" and dtype in HALF_DTYPES and type(rest) is int and rest >= 0:
             words, mask = take("values.words16", k), take("values.mask", -(-k // 8) if rest else 0)
             parts = (words, mask, take("values.rest16", rest))
         elif info["values"] == "float32":
@@ -293,7 +292,7 @@ def _decode_named_entries(meta_entries: Mapping[str, object], tensors: Mapping[s
         dtype = _DTYPE_NAMES.get(info.get("dtype")) if isinstance(info, dict) else None
         stored = tensors.get(f"{name}.values")
         exact_keys = (f"{name}.exact_positions", f"{name}.exact_values") if (
-            version >= 4 and dtype in _HALF and stored is not None and stored.dtype == dtype) else ()
+            version >= 4 and dtype in HALF_DTYPES and stored is not None and stored.dtype == dtype) else ()
         expected.update(keys + exact_keys)
         # The checksum covers the tensors only: the metadata is checked field by field.
         shape = info.get("shape") if isinstance(info, dict) else None
@@ -327,7 +326,7 @@ def _exact_values(half: torch.Tensor, positions: torch.Tensor, exact: torch.Tens
     """A 16-bit weight's fp32 increments from the file: its 16-bit values with the fp32 exceptions written
     back, or None with the problem recorded."""
     n = half.numel()
-    if half.dtype not in _HALF or positions.dtype != torch.int32 or exact.dtype != torch.float32 or \
+    if half.dtype not in HALF_DTYPES or positions.dtype != torch.int32 or exact.dtype != torch.float32 or \
             positions.dim() != 1 or exact.shape != positions.shape:
         problems.append(f"{name}: exact_positions (int32) and exact_values (fp32) must be [m] vectors next to 16-bit "
                         f"values, got {positions.dtype} {tuple(positions.shape)}, {exact.dtype} {tuple(exact.shape)}, "
