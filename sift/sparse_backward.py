@@ -33,7 +33,7 @@ averages their compact gradients over the default process group itself.
 
 from __future__ import annotations
 
-import types
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -161,7 +161,8 @@ class _Route:
 
 def _is_routed(module: nn.Module) -> bool:
     """Whether `module`'s forward is the sparse backward's (set by an earlier `enable_sparse_backward`)."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _sparse_forward
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _sparse_forward
 
 
 def _unroute(module: nn.Module) -> None:
@@ -220,8 +221,7 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
     sparse = {id(p) for group in optimizer.param_groups if group["density"] < 1.0 for p in group["params"]}
     named = dict(model.named_modules())
     if modules is None:
-        chosen = {name: m for name, m in named.items()
-                  if (isinstance(m, nn.Linear) or _is_conv1d(m)) and id(getattr(m, "weight", None)) in sparse}
+        chosen = routable_layers(model, sparse)
     else:
         chosen = {}
         for name in modules:
@@ -236,9 +236,7 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
     from sift.optim.sharded import attach_sparse_backward, check_sparse_backward
 
     check_sparse_backward(((f"{name}.weight", m.weight) for name, m in chosen.items()), optimizer.update_in_backward)
-    for name, m in chosen.items():
-        if "forward" in m.__dict__ and not _is_routed(m):
-            raise ValueError(f"module {name!r} already has its forward replaced by something other than sift")
+    check_routable(chosen)
     # A model an earlier call routed (for_model run again) is taken over whole: no layer may keep feeding
     # the earlier optimizer's buffers.
     for m in named.values():
@@ -246,11 +244,27 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
             _unroute(m)
     for m in chosen.values():
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
-        m.forward = types.MethodType(_sparse_forward, m)
+        # A partial of a module-level function pickles (a bound method would be looked up by name on load).
+        m.forward = functools.partial(_sparse_forward, m)
     attach_sparse_backward(optimizer, [m._sift_route for m in chosen.values()])
     name_of = {id(p): n for n, p in model.named_parameters()}
     exclude_from_ddp(model, [name_of[id(m.weight)] for m in chosen.values() if id(m.weight) in name_of])
     return SparseBackwardHandle(chosen)
+
+
+def routable_layers(model: nn.Module, weights: set[int]) -> dict[str, nn.Module]:
+    """The linear layers of `model` whose weight is one of `weights` (ids): what the sparse backward patches."""
+    return {name: m for name, m in model.named_modules()
+            if (isinstance(m, nn.Linear) or _is_conv1d(m)) and id(getattr(m, "weight", None)) in weights}
+
+
+def check_routable(modules: dict[str, nn.Module]) -> None:
+    """Raise if the sparse backward cannot take over these layers' forward (another wrapper replaced it)."""
+    for name, m in modules.items():
+        if "forward" in m.__dict__ and not _is_routed(m):
+            raise ValueError(f"module {name!r} already has its forward replaced by something other than sift "
+                             "(a monkeypatched module.forward): the sparse backward would drop it; restore the "
+                             "layer's own forward or pass sparse_backward=False")
 
 
 def exclude_from_ddp(model: nn.Module, names: Iterable[str]) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from sift._index import entries_for
 from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear8bit,
                             is_quantized_linear)
-from sift.sparse_backward import exclude_from_ddp
+from sift.sparse_backward import check_routable, enable_sparse_backward, exclude_from_ddp, routable_layers
 from sift.optim.state import SparseStateMixin
 from sift.optim.state import is_selected as _selected
 from sift.optim.state import local_tensor as _local
@@ -255,6 +255,7 @@ def for_model(
     dense_modules: str | Sequence[str] | None = None,
     selection: str = "magnitude",
     optimizer_cls: type[SparseAdamW],
+    sparse_backward: bool = False,
     **optimizer_kwargs: Any,
 ) -> SparseAdamW:
     """Freeze `model` but for its target weights (sparse) and task head (dense); their optimizer.
@@ -273,6 +274,8 @@ def for_model(
         selection: `SparseAdamW(selection=...)`, passed through unchanged.
         optimizer_cls: the optimizer class to build, `SparseAdamW` or a subclass (`SparseAdamW.for_model`
             passes its own).
+        sparse_backward: route the sparse linear weights through `sift.enable_sparse_backward` (needs
+            `compact_grads=True`); its handle becomes `optimizer.sparse_backward_handle`.
         **optimizer_kwargs: the other `SparseAdamW` arguments (`weight_decay`,
             `compact_grads`, `max_grad_norm`, `select_steps`, ...).
 
@@ -303,6 +306,8 @@ def for_model(
     quantized = [name for name in plan.target_modules if is_quantized_linear(modules[name])]
     packed = {id(modules[name].weight) for name in quantized}
     plan.sparse = {key: p for key, p in plan.sparse.items() if id(p) not in packed}
+    if sparse_backward:  # every refusal before the first change to the model
+        check_routable(routable_layers(model, {id(p) for p in plan.sparse.values()}))
     groups = []
     if plan.sparse:
         groups.append({"params": list(plan.sparse.values()), "param_names": list(plan.sparse),
@@ -327,6 +332,8 @@ def for_model(
     if quantized:
         optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
         optimizer._hook_quantized()
+    if sparse_backward:
+        optimizer.sparse_backward_handle = enable_sparse_backward(model, optimizer)
     return optimizer
 
 

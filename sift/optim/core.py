@@ -185,6 +185,17 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
                              "backward cannot be unstepped when the scaler finds inf/NaN")
         self.grad_scaler = grad_scaler
+        # memory="lowest" chose the update in backward: the first step may still drop it (see sift.optim.memory).
+        self._update_in_backward_auto = False
+        self._init_runtime()
+        super().__init__(params, defaults)
+        self._hooks_ready = compact_grads
+        if compact_grads:
+            self._sync_hooks()
+
+    def _init_runtime(self) -> None:
+        """What lives with this process alone: bookkeeping, hooks, caches. The constructor and every copy
+        (`__setstate__`) build it here, so a copy never lacks an attribute the original has."""
         # Whether the last step() was skipped for GradScaler's inf/NaN: `scaler.step` calls a
         # step that takes the scale itself even when it skips, so wrappers that count skipped
         # steps by "step() was not called" (accelerate) read this instead.
@@ -211,14 +222,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
         self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
         self._quantized_handles: dict[torch.Tensor, Any] = {}  # update_in_backward: 4-bit values -> pre-hook
-        # memory="lowest" chose the update in backward: the first step may still drop it (see sift.optim.memory).
-        self._update_in_backward_auto = False
         self._accumulation_seen = False
         self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
-        super().__init__(params, defaults)
-        self._hooks_ready = compact_grads
-        if compact_grads:
-            self._sync_hooks()
+        self._hooks_ready = False  # until the groups exist: add_param_group then hooks a group added later
 
     def _init_step_caches(self) -> None:
         """What lives for one step only: the entries a selecting step will choose (computed by
@@ -265,9 +271,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)  # doctest: +SKIP
             >>> opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3, memory="lowest")  # doctest: +SKIP
         """
-        # Imported here: sift.targets and sift.sparse_backward import sift.optim.state, and so this
+        # Imported here: sift.targets imports sift.optim.state (through sift.sparse_backward too), and so this
         # package, whose __init__ imports this module.
-        from sift.sparse_backward import enable_sparse_backward
         from sift.targets import for_model
 
         if sparse_backward and optimizer_kwargs.get("compact_grads") is False:
@@ -283,10 +288,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                                  "buffers); leave compact_grads unset or True")
             optimizer_kwargs["compact_grads"] = True
         opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
-                        selection=selection, optimizer_cls=cls, **optimizer_kwargs)
+                        selection=selection, optimizer_cls=cls, sparse_backward=bool(sparse_backward),
+                        **optimizer_kwargs)
         opt._update_in_backward_auto = auto
-        if sparse_backward:
-            opt.sparse_backward_handle = enable_sparse_backward(model, opt)
         return opt
 
     # ------------------------------------------------------------------ groups
@@ -337,7 +341,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if "density" in group:
             group["density"] = float(group["density"])
         super().add_param_group(group)
-        if getattr(self, "_hooks_ready", False):  # a group added after construction
+        if self._hooks_ready:  # a group added after construction
             self._sync_hooks()
 
     def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:

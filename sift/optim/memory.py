@@ -57,7 +57,8 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
         backward came from the preset, so that the first step may still drop it).
 
     Raises:
-        ValueError: `memory` is not one of `MEMORY_MODES`.
+        ValueError: `memory` is not one of `MEMORY_MODES`, or a compact mode asked for explicitly on a model
+            already wrapped in DistributedDataParallel.
 
     Example:
         >>> flags, _ = resolve_memory("low", torch.nn.Linear(4, 4), {})
@@ -83,6 +84,11 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
             logger.warning("sift: memory=%r without %s: %s", memory, ", ".join(dropped), why)
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        asked = [key for key in ("sparse_backward", "update_in_backward", "compact_grads") if explicit.get(key)]
+        if asked:
+            raise ValueError(f"{asked[0]}=True on a model already wrapped in DistributedDataParallel, which averages "
+                             ".grad, which this mode frees or never forms: build the optimizer (SparseAdamW.for_model) "
+                             "on the unwrapped model before wrapping it in DDP, or train in plain mode under DDP")
         drop(("update_in_backward", "sparse_backward", "compact_grads"),
              "the model is already wrapped in DistributedDataParallel (call for_model before wrapping it)")
     if kwargs.get("max_grad_norm") is not None:
@@ -119,6 +125,10 @@ class MemoryPresetMixin:
         self._accumulation_seen = False
         if why is None:
             return
+        self._drop_update_in_backward(why)
+
+    def _drop_update_in_backward(self, why: str) -> None:
+        """Leave the update in backward for compact_grads' hooks, with one log line saying why."""
         logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
         self._update_in_backward_auto = False
         self.update_in_backward = False
@@ -126,3 +136,21 @@ class MemoryPresetMixin:
         self.remove_hooks()
         self._hooks_ready = True
         self._sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
+
+    def _memory_mode(self) -> dict[str, bool]:
+        """What `state_dict` records of the mode: whether the update in backward is on, and whether that is
+        still undecided (memory="lowest" before its first step)."""
+        return {"update_in_backward": self.update_in_backward,
+                "update_in_backward_auto": self._update_in_backward_auto}
+
+    def _resume_memory_mode(self, saved: dict[str, Any]) -> None:
+        """load_state_dict: where memory="lowest" chose this optimizer's update in backward, continue as the
+        saved run had decided (it may have dropped it at its first step); explicit flags stay as given."""
+        if not self._update_in_backward_auto or "update_in_backward" not in saved:
+            return
+        if saved.get("update_in_backward_auto", False):
+            return  # saved before its first step: undecided there too
+        if saved["update_in_backward"]:
+            self._update_in_backward_auto = False  # kept by the saved run: final here too
+        else:
+            self._drop_update_in_backward("the state_dict comes from a run that dropped it")
