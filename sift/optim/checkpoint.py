@@ -60,33 +60,24 @@ class CheckpointMixin:
         state = dict(state)
         had_process_group = state.pop("had_process_group", False)
         state.pop("process_group", None)  # pickled by earlier versions (always None there)
+        # Everything transient from the constructor's own list, then the pickled settings over it.
+        self._init_runtime()
         super().__setstate__(state)
         self.__dict__.pop("keep_base", None)  # pickled by versions that had the option
         self.__dict__.setdefault("state_layout", "exact")
         self.__dict__.setdefault("update_in_backward", False)
         self.__dict__.setdefault("_update_in_backward_auto", False)
-        self._accumulation_seen = False
-        self._scratch = {}
-        self._backward_seen = set()
-        self._clear_open_buffers()
-        self._grad_accumulators = {}
-        self._quantized = {}  # the routes belong to the original's model (a copy has none)
+        self.__dict__.setdefault("sharded_selection", "global")
         self.process_group = None
         self.grad_scaler = None
         if had_process_group:
             warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
                           "pickled); set `optimizer.process_group` to average gradients across ranks again",
                           stacklevel=2)
-        self._kernel_cache = {}
-        self._init_step_caches()
-        self._pending = None
-        self._hook_handles = {}
-        self._unhooked = []
         # Hooks are not copied with the params: the copy hooks its own.
         self._hooks_ready = self.compact_grads
         if self.compact_grads:
             self._sync_hooks()
-
 
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, plus this optimizer's selection settings under "sift"."""
@@ -95,7 +86,7 @@ class CheckpointMixin:
         shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "state": self.state_layout, "format": 1, "param_shapes": shapes}
+                      "state": self.state_layout, "format": 1, "param_shapes": shapes, **self._memory_mode()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,6 +148,7 @@ class CheckpointMixin:
         self.select_steps = meta.get("select_steps", self.select_steps)
         self.selection = meta.get("selection", self.selection)
         self.seed = meta.get("seed", self.seed)
+        self._resume_memory_mode(meta)
         self._compact.clear()
         self._grad_ready.clear()
         self._backward_seen.clear()

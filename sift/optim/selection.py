@@ -15,6 +15,7 @@ each rank keeps its shard's part (any number of entries, 0 included).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -261,6 +262,15 @@ class SelectionMixin:
         """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""
         hit = self._clipped.get(p)
         return hit[1] if hit is not None and hit[0] == self._grad_key(p) else None
+
+    def _forget_gathered(self, p: torch.Tensor) -> None:
+        """p's entries change outside `step()` (`set_indices`): what this step gathered and clipped at the
+        former entries must not reach the new ones."""
+        self._tentative.pop(p, None)
+        if self._clipped.pop(p, None) is not None:
+            warnings.warn("SparseAdamW.set_indices after clip_grad_norm_: the gradient clipped at the former entries "
+                          "is dropped, so the new entries' gradient is not clipped this step; call clip_grad_norm_ "
+                          "after set_indices", stacklevel=3)
 
     def _gathered_grad(self, p: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """p's [k] fp32 gradient at `indices` (default: its chosen entries), gathered once a step from

@@ -157,6 +157,7 @@ class SparseStateMixin:
             indices = indices.reshape(-1).nonzero().reshape(-1)
         _check_indices(indices, local.numel(), "indices")
         indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
+        self._forget_gathered(param)
         old = dict(self.state.get(param, {}))
         old_compact = self._compact.get(param) if param in self._grad_ready else None
         if self.state_layout == "lean":

@@ -1,0 +1,173 @@
+"""State that must survive or refuse: copies carry every attribute, `memory="lowest"` resumes in the mode its
+first step chose, a clip is not applied to entries `set_indices` replaced, a degenerate score selects nothing,
+and a state_dict is refused by another model's params."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import sift
+from sift import SparseAdamW
+
+
+def _tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def _lowest(model: torch.nn.Module) -> SparseAdamW:
+    return SparseAdamW.for_model(model, density=0.2, lr=1e-2, target_modules=["0"], dense_modules=["2"],
+                                 memory="lowest")
+
+
+def _batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(5, 12, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _train_steps(model, opt, steps, micro: int = 2) -> None:
+    for step in steps:
+        for m in range(micro):
+            x, y = _batch(step, m)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_same(model_a, opt_a, model_b, opt_b) -> None:
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+    for pa, pb in zip((p for g in opt_a.param_groups for p in g["params"]),
+                      (p for g in opt_b.param_groups for p in g["params"])):
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert torch.equal(sa[key], sb[key]), key
+            else:
+                assert sa[key] == sb[key], key
+
+
+# ---------------------------------------------------------------- copies
+
+COPIES = [pytest.param(copy.deepcopy, id="deepcopy"), pytest.param(lambda obj: pickle.loads(pickle.dumps(obj)),
+                                                                    id="pickle")]
+
+
+@pytest.mark.parametrize("make_copy", COPIES)
+def test_a_copy_has_every_attribute_the_constructor_sets(make_copy):
+    """A deepcopied or pickled optimizer lacked attributes the constructor set (`_quantized_handles`,
+    `last_step_skipped`), so remove_hooks() raised AttributeError."""
+    w = torch.nn.Parameter(torch.randn(6, 7))
+    sgd = torch.optim.SGD([w])
+    torch_drops = set(vars(sgd)) - set(vars(make_copy(sgd)))  # torch's own: none of this optimizer's
+    for flags in (dict(), dict(compact_grads=True), dict(update_in_backward=True)):
+        opt = SparseAdamW([w], density=0.3, **flags)
+        dup = make_copy(opt)
+        assert set(vars(opt)) - set(vars(dup)) <= torch_drops, flags
+        assert set(vars(dup)) <= set(vars(opt)), flags
+        assert dup.last_step_skipped is False
+        dup.remove_hooks()
+        assert not dup._hook_handles and not dup._quantized_handles
+
+
+@pytest.mark.parametrize("make_copy", COPIES)
+def test_a_copy_of_lowest_falls_back_from_accumulation_as_the_original(make_copy, caplog):
+    """A copy of a memory="lowest" optimizer raised AttributeError in the accumulation fallback of its first
+    step (remove_hooks read `_quantized_handles`, which copies lacked)."""
+    model = _tiny()
+    opt = _lowest(model)
+    model_copy, opt_copy = make_copy((model, opt))
+    with caplog.at_level(logging.WARNING, logger="sift"):
+        _train_steps(model, opt, range(3))
+        _train_steps(model_copy, opt_copy, range(3))
+    assert not opt.update_in_backward and not opt_copy.update_in_backward
+    _assert_same(model, opt, model_copy, opt_copy)
+
+
+# ---------------------------------------------------------------- memory="lowest" resumed
+
+def test_lowest_resumed_after_dropping_the_update_in_backward_continues_bit_for_bit():
+    """memory="lowest" that dropped the update in backward at its first step (micro-batches accumulate) did
+    not record it: the resumed optimizer stepped a weight inside backward, then raised at the next micro-batch."""
+    model = _tiny()
+    opt = _lowest(model)
+    _train_steps(model, opt, range(1))
+    assert not opt.update_in_backward
+    model_sd = copy.deepcopy(model.state_dict())
+    opt_sd = copy.deepcopy(opt.state_dict())
+    _train_steps(model, opt, range(1, 4))
+
+    resumed_model = _tiny(seed=1)
+    resumed_model.load_state_dict(model_sd)
+    resumed = _lowest(resumed_model)
+    assert resumed.update_in_backward
+    resumed.load_state_dict(opt_sd)
+    assert not resumed.update_in_backward
+    _train_steps(resumed_model, resumed, range(1, 4))
+    _assert_same(model, opt, resumed_model, resumed)
+
+
+def test_lowest_resumed_after_keeping_the_update_in_backward_keeps_it():
+    """The other decision of memory="lowest"'s first step, kept as final by a resume: one backward per step
+    continues bit for bit, and a second one raises as it would have in the saved run."""
+    model = _tiny()
+    opt = _lowest(model)
+    _train_steps(model, opt, range(1), micro=1)
+    assert opt.update_in_backward
+    model_sd, opt_sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train_steps(model, opt, range(1, 3), micro=1)
+    resumed_model = _tiny(seed=1)
+    resumed_model.load_state_dict(model_sd)
+    resumed = _lowest(resumed_model)
+    resumed.load_state_dict(opt_sd)
+    _train_steps(resumed_model, resumed, range(1, 3), micro=1)
+    _assert_same(model, opt, resumed_model, resumed)
+    assert resumed.update_in_backward
+    with pytest.raises(RuntimeError, match="one backward per step"):
+        _train_steps(resumed_model, resumed, range(3, 4), micro=2)
+
+
+# ---------------------------------------------------------------- clip, then set_indices
+
+def _loss(w: torch.Tensor, step: int) -> torch.Tensor:
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(step))
+    return (x @ w.T).sin().square().sum()
+
+
+@pytest.mark.parametrize("layout", ["exact", "lean"])
+def test_set_indices_after_a_clip_does_not_apply_the_former_entries_gradient(layout):
+    """clip_grad_norm_ then set_indices: the step applied the gradient gathered at the former entries to the
+    new ones (the cache was keyed by the gradient alone)."""
+    results = []
+    for clip_first in (True, False):
+        w = torch.nn.Parameter(torch.randn(9, 11, generator=torch.Generator().manual_seed(0)))
+        opt = SparseAdamW([w], lr=1e-2, density=0.2, state=layout)
+        _loss(w, 0).backward()
+        opt.step()
+        opt.zero_grad()
+        new = torch.arange(3, 99, 5)
+        _loss(w, 1).backward()
+        if clip_first:
+            sift.clip_grad_norm_(opt, max_norm=1e6)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.set_indices(w, new)
+        else:
+            opt.set_indices(w, new)
+            sift.clip_grad_norm_(opt, max_norm=1e6)  # the reference: the clip of the new entries
+        opt.step()
+        results.append((w.detach().clone(), {k: v for k, v in opt.state[w].items()}))
+    (w_a, state_a), (w_b, state_b) = results
+    assert torch.equal(w_a, w_b)
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]) if isinstance(state_a[key], torch.Tensor) else \
+            state_a[key] == state_b[key], key
+    assert any("set_indices after clip_grad_norm_" in str(c.message) for c in caught)
