@@ -171,3 +171,36 @@ def test_set_indices_after_a_clip_does_not_apply_the_former_entries_gradient(lay
         assert torch.equal(state_a[key], state_b[key]) if isinstance(state_a[key], torch.Tensor) else \
             state_a[key] == state_b[key], key
     assert any("set_indices after clip_grad_norm_" in str(c.message) for c in caught)
+
+
+# ---------------------------------------------------------------- ShardedOptimizerState's bytes
+
+class _Planted:
+    """A class a checkpoint's pickle could name: unpickling must not build it."""
+
+    def __reduce__(self):
+        return (_Planted, ())
+
+
+def test_sharded_state_bytes_load_tensors_and_plain_values_only(monkeypatch):
+    """ShardedOptimizerState unpickled its checkpoint bytes with weights_only=False, so a checkpoint could
+    build any object; the state holds tensors and plain values, which a weights-only load restores exactly."""
+    import io
+
+    from sift.optim.sharded import ShardedOptimizerState
+
+    monkeypatch.setattr(ShardedOptimizerState, "_key", lambda self: "rank0_of_1")
+    w = torch.nn.Parameter(torch.randn(9, 11, generator=torch.Generator().manual_seed(0)))
+    opt = SparseAdamW([w], lr=torch.tensor(1e-2), density=0.2)
+    _loss(w, 0).backward()
+    opt.step()
+    saved = ShardedOptimizerState(opt).state_dict()
+    other = SparseAdamW([w], lr=torch.tensor(1e-2), density=0.2)
+    ShardedOptimizerState(other).load_state_dict(saved)
+    assert torch.equal(other.state[w]["delta"], opt.state[w]["delta"])
+    assert other.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+    planted = io.BytesIO()
+    torch.save({"state": {}, "param_groups": [], "planted": _Planted()}, planted)
+    with pytest.raises(pickle.UnpicklingError):
+        ShardedOptimizerState(opt).load_state_dict({"rank0_of_1": planted})

@@ -387,7 +387,8 @@ class ShardedOptimizerState:
         saved = state_dict[key]
         if isinstance(saved, io.BytesIO):
             saved.seek(0)
-            saved = torch.load(saved, weights_only=False)
+            # The state holds tensors and plain values only: nothing else is unpickled from a checkpoint.
+            saved = torch.load(saved, weights_only=True)
         self.optimizer.load_state_dict(saved)
 
 
