@@ -84,6 +84,9 @@ class DeltaConstructionMixin:
             return BaseFingerprint.of(tensors)
 
         names = {p: n for n, p in model.named_parameters()}
+        tied: dict[str, tuple[str, ...]] = {}  # a param's name -> every name it has in the model
+        for name, p in model.named_parameters(remove_duplicate=False):
+            tied[names[p]] = (*tied.get(names[p], ()), name)
         state = model.state_dict(keep_vars=True)
         base_state = _state_of(base, "base") if base is not None else None
         entries, problems = {}, []
@@ -138,7 +141,8 @@ class DeltaConstructionMixin:
         elif base_state is not None:
             fingerprint = fingerprint_of(base_state)
             for name in dense:  # replaced whole: the base may hold anything there (a new head)
-                fingerprint.samples.pop(name, None)
+                for alias in tied.get(name, (name,)):
+                    fingerprint.samples.pop(alias, None)
         else:
             fingerprint = fingerprint_of(state)
             # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
@@ -146,18 +150,21 @@ class DeltaConstructionMixin:
             param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
             for name in [n for n in fingerprint.samples if n not in param_names]:
                 del fingerprint.samples[name]
+            # A tied param (a head tied to the embedding) trained under one name changed under all of its names.
             for name, positions in unknown.items():
-                if positions is None:
-                    fingerprint.samples.pop(name, None)
-                    continue
-                for pos in list(fingerprint.samples.get(name, {})):
-                    if _find(positions, pos) is not None:
-                        del fingerprint.samples[name][pos]
+                for alias in tied.get(name, (name,)):
+                    if positions is None:
+                        fingerprint.samples.pop(alias, None)
+                        continue
+                    for pos in list(fingerprint.samples.get(alias, {})):
+                        if _find(positions, pos) is not None:
+                            del fingerprint.samples[alias][pos]
             for name, (positions, values) in known.items():
-                for pos in fingerprint.samples.get(name, {}):
-                    j = _find(positions, pos)
-                    if j is not None:
-                        fingerprint.samples[name][pos] = float(values[j]).hex()
+                for alias in tied.get(name, (name,)):
+                    for pos in fingerprint.samples.get(alias, {}):
+                        j = _find(positions, pos)
+                        if j is not None:
+                            fingerprint.samples[alias][pos] = float(values[j]).hex()
         delta = cls(entries, fingerprint, dense)
         delta.info = _optimizer_info(optimizer)
         return delta
