@@ -204,3 +204,50 @@ def test_sharded_state_bytes_load_tensors_and_plain_values_only(monkeypatch):
     torch.save({"state": {}, "param_groups": [], "planted": _Planted()}, planted)
     with pytest.raises(pickle.UnpicklingError):
         ShardedOptimizerState(opt).load_state_dict({"rank0_of_1": planted})
+
+
+# ---------------------------------------------------------------- a score that ranks nothing
+
+def _sd_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_sd_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_sd_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["plain", "compact"])
+@pytest.mark.parametrize("select_steps", [1, 2])
+@pytest.mark.parametrize("bad", ["zero", "nan"])
+def test_a_score_that_ranks_nothing_leaves_the_weight_pending(bad, select_steps, compact):
+    """Selection on an all-zero gradient (a zero-initialised head, labels all -100) or a NaN one kept positions
+    arange(k) without a word; the weight now stays pending, warns once, and selects on a real gradient as a
+    run that started there."""
+    factor = 0.0 if bad == "zero" else float("nan")
+    runs = []
+    for bad_steps in (2, 0):
+        w = torch.nn.Parameter(torch.randn(9, 11, generator=torch.Generator().manual_seed(0)))
+        params = [("head.weight", w)] if bad == "zero" else [w]
+        opt = SparseAdamW(params, lr=1e-2, density=0.2, select_steps=select_steps,
+                          compact_grads=compact)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(bad_steps + 3):
+                loss = _loss(w, step) * factor if step < bad_steps else _loss(w, step - bad_steps)
+                loss.backward()
+                if step < bad_steps:
+                    before = copy.deepcopy(opt.state_dict())
+                sift.clip_grad_norm_(opt, max_norm=1.0)
+                opt.step()
+                opt.zero_grad()
+                if step < bad_steps:
+                    assert _sd_equal(opt.state_dict(), before), step
+        said = [str(c.message) for c in caught if "ranks them" in str(c.message)]
+        runs.append((w.detach().clone(), dict(opt.state[w]), said))
+    (w_late, state_late, said_late), (w_ref, state_ref, said_ref) = runs
+    label = "'head.weight'" if bad == "zero" else "group 0, param 0"
+    assert len(said_late) == 1 and label in said_late[0] and not said_ref
+    assert torch.equal(w_late, w_ref)
+    assert _sd_equal(state_late, state_ref)

@@ -102,6 +102,8 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
             elif local_tensor(p).numel() > 0 and optimizer._is_final_selection(p):
                 # This step will choose its entries: clip what it will read from them.
                 indices = optimizer._tentative_indices(group, p)
+                if indices is None:
+                    continue  # its score ranks nothing: it stays pending, the step updates nothing
             else:
                 continue  # an earlier selection step: the step updates nothing
             # The entries the step uses, gathered once in fp32: the step then reads these

@@ -225,6 +225,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._accumulation_seen = False
         self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
         self._hooks_ready = False  # until the groups exist: add_param_group then hooks a group added later
+        self._warned_unscored: set[torch.Tensor] = set()  # weights whose score ranked nothing, said once
 
     def _init_step_caches(self) -> None:
         """What lives for one step only: the entries a selecting step will choose (computed by

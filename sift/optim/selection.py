@@ -103,6 +103,21 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     return out
 
 
+def _score_flags(score: torch.Tensor) -> torch.Tensor:
+    """[2] fp32: whether `score` holds a non-finite value, and whether it holds a nonzero one (on the device,
+    so that ranks can take the maximum of both in one all-reduce)."""
+    return torch.stack([torch.isfinite(score).logical_not().any(), score.ne(0).any()]).float()
+
+
+def _ranks_nothing(score: torch.Tensor | None) -> bool:
+    """Whether a weight's selection score cannot rank its entries: zero everywhere (a zero-initialised layer,
+    a batch whose labels are all ignored) or not finite. "random" (no score) always ranks."""
+    if score is None:
+        return False
+    bad, nonzero = _score_flags(score).tolist()
+    return bool(bad) or not nonzero
+
+
 class SelectionMixin:
     """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps."""
 
@@ -151,12 +166,21 @@ class SelectionMixin:
         for group, p in pending:
             by_group.setdefault(shard_group(p), []).append((group, p))
         for mesh_group, members in by_group.items():
-            # A clip before the step searched already: search again only if any rank's gradient changed.
-            missing = torch.tensor([float(any(self._tentative.get(p, (None,))[0] != self._grad_key(p)
-                                              for _, p in members))], device=local_tensor(members[0][1]).device)
-            dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=mesh_group)
-            if not missing.item():
+            # A clip before the step searched already: search again only if any rank's gradient changed. The
+            # same all-reduce agrees on the weights whose whole score ranks nothing (see `_score_flags`).
+            device = local_tensor(members[0][1]).device
+            changed = float(any(self._tentative.get(p, (None,))[0] != self._grad_key(p) for _, p in members))
+            flags = torch.cat([torch.tensor([changed], device=device)] +
+                              [_score_flags(self._final_score(p)).to(device) for _, p in members])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh_group)
+            flags = flags.tolist()
+            if not flags[0]:
                 continue
+            unscored = [bool(bad) or not nonzero for bad, nonzero in zip(flags[1::2], flags[2::2])]
+            for (_, p), skip in zip(members, unscored):
+                if skip:  # pending on every rank alike
+                    self._tentative[p] = (self._grad_key(p), None)
+            members = [member for member, skip in zip(members, unscored) if not skip]
             chunk: list[tuple[dict[str, Any], torch.Tensor]] = []
             for i, (group, p) in enumerate(members):
                 chunk.append((group, p))
@@ -192,7 +216,7 @@ class SelectionMixin:
         return (id(g), g._version, g.data_ptr()) if g is not None else ()
 
     def _is_final_selection(self, p: torch.Tensor) -> bool:
-        return self.state[p].get("selection_calls", 0) + 1 >= self.select_steps
+        return self.state.get(p, {}).get("selection_calls", 0) + 1 >= self.select_steps
 
     def _has_entries_to_choose(self, p: torch.Tensor) -> bool:
         """An empty shard (FSDP2 pads dim 0) chooses nothing per shard; selecting globally it takes part
@@ -211,15 +235,17 @@ class SelectionMixin:
         """The score p's entries are chosen by on its last selection step (fp32, p's local shape; a new
         tensor): this step's plus the earlier steps'; None for "random"."""
         score = self._score_now(p)
-        previous = self.state[p].get("score")
+        previous = self.state.get(p, {}).get("score")
         if score is not None and previous is not None:
             score = score.add_(previous)
         if score is not None and self.selection == "saliency":
             score = score.abs_()
         return score
 
-    def _tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-        """The entries this step would choose for pending p (its final selection step); not committed."""
+    def _tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor | None:
+        """The entries this step would choose for pending p (its final selection step); not committed. None
+        when p's score ranks nothing (`_ranks_nothing`): p then stays pending. FSDP2 shards selecting per
+        shard choose as before, since their ranks could not agree on it without a collective."""
         key = self._grad_key(p)
         hit = self._tentative.get(p)
         if hit is not None and hit[0] == key:
@@ -228,7 +254,9 @@ class SelectionMixin:
             # Chosen together with the other ranks: computing it here alone would leave them waiting.
             raise RuntimeError("the gradient of an FSDP2 weight changed after its entries were searched across "
                                "the ranks in this step; change gradients before clip_grad_norm_ and step()")
-        indices = self._choose(group, p, self._final_score(p))
+        score = self._final_score(p)
+        per_shard = is_dtensor(p)  # per_shard selection: every rank chooses on its own, so all of them do
+        indices = None if not per_shard and _ranks_nothing(score) else self._choose(group, p, score)
         self._tentative[p] = (key, indices)
         return indices
 
@@ -236,10 +264,13 @@ class SelectionMixin:
         """Commit this step's selection: called by `step()` alone, after it knows it updates."""
         self._average_pending()
         for group, p in self._pending_with_grad():
-            state = self.state[p]
-            calls = state.get("selection_calls", 0) + 1
+            calls = self.state.get(p, {}).get("selection_calls", 0) + 1
             if calls >= self.select_steps:
                 indices = self._tentative_indices(group, p)
+                if indices is None:  # nothing to rank the entries by
+                    self._leave_pending(group, p)
+                    continue
+                state = self.state[p]
                 self._init_sparse_state(p, indices)
                 if self.update_in_backward:
                     # The first update, here since the gradient was dense in backward.
@@ -248,6 +279,12 @@ class SelectionMixin:
                     self._gather_compact(p, self._clipped_grad(p))
             else:
                 score = self._score_now(p)
+                if not is_dtensor(p) and _ranks_nothing(score):
+                    # Not counted (as a step that did not reach p): a NaN would stay in the sum for good. FSDP2
+                    # shards add theirs: their ranks agree on the whole weight's score at the final step alone.
+                    self._leave_pending(group, p)
+                    continue
+                state = self.state[p]
                 if score is not None:
                     state["score"] = score if "score" not in state else state["score"].add_(score)
             state["selection_calls"] = calls
@@ -257,6 +294,22 @@ class SelectionMixin:
         candidates = self._pending if self._pending is not None else list(self._sparse_params())
         self._pending = [(g, p) for g, p in candidates if not is_selected(self.state.get(p, {}))
                          and self._has_entries_to_choose(p)]
+
+    def _leave_pending(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        """p's score ranked nothing this step: its state stays as it was (the step is not counted), its
+        gradient is used up as on any selection step, and it is said once per weight."""
+        if self.compact_grads:
+            p.grad = None
+        if p in self._warned_unscored:
+            return
+        self._warned_unscored.add(p)
+        names = group.get("param_names") or ()
+        position = next(j for j, q in enumerate(group["params"]) if q is p)
+        label = (repr(names[position]) if position < len(names) else
+                 f"group {next(i for i, g in enumerate(self.param_groups) if g is group)}, param {position}")
+        warnings.warn(f"SparseAdamW: the selection score of {label} is zero everywhere or not finite (a zero-"
+                      "initialised layer, a batch whose labels are all ignored, a NaN gradient): its entries are not "
+                      "chosen, and it stays pending until a step whose gradient ranks them", stacklevel=4)
 
     def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""
