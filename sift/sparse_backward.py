@@ -28,7 +28,8 @@ layers), and fp16 weights with
 `scaler.unscale_(optimizer)` it needs `optimizer.grad_scaler = scaler`, see `sift.optim.amp`).
 Several processes under DDP: enable the sparse backward (or build the optimizer with `for_model`)
 before wrapping the model: the patched weights are excluded from DDP's reduction and the optimizer
-averages their compact gradients over the default process group itself.
+averages their compact gradients over the default process group itself (`wrap_ddp` wraps a model whose
+only trained params are those weights, which DDP alone refuses).
 """
 
 from __future__ import annotations
@@ -275,3 +276,44 @@ def exclude_from_ddp(model: nn.Module, names: Iterable[str]) -> None:
         return
     ignored = sorted(set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())) | set(names))
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+
+
+def wrap_ddp(model: nn.Module, **ddp_kwargs) -> nn.Module:
+    """Wrap `model` in `DistributedDataParallel` after `SparseAdamW.for_model`, also when DDP has nothing to reduce.
+
+    In the compact modes `for_model` leaves the sparse weights to the optimizer, which averages their [k]
+    gradients over the default process group itself. A causal LM whose only trained params are those weights
+    then gives DDP no param to reduce, and torch refuses the wrap ("DistributedDataParallel is not needed when a
+    module doesn't have any parameter that requires a gradient"). There this broadcasts the model's params and
+    buffers from rank 0 once (as DDP's construction does) and returns the model itself; otherwise it returns
+    `DistributedDataParallel(model, **ddp_kwargs)`.
+
+    Args:
+        model: the model `for_model` (or `enable_sparse_backward`) prepared, not wrapped yet.
+        **ddp_kwargs: passed to `DistributedDataParallel` (`device_ids`, ...). Without a DDP wrap only the
+            default process group is possible: the optimizer averages over it.
+
+    Returns:
+        The DDP-wrapped model, or `model` when every trained param is averaged by the optimizer.
+
+    Raises:
+        ValueError: nothing for DDP to reduce and a `process_group` other than the default one.
+
+    Example:
+        >>> opt = sift.SparseAdamW.for_model(causal_lm, density=0.01)  # doctest: +SKIP
+        >>> causal_lm = sift.wrap_ddp(causal_lm)  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    if any(p.requires_grad and name not in ignored for name, p in model.named_parameters()):
+        return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    group = ddp_kwargs.get("process_group")
+    if group is not None and group is not dist.group.WORLD:
+        raise ValueError("process_group: every trained param of the model is averaged by the optimizer over the "
+                         "default process group (DDP has none to reduce); pass no process_group, or build the "
+                         "optimizer with process_group= and do not wrap the model")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
+    return model

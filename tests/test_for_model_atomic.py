@@ -1,5 +1,5 @@
-"""`SparseAdamW.for_model` changes nothing when it refuses, names the DDP wrap it cannot train under, and
-leaves a model that pickles."""
+"""`SparseAdamW.for_model` changes nothing when it refuses, names the DDP wrap it cannot train under, leaves a
+model that pickles, and a causal LM it prepared trains under the docs' DDP recipe (`sift.wrap_ddp`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 import sift
 from sift import SparseAdamW
+from conftest import gloo_rank, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,3 +112,64 @@ def test_a_model_routed_through_the_sparse_backward_pickles():
     copy(ids, labels=ids).loss.backward()  # the copy's layers feed their own (copied) optimizer
     route = copy.model.layers[0].self_attn.q_proj._sift_route
     assert route.optimizer is not opt and route.weight is copy.model.layers[0].self_attn.q_proj.weight
+
+
+STEPS = 3
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    return _ids(100 + step, n=4, seq=9)
+
+
+def _ddp_recipe_train(model, opt, rank: int, world: int) -> None:
+    for step in range(STEPS):  # each rank its own slice of the global batch; the loss is a mean over its tokens
+        ids = _global_batch(step)
+        ids = ids[rank * len(ids) // world:(rank + 1) * len(ids) // world]
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _result(model, opt) -> dict[str, torch.Tensor]:
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"{n}.indices": opt.indices_of(p) for n, p in model.named_parameters()
+                  if "indices" in opt.state.get(p, {})})
+    return state
+
+
+def _ddp_recipe(rank: int, world: int, memory: str, out: str) -> None:
+    model = _llama(seed=rank)  # different weights per rank: the wrap starts every rank from rank 0's
+    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, memory=memory)
+    net = sift.wrap_ddp(model)
+    assert isinstance(net, torch.nn.parallel.DistributedDataParallel) == (memory == "plain")
+    _ddp_recipe_train(net, opt, rank, world)
+    torch.save(_result(model, opt), f"{out}.{rank}")
+
+
+@gloo_rank
+def _ddp_recipe_low(rank: int, world: int, out: str) -> None:
+    _ddp_recipe(rank, world, "low", out)
+
+
+@gloo_rank
+def _ddp_recipe_plain(rank: int, world: int, out: str) -> None:
+    _ddp_recipe(rank, world, "plain", out)
+
+
+@pytest.mark.parametrize("memory", ["low", "plain"])
+def test_the_ddp_recipe_trains_a_causal_lm_as_one_process_on_the_global_batch(tmp_path, memory):
+    """DDP refused to wrap a causal LM after for_model: its only trained params, the sparse weights, were ignored."""
+    ranks = run_ranks({"low": _ddp_recipe_low, "plain": _ddp_recipe_plain}[memory], 2, tmp_path)
+    model = _llama(seed=0)
+    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, memory=memory)
+    _ddp_recipe_train(model, opt, 0, 1)
+    expected = _result(model, opt)
+    assert any(name.endswith(".indices") for name in expected)
+    for got in ranks:
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            if name.endswith(".indices"):
+                assert torch.equal(got[name], value), name
+            else:
+                torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0].values(), ranks[1].values()))
