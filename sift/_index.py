@@ -4,6 +4,7 @@ weight, their dtype, validation, merging, lookup, and the one top-k rule with it
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
@@ -97,3 +98,24 @@ def top_k_positions(score: torch.Tensor, k: int) -> torch.Tensor:
     # nonzero() lists positions in ascending order: the first ones among the ties win.
     tied = (flat == threshold).nonzero().reshape(-1)[: k - above.numel()]
     return torch.sort(torch.cat([above, tied])).values
+
+
+def random_generator(seed: int, name: str | None, position: int, device: torch.device) -> torch.Generator:
+    """The generator of the "random" selection rule for one weight: keyed by the weight's `name` (e.g.
+    "encoder.layer.0.attention.self.query.weight", a 4-bit layer's as its 16-bit weight's), so two weights
+    draw apart whichever list holds them, and a run draws the same entries again. `name` None (a param
+    given without one): the seed offset by the weight's `position` among the optimizer's sparse weights.
+
+    Example:
+        >>> a = torch.rand(4, generator=random_generator(0, "q.weight", 0, torch.device("cpu")))
+        >>> b = torch.rand(4, generator=random_generator(0, "k.weight", 0, torch.device("cpu")))
+        >>> bool((a != b).any())
+        True
+    """
+    if name is None:
+        key = seed * 1_000_003 + position
+    else:
+        # crc32 is stable across processes and Python versions (hash() of a str is salted per process); 32 bits,
+        # since the CPU generator keeps only the low 32 bits of its seed.
+        key = zlib.crc32(f"{seed}:{name}".encode())
+    return torch.Generator(device=device).manual_seed(key)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift._index import entries_for, index_dtype, top_k_positions
+from sift._index import entries_for, index_dtype, random_generator, top_k_positions
 from sift.sparse_backward import weight_gradient_wanted
 
 DELTA = "sift_delta"  # the trained [k] values, registered on each 4-bit module
@@ -119,7 +119,7 @@ class QuantizedRoute:
         self.module = module
         self.name = name
         self.optimizer = optimizer
-        self.position = position  # among the model's 4-bit targets: the seed offset of "random"
+        self.position = position  # among the model's 4-bit targets ("random" draws by the name)
         self.k = k
         self.numel = module.out_features * module.in_features
         self.values: nn.Parameter = getattr(module, DELTA)
@@ -129,10 +129,16 @@ class QuantizedRoute:
         # Set by `sift.optim.sharded.replicated_quantized_deltas`: the ranks over which this layer's [k]
         # gradient (and the selecting step's dense score) is averaged inside backward.
         self.process_group: Any = None
-        # Selection in progress: this step's entries and score (committed or dropped by step()).
+        # The process group of the DDP whose forward ran this layer (recorded at forward time; kept, since a
+        # reentrant checkpoint recomputes the forward outside DDP's): DDP averages the [k] gradient over it,
+        # so the selecting step's dense score is averaged over it too.
+        self.ddp_group: Any = None
+        # Selection in progress: this step's entries, its score (still loss-scaled) and that score's
+        # inf/NaN flag (committed or dropped by step()). The committed steps' sum of unscaled scores is
+        # optimizer state, `state[values]["score"]`, so that state_dict carries it.
         self.tentative: torch.Tensor | None = None
         self.step_score: torch.Tensor | None = None
-        self.score: torch.Tensor | None = None  # select_steps > 1: the committed steps' sum
+        self.step_found_inf: torch.Tensor | None = None
         self.reached = False  # a backward reached this layer since the last step
 
     fixed_indices: torch.Tensor | None = None  # a delta attached without an optimizer (`attach_delta_`)
@@ -190,39 +196,84 @@ class QuantizedRoute:
         if self.tentative is not None:  # a later backward of the selecting step: the chosen entries' gradient
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         rule = optimizer.selection
-        final = optimizer.state[self.values].get("selection_calls", 0) + 1 >= optimizer.select_steps
+        state = optimizer.state[self.values]
+        final = state.get("selection_calls", 0) + 1 >= optimizer.select_steps
         if rule == "random":
             if not final:
                 return None
-            gen = torch.Generator(device=dy.device).manual_seed(optimizer.seed * 1_000_003 + self.position)
+            gen = random_generator(optimizer.seed, f"{self.name}.weight", self.position, dy.device)
             indices = top_k_positions(torch.rand(self.numel, generator=gen, device=dy.device), self.k)
             self.tentative = indices.to(index_dtype(self.numel))
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
-        # Several ranks choose one set of entries: from the gradient of the global batch.
-        self.average(dense, everywhere=True)
+        # Several ranks choose one set of entries: from the gradient of the batch their values train on.
+        self.average(dense, selecting=True)
         # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
         score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
         score = score.reshape(-1)
+        self._check_finite(score)
         self.step_score = score if self.step_score is None else self.step_score.add_(score)
         if not final:
             return None
-        total = self.step_score if self.score is None else self.step_score + self.score
+        total = self.step_score
+        previous = state.get("score")
+        if previous is not None:
+            # The earlier steps' scores were unscaled as they were committed: this one is too, by the scale
+            # of the loss this backward came from.
+            inv_scale = self._loss_inverse_scale()
+            total = total * inv_scale.to(total.device) + previous if inv_scale is not None else total + previous
         if rule == "saliency":
             total = total.abs()
         self.tentative = top_k_positions(total, self.k).to(index_dtype(self.numel))
         self.step_score = None  # this step's score was only needed for the choice
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
-    def average(self, tensor: torch.Tensor, everywhere: bool = False) -> torch.Tensor:
-        """Average `tensor` (this rank's share of a gradient) in place over `process_group`, or with
-        `everywhere` and no group, over the default group of a job of several processes; else unchanged.
+    def _check_finite(self, score: torch.Tensor) -> None:
+        """Flag inf/NaN in this backward's score into `step_found_inf` (no host read, no weight-sized temporary):
+        no `.grad` holds it, so GradScaler's own check cannot see it."""
+        if self.step_found_inf is None:
+            self.step_found_inf = torch.zeros((), dtype=torch.float32, device=score.device)
+        one = torch.ones((), dtype=torch.float32, device=score.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([score], self.step_found_inf, one)
 
-        The selecting step's dense score goes everywhere: under DDP, which averages the [k] values' gradient
-        but not this one, each rank would otherwise choose its own entries and DDP would average values
-        taken at different positions."""
+    def found_inf(self) -> torch.Tensor | None:
+        """This step's inf/NaN flag of the selection score ([] fp32, nonzero on overflow), or None when no
+        backward scored this layer since the last step. `step()` adds it to the scaler's found-inf, so that
+        an overflow skips the step (nothing is committed) and backs the scale off."""
+        return self.step_found_inf
+
+    def _loss_inverse_scale(self) -> torch.Tensor | None:
+        """1 / the scale of the loss being backpropagated, computed as GradScaler does: from the optimizer's
+        scaler (`step()` links the one that calls it on a scoring step), else None (an unscaled loss)."""
+        scaler = self.optimizer.grad_scaler
+        if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+            return None
+        return scaler._scale.double().reciprocal().float()
+
+    def _commit_inverse_scale(self) -> torch.Tensor | None:
+        """1 / the scale of this step's losses, as `step()` knows it (`grad_scale`, or the scale `scaler.unscale_`
+        divided `.grad` by); None without a scaler."""
+        inv_scale = self.optimizer._grad_inv_scale
+        return inv_scale if inv_scale is not None else self.optimizer._scaler_inverse_scale()
+
+    def record_group(self) -> None:
+        """At forward: remember the process group of the DDP running this forward, if any."""
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None:
+            self.ddp_group = ddp.process_group
+
+    def average(self, tensor: torch.Tensor, selecting: bool = False) -> torch.Tensor:
+        """Average `tensor` (this rank's share of a gradient) in place over `process_group`; with `selecting`
+        (the selecting step's dense score) over the group that averages this layer's values, also DDP's;
+        else unchanged.
+
+        Under DDP, which averages the [k] values' gradient but not the dense score, each rank would otherwise
+        choose its own entries and DDP would average values taken at different positions. Ranks that train
+        apart (no DDP, no process_group) choose apart, and a rank training alone never waits for another."""
         group = self.process_group
-        if group is None and not (everywhere and _world_size() > 1):
+        if group is None and selecting:
+            group = self.ddp_group
+        if group is None:
             return tensor
         import torch.distributed as dist
 
@@ -253,18 +304,23 @@ class QuantizedRoute:
             if self.tentative is not None and self.optimizer.state_layout == "lean":
                 state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(
                     self.tentative, self.numel)
-                self.score = None
+                state.pop("score", None)
             elif self.tentative is not None:
                 state["delta_indices"] = self.tentative
-                self.score = None
+                state.pop("score", None)
             elif self.step_score is not None:
-                self.score = self.step_score if self.score is None else self.score.add_(self.step_score)
+                # GradScaler's scale may change between selection steps: scores add unscaled.
+                score, inv_scale = self.step_score, self._commit_inverse_scale()
+                if inv_scale is not None:
+                    score.mul_(inv_scale.to(score.device))
+                state["score"] = score if "score" not in state else state["score"].add_(score)
         self.discard()
 
     def discard(self) -> None:
         """A step that does not update (skipped, or gradients zeroed): forget this step's selection work."""
         self.tentative = None
         self.step_score = None
+        self.step_found_inf = None
         self.reached = False
 
 
@@ -320,6 +376,7 @@ def _world_size() -> int:
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     route, values = self._sift_quantized, getattr(self, DELTA)
     route.check_values(values)
+    route.record_group()
     return _QuantizedSparseLinear.apply(x, values, self.bias, route)
 
 

@@ -54,7 +54,9 @@ def _optimizers(quantized, dense, **kwargs):
     weights = [dense[0].weight, dense[2].weight]
     for w in weights:
         w.requires_grad_(True)
-    opt_d = SparseAdamW(weights, lr=1e-2, density=0.1, weight_decay=0.0, **kwargs)
+    # Named as the 4-bit layers' weights: "random" draws each weight's entries by its name.
+    opt_d = SparseAdamW([("0.weight", weights[0]), ("2.weight", weights[1])], lr=1e-2, density=0.1,
+                        weight_decay=0.0, **kwargs)
     return opt_q, opt_d
 
 

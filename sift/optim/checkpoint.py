@@ -292,6 +292,11 @@ def _load_delta_state(p: torch.Tensor, saved: dict[str, Any], numel: int, what: 
             p.device if lean else "cpu")
     if "selection_calls" in saved:
         out["selection_calls"] = int(saved["selection_calls"])
+    if "score" in saved:  # a multi-step selection in progress: the committed steps' summed score
+        score = saved["score"]
+        if not isinstance(score, torch.Tensor) or score.numel() != numel or not score.is_floating_point():
+            raise ValueError(f"{what}: score must be a floating-point tensor of {numel} entries (the weight's)")
+        out["score"] = score.detach().reshape(-1).to(device=p.device, dtype=torch.float32).clone()
     return out
 
 

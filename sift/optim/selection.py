@@ -1,8 +1,8 @@
 """Selection: which entries of each sparse weight `SparseAdamW` trains.
 
 Every rule lives here: "magnitude" (the summed |grad|), "saliency" (|sum of -theta * grad|)
-and "random" (seeded). `_select` is the one entry point that commits a selection, called by
-`step()` alone once it knows it updates; `_tentative_indices` is what `clip_grad_norm_` (and
+and "random" (seeded, drawn by each weight's name). `_select` is the one entry point that commits a
+selection, called by `step()` alone once it knows it updates; `_tentative_indices` is what `clip_grad_norm_` (and
 the committing step) computes the entries with, so the clip and the step agree. Both modes go
 through it: in plain mode the step reads the dense gradient at the chosen entries, in
 `compact_grads` mode the dense gradient is gathered into the compact buffer and freed.
@@ -22,6 +22,7 @@ import torch
 
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
+from sift._index import random_generator as _random_generator
 from sift._index import top_k_positions
 from sift.optim.sharded import shard_group, shard_offset
 from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
@@ -134,8 +135,11 @@ class SelectionMixin:
         k = self._num_selected(group, p)
         local = local_tensor(p).numel()
         if self.selection == "random":
+            # Drawn by the weight's name (the group's param_names); a param given without one by its position.
             position = next(i for i, q in enumerate(q for _, q in self._sparse_params()) if q is p)
-            gen = torch.Generator(device=p.device).manual_seed(self.seed * 1_000_003 + position)
+            names = group.get("param_names") or ()
+            name = next((n for n, q in zip(names, group["params"]) if q is p), None)
+            gen = _random_generator(self.seed, name, position, p.device)
             if self._selects_globally(p):
                 # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
                 start = shard_offset(p)
