@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from sift._index import entries_for
-from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear8bit,
-                            is_quantized_linear)
+from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear4bit,
+                            is_linear8bit, is_quantized_linear)
 from sift.sparse_backward import check_routable, enable_sparse_backward, exclude_from_ddp, routable_layers
 from sift.optim.state import SparseStateMixin
 from sift.optim.state import is_selected as _selected
@@ -364,7 +364,8 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     Columns: name, shape, mode (sparse / dense / 4-bit delta / frozen), trainable entries, optimizer-state
     bytes. A sparse weight not selected yet (before the first `step()`) shows the planned
     `ceil(density * numel)` entries, marked "pending"; its state bytes count once it exists.
-    A last line gives the totals and the trainable share of all params. Works with any torch
+    A last line gives the totals and the trainable share of all params; a 4-bit weight counts as its
+    [out, in] elements (not its packed bytes) and its delta's values as entries of it. Works with any torch
     optimizer (params of groups without a `density` count as dense).
 
     Args:
@@ -390,15 +391,19 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     rows: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     seen: set[int] = set()
     total_params = total_entries = total_bytes = 0
+    # A 4-bit weight is stored as packed bytes ([out * in / 2, 1]): it counts as its [out, in] elements.
+    logical = {id(m.weight): (m.out_features, m.in_features) for m in model.modules() if is_linear4bit(m)}
     # Params the optimizer holds outside the model (rare) still count.
     params = [p for _, p in model.named_parameters()] + [p for g in optimizer.param_groups for p in g["params"]]
     for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        numel = _local(p).numel()
-        total_params += numel
+        shape = logical.get(id(p), tuple(p.shape))
+        numel = shape[0] * shape[1] if id(p) in logical else _local(p).numel()
         group = group_of.get(id(p))
+        # A delta's values are entries of its layer's weight, whose elements count already.
+        total_params += 0 if group is not None and group.get("name") == "quantized" else numel
         state = optimizer.state.get(p, {})
         pending = 0
         if group is None or not p.requires_grad:
@@ -421,7 +426,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         total_entries += entries
         total_bytes += state_bytes
         name = names.get(id(p), "?")
-        key = (_kind(name) if by == "kind" else name, tuple(p.shape), mode)
+        key = (_kind(name) if by == "kind" else name, shape, mode)
         row = rows.setdefault(key, [0, 0, 0, 0])
         row[0] += 1
         row[1] += entries
