@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sift
+from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW
 
 
@@ -251,3 +252,71 @@ def test_a_score_that_ranks_nothing_leaves_the_weight_pending(bad, select_steps,
     assert len(said_late) == 1 and label in said_late[0] and not said_ref
     assert torch.equal(w_late, w_ref)
     assert _sd_equal(state_late, state_ref)
+
+
+def _zero_head_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 15), torch.nn.ReLU(), torch.nn.Linear(15, 3))
+    with torch.no_grad():
+        model[2].weight.zero_()  # the first layer's gradient is 0 until the head has trained a step
+    return model
+
+
+def _zero_head_run(model, rank: int, world: int) -> dict:
+    """3 steps of the global batch split over the ranks: which weights are pending after each, what was said."""
+    from sift.optim.state import is_selected
+
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    opt = SparseAdamW([{"params": weights, "density": 0.2},
+                       {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "density": 1.0}],
+                      lr=1e-2)
+    shard = slice(rank * 12 // world, (rank + 1) * 12 // world)
+    pending = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(12, 12, generator=g), torch.randint(0, 3, (12,), generator=g)
+            torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+            opt.step()
+            opt.zero_grad()
+            pending.append([not is_selected(opt.state.get(p, {})) for p in weights])
+    said = [str(c.message) for c in caught if "ranks them" in str(c.message)]
+    return {"pending": pending, "said": said, "opt": opt, "weights": weights}
+
+
+@gloo_rank
+def _zero_head_worker(rank: int, world: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sift.optim.sharded import shard_offset
+
+    model = _zero_head_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    run = _zero_head_run(model, rank, world)
+    opt = run.pop("opt")
+    run["indices"] = [(opt.indices_of(p).long() + shard_offset(p)) for p in run.pop("weights")]
+    run["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    torch.save(run, f"{out}.{rank}")
+
+
+def test_fsdp2_global_selection_keeps_a_weight_pending_on_every_rank(tmp_path):
+    """Under FSDP2's global selection a weight whose whole gradient is 0 (below a zero-initialised head) chose
+    arange(k) on every rank; now every rank keeps it pending alike and selects it as one process does."""
+    pytest.importorskip("torch.distributed.fsdp")
+    per_rank = run_ranks(_zero_head_worker, 2, tmp_path)
+    model = _zero_head_model()
+    ref = _zero_head_run(model, 0, 1)
+    assert ref["pending"][0] == [True, False] and ref["pending"][1] == [False, False]
+    for r in per_rank:
+        assert r["pending"] == ref["pending"]
+        assert len(r["said"]) == 1 and "group 0, param 0" in r["said"][0]
+    for i, p in enumerate(ref["weights"]):
+        assert torch.equal(torch.cat([r["indices"][i] for r in per_rank]), ref["opt"].indices_of(p).long())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(per_rank[0]["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
