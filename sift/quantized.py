@@ -264,15 +264,15 @@ class QuantizedRoute:
 
     def average(self, tensor: torch.Tensor, selecting: bool = False) -> torch.Tensor:
         """Average `tensor` (this rank's share of a gradient) in place over `process_group`; with `selecting`
-        (the selecting step's dense score) over the group that averages this layer's values, also DDP's;
-        else unchanged.
+        (the selecting step's dense score) over whichever group averages this layer's values: `process_group`,
+        the DDP that ran the forward, or the optimizer's `process_group`; else unchanged.
 
         Under DDP, which averages the [k] values' gradient but not the dense score, each rank would otherwise
         choose its own entries and DDP would average values taken at different positions. Ranks that train
-        apart (no DDP, no process_group) choose apart, and a rank training alone never waits for another."""
+        apart (no DDP, no process group) choose apart, and a rank training alone never waits for another."""
         group = self.process_group
         if group is None and selecting:
-            group = self.ddp_group
+            group = self.ddp_group if self.ddp_group is not None else getattr(self.optimizer, "process_group", None)
         if group is None:
             return tensor
         import torch.distributed as dist

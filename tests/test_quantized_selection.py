@@ -142,15 +142,48 @@ def _independent_run(seed: int, steps: int = 3) -> list[torch.Tensor]:
     return _entries(model) + [model[i].sift_delta.detach().clone() for i in LAYERS]
 
 
+def _shared_run(rank: int = 0, world: int = 1, steps: int = 3) -> list[torch.Tensor]:
+    """One 4-bit model trained on rows `rank`::`world` of each batch, averaged over the optimizer's
+    process_group (no DDP) when `world` > 1."""
+    model, _ = _pair()
+    group = {"process_group": torch.distributed.group.WORLD} if world > 1 else {}
+    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), select_steps=2,
+                                compact_grads=True, **group)
+    for step in range(steps):
+        x, y = _batch(step)
+        (model(x[rank::world]) - y[rank::world]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _entries(model) + [model[i].sift_delta.detach().clone() for i in LAYERS]
+
+
 @gloo_rank
 def _independent_worker(rank: int, world: int, out: str) -> None:
-    torch.save(_independent_run(seed=rank + 1), f"{out}.{rank}")
+    torch.save({"independent": _independent_run(seed=rank + 1), "shared": _shared_run(rank, world)},
+               f"{out}.{rank}")
 
 
-def test_ranks_training_independent_models_keep_their_own_entries(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(_independent_worker, 2, tmp_path_factory.mktemp("quantized-ranks"))
+
+
+def test_ranks_sharing_an_optimizer_process_group_choose_the_whole_batchs_entries(two_ranks):
+    """Without DDP, a 4-bit layer whose values the optimizer's process_group averages chooses from the
+    averaged score: every rank equals one process on the whole batch."""
+    want = _shared_run()
+    for rank, r in enumerate(two_ranks):
+        got = r["shared"]
+        for g, w in zip(got[:2], want[:2]):
+            assert torch.equal(g, w), f"rank {rank}: entries"
+        for g, w in zip(got[2:], want[2:]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: values")
+
+
+def test_ranks_training_independent_models_keep_their_own_entries(two_ranks):
     """Without DDP or a process_group, a selecting step all-reduced a 4-bit layer's dense score over the
     default group: two independent runs in one job changed each other's entries."""
-    ranks = run_ranks(_independent_worker, 2, tmp_path)
+    ranks = [r["independent"] for r in two_ranks]
     for rank, got in enumerate(ranks):
         want = _independent_run(seed=rank + 1)
         for g, w in zip(got[:2], want[:2]):

@@ -139,7 +139,7 @@ def test_lowest_resumed_after_keeping_the_update_in_backward_keeps_it():
 
 def _loss(w: torch.Tensor, step: int) -> torch.Tensor:
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(step))
-    return (x @ w.T).sin().square().sum()
+    return (x.to(w.dtype) @ w.T).float().sin().square().sum()
 
 
 @pytest.mark.parametrize("layout", ["exact", "lean"])
@@ -320,3 +320,55 @@ def test_fsdp2_global_selection_keeps_a_weight_pending_on_every_rank(tmp_path):
         assert torch.equal(torch.cat([r["indices"][i] for r in per_rank]), ref["opt"].indices_of(p).long())
     for name, p in model.named_parameters():
         torch.testing.assert_close(per_rank[0]["params"][name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a state_dict of another model
+
+def _trained(seed: int, named: bool, layout: str = "exact", dtype=torch.float32, steps: int = 2):
+    model = torch.nn.Linear(11, 9).to(dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(9, 11, generator=torch.Generator().manual_seed(seed)))
+    params = list(model.named_parameters()) if named else list(model.parameters())
+    opt = SparseAdamW(params, lr=1e-2, density=0.2, state=layout)
+    for step in range(steps):
+        _loss(model.weight, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("named", [True, False], ids=["named", "positional"])
+def test_a_state_dict_of_another_model_is_refused_and_nothing_changes(named, dtype):
+    """An optimizer state_dict loaded into an optimizer over another model of the same shapes was accepted, and
+    the next step wrote the first model's values (its `base`) into the second's chosen entries."""
+    _, source = _trained(0, named, dtype=dtype)
+    other, target = _trained(1, named, dtype=dtype, steps=1)
+    before = copy.deepcopy(target.state_dict())
+    weight_before = other.weight.detach().clone()
+    theirs, ours = ("'weight'", "'weight'") if named else ("param 0", "group 0, param 0")
+    with pytest.raises(ValueError, match=f"state of {theirs} does not belong to this optimizer's {ours}"):
+        target.load_state_dict(source.state_dict())
+    assert _sd_equal(target.state_dict(), before)
+    assert torch.equal(other.weight, weight_before)
+
+
+@pytest.mark.parametrize("layout", ["exact", "lean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_resume_on_the_trained_model_or_its_reloaded_copy_is_accepted(layout, dtype):
+    """The refusal above keeps every legitimate resume: the same model after training, and a fresh model loaded
+    from the checkpoint saved with the optimizer, continue bit for bit."""
+    model, opt = _trained(0, True, layout, dtype)
+    model_sd, opt_sd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(opt_sd)  # the same model after training
+    fresh = torch.nn.Linear(11, 9).to(dtype)
+    fresh.load_state_dict(model_sd)
+    resumed = SparseAdamW(list(fresh.named_parameters()), lr=1e-2, density=0.2, state=layout)
+    resumed.load_state_dict(opt_sd)
+    for step in range(2, 4):
+        for m, o in ((model, opt), (fresh, resumed)):
+            _loss(m.weight, step).backward()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(model.weight, fresh.weight)
+    assert _sd_equal(opt.state_dict(), resumed.state_dict())

@@ -135,6 +135,7 @@ class CheckpointMixin:
             route = self._quantized.get(p)
             new_state[p] = _load_param_state(p, saved_state, density, f"state of param {pid}", lean=layout == "lean",
                                              delta_numel=route.numel if route is not None else None)
+        _check_entry_values(new_state, id_map, saved_groups, self.param_groups)
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -195,6 +196,36 @@ def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[t
             ours = f"{own_name[id(p)]!r}" if id(p) in own_name else "the param at its position"
             raise ValueError(f"the state_dict's state of {theirs} was saved for shape {tuple(shape)}, but would load "
                              f"onto {ours} of shape {tuple(local_tensor(p).shape)}")
+
+
+def _check_entry_values(new_state: dict[torch.Tensor, dict[str, Any]], id_map: dict[Any, tuple[torch.Tensor, float]],
+                        saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Refuse an exact state whose weight is not this param: the step writes each chosen entry as
+    round(base + delta), so the param a state was saved with holds exactly those values there (another model's
+    weight of equal shape does not). States without a base (lean, 4-bit deltas, fp32 bases rebuilt from the
+    weight) carry nothing to compare; their params are matched by name alone."""
+    saved_name = {pid: name for saved in saved_groups for pid, name in zip(saved["params"], saved.get("param_names", ()))}
+    own_name = {id(p): name for group in groups for p, name in zip(group["params"], group.get("param_names", ()))}
+    own_position = {id(p): (gi, pi) for gi, group in enumerate(groups) for pi, p in enumerate(group["params"])}
+    for pid, (p, _) in id_map.items():
+        state = new_state.get(p, {})
+        if "indices" not in state or "base" not in state or "delta" not in state:
+            continue
+        indices = state["indices"].long()
+        held = local_tensor(p.detach()).reshape(-1)[indices]
+        written = (state["base"].float() + state["delta"]).to(p.dtype)
+        differs = ~(held.eq(written) | (held.isnan() & written.isnan()))
+        if not bool(differs.any()):
+            continue
+        first = int(differs.nonzero()[0])
+        theirs = f"{saved_name[pid]!r}" if pid in saved_name else f"param {pid}"
+        ours = (f"{own_name[id(p)]!r}" if id(p) in own_name else
+                "group {}, param {}".format(*own_position[id(p)]))
+        raise ValueError(f"the state_dict's state of {theirs} does not belong to this optimizer's {ours}: "
+                         f"{int(differs.sum())} of its {indices.numel()} chosen entries hold other values than that "
+                         f"state's steps wrote (flat position {int(indices[first])} holds {float(held[first])!r}, "
+                         f"the state {float(written[first])!r}). It was saved with another model; or load the "
+                         "model's weights saved with it before the optimizer state")
 
 
 def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, what: str, lean: bool = False,
