@@ -24,7 +24,11 @@ product g[j] = sum_t dY[t, row_j] X[t, col_j] (`sparse_weight_grad`): no dense d
 selection step the backward forms one layer's dense fp32 dW at a time, scores it and keeps only
 the k entries it would choose and their gradient; `step()` commits that choice (a step that
 GradScaler skips discards it). With `select_steps > 1` each layer keeps two fp32 score buffers
-of its weight's size (8 bytes per weight element, 16x the 4-bit weight) until it is selected.
+of its weight's size (8 bytes per weight element, 16x the 4-bit weight) until it is selected: this
+step's, checked for inf/NaN (under GradScaler an overflow skips the step and backs the scale off) and
+unscaled as `step()` commits it, and the committed steps' sum, optimizer state (`state[values]["score"]`)
+that `state_dict` carries. In a job of several processes the dense score is averaged over the ranks
+that average the values (the layer's `process_group`, DDP's, or the optimizer's), and nowhere else.
 With gradient accumulation on the selecting step, the entries are chosen on the step's first
 backward and later micro-batches add their gradient at those entries.
 
