@@ -15,7 +15,7 @@ from torch import nn
 
 from sift import _ops
 from sift.delta.entry import DeltaError
-from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of, _structure_hash
+from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of, _structure_hash, logical_state
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -100,7 +100,7 @@ class DeltaApplicationMixin:
                 problems.append(f"{name}: the same tensor as {owners[key]} (tied weights); keep one entry")
             owners[key] = name
         if check_base and self.base is not None:
-            problems += _base_problems(self.base, state, _APPLIED.get(model, []))
+            problems += _base_problems(self.base, logical_state(model), _APPLIED.get(model, []))
         if problems:
             raise DeltaError("cannot apply the sparse delta; the model is unchanged", problems)
         names = [n for n, e in self.entries.items() if e.nnz]
@@ -184,7 +184,7 @@ def _base_problems(base: BaseFingerprint, state: Mapping[str, torch.Tensor],
     differing, compared = [], 0
     for name, samples in base.samples.items():
         t = tensors.get(name)
-        if t is None or not samples:
+        if t is None or not samples or t.device.type == "meta":  # meta: a quantized layer's weight, not read
             continue
         positions = [p for p in samples if p < t.numel()
                      and not any(_find(ix, p) is not None for ix in touched.get(name, []))]
@@ -192,7 +192,7 @@ def _base_problems(base: BaseFingerprint, state: Mapping[str, torch.Tensor],
             continue
         now = t.detach().reshape(-1)[torch.tensor(positions, device=t.device)].tolist()
         compared += len(positions)
-        differing += [f"{name}[{p}]" for p, v in zip(positions, now) if float(v).hex() != samples[p]]
+        differing += [f"{name}[{p}]" for p, v in zip(positions, now) if not base.matches(name, p, v)]
     if differing:
         return [f"the delta was made for another base model: {len(differing)} of {compared} sampled base values "
                 f"differ (first: {', '.join(differing[:3])})"]

@@ -15,7 +15,8 @@ from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
-from sift.delta.fingerprint import BaseFingerprint, _find, _float_tensors, _state_of
+from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of,
+                                    logical_state)
 from sift.delta.packing import HALF_DTYPES, shortest_increments
 from sift.optim.state import increments, is_dense_stepped, is_dtensor
 
@@ -48,8 +49,9 @@ class DeltaConstructionMixin:
 
         The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
         `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
-        into the 16-bit model, `sift.quantized.attach_delta_` puts them back on the 4-bit one.
-        Such a delta has no base fingerprint (no one fingerprint describes both models).
+        into the 16-bit model, `sift.quantized.attach_delta_` puts them back on the 4-bit one. Its
+        base fingerprint fits both: the quantized weights are sampled dequantized, and a 16-bit
+        weight matches within the quantization step there (`sift.delta.fingerprint`).
 
         Args:
             optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
@@ -134,17 +136,22 @@ class DeltaConstructionMixin:
                 # else: never stepped, or sparse selection still accumulating: nothing changed.
         if problems:
             raise DeltaError("cannot build a delta from this optimizer and model", problems)
-        if quantized:
-            # A 4-bit fine-tune's delta applies to the 4-bit model and to the 16-bit model it was quantized
-            # from, whose tensors differ: no one fingerprint describes both.
+        if quantized and any(is_dtensor(t) for t in state.values() if isinstance(t, torch.Tensor)):
+            # FSDP2 shards the packed bytes (read only inside a forward, gathered): no base sampled.
             fingerprint = None
-        elif base_state is not None:
+        elif base_state is not None and not quantized:
             fingerprint = fingerprint_of(base_state)
             for name in dense:  # replaced whole: the base may hold anything there (a new head)
                 for alias in tied.get(name, (name,)):
                     fingerprint.samples.pop(alias, None)
         else:
-            fingerprint = fingerprint_of(state)
+            # A quantized base is read as the 16-bit model it was quantized from (its packed weights never
+            # change in training): the fingerprint then fits both.
+            fingerprint = fingerprint_of(logical_state(model) if quantized else state)
+            for route in quantized.values():
+                samples, tolerances = _dequantized_samples(route)
+                fingerprint.samples[f"{route.name}.weight"] = samples
+                fingerprint.tolerances[f"{route.name}.weight"] = tolerances
             # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
             # so the trained model does not know their base values.
             param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
@@ -236,6 +243,31 @@ class DeltaConstructionMixin:
         if problems:
             raise DeltaError("cannot diff these state dicts", problems)
         return cls(entries, BaseFingerprint.of(base_state))
+
+
+def _dequantized_samples(route: Any) -> tuple[dict[int, str], dict[int, str]]:
+    """A quantized layer's base samples: its dequantized weight (in the dtype it was quantized from) at the
+    fingerprint's positions, and per position how far the 16-bit weight it came from may lie from it.
+
+    Rounding to nearest moves an entry by at most half the gap between the codes around it, times its
+    scale: an int8 row's absmax / 127; a 4-bit block's absmax (of `blocksize` flat entries) times at most
+    0.139 (NF4) or 0.167 (FP4), bounded here by 0.25 (double quantization rounds the absmax too).
+    """
+    dense = route.weight(route.base_dtype, route.values, None).detach().float().cpu().reshape(-1)
+    quant_state = getattr(route.module.weight, "quant_state", None) or getattr(route, "quant_state", None)
+    if quant_state is not None:
+        span, factor = int(quant_state.blocksize), 0.25
+    else:  # int8: one scale per row
+        span, factor = int(route.module.in_features), 0.6 / 127
+    samples, tolerances = {}, {}
+    for pos in _sample_positions(dense.numel()):
+        start = pos // span * span
+        scale = float(dense[start:start + span].abs().max())
+        value = float(dense[pos])
+        samples[pos] = value.hex()
+        # and the rounding of the 16-bit value itself
+        tolerances[pos] = (factor * scale + abs(value) * torch.finfo(route.base_dtype).eps).hex()
+    return samples, tolerances
 
 
 def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tensor | None

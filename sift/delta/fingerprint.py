@@ -1,6 +1,12 @@
 """`BaseFingerprint`: what a delta knows of the base model it was made for (a hash of the names,
 shapes and dtypes of its floating-point tensors, and its values at a few fixed positions per
-tensor), and the reading of a model's state that fingerprints and deltas share."""
+tensor), and the reading of a model's state that fingerprints and deltas share.
+
+A bitsandbytes 4-bit or int8 layer is read as the 16-bit weight it was quantized from (`logical_state`):
+[out, in] in that dtype, its packed bytes and quantization statistics left out. So one fingerprint
+describes a quantized base and the 16-bit model it came from; the quantized weights' samples are their
+dequantized values, each with a tolerance (the quantization step there) within which a 16-bit weight
+matches it."""
 
 from __future__ import annotations
 
@@ -37,6 +43,42 @@ def _state_of(obj: nn.Module | Mapping[str, torch.Tensor], what: str) -> dict[st
     raise TypeError(f"{what} must be an nn.Module or a state dict, got {type(obj).__name__}")
 
 
+def _quantized_layers(model: nn.Module) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+    """The bitsandbytes 4-bit and int8 linear layers of `model` (matched by their weights' class names, as
+    `sift.quantized` does): name -> the [out, in] shape and dtype of the weight they were quantized from
+    (the 4-bit quant state records the dtype; an int8 weight does not: its bias's, else fp32)."""
+    layers = {}
+    for name, m in model.named_modules():
+        weight = getattr(m, "weight", None)
+        kind = type(weight).__name__
+        if not isinstance(m, nn.Linear) or kind not in ("Params4bit", "Int8Params"):
+            continue
+        if kind == "Int8Params" and weight.dtype != torch.int8:
+            continue  # 16-bit weights in an 8-bit layer class: an ordinary weight
+        recorded = getattr(getattr(weight, "quant_state", None), "dtype", None) if kind == "Params4bit" else None
+        dtype = recorded or (m.bias.dtype if m.bias is not None else torch.float32)
+        layers[name] = ((m.out_features, m.in_features), dtype)
+    return layers
+
+
+def logical_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict(keep_vars=True)` with each quantized layer's weight as a meta tensor of the shape and
+    dtype it was quantized from, and everything else of that layer but its bias (packed statistics, a sift
+    delta) left out: the state the fingerprint of a quantized base describes.
+
+    Example:
+        >>> sorted(logical_state(torch.nn.Linear(3, 2)))  # nothing quantized: the state dict itself
+        ['bias', 'weight']
+    """
+    state = model.state_dict(keep_vars=True)
+    for name, (shape, dtype) in _quantized_layers(model).items():
+        prefix = f"{name}." if name else ""
+        for key in [k for k in state if k.startswith(prefix) and k[len(prefix):] not in ("weight", "bias")]:
+            del state[key]
+        state[f"{prefix}weight"] = torch.empty(shape, dtype=dtype, device="meta")
+    return state
+
+
 def _structure_hash(tensors: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
@@ -57,11 +99,21 @@ class BaseFingerprint:
             not one hash of them: a delta from `from_optimizer` cannot know the base value of
             an fp32 weight where training changed it, so deltas know different subsets and are
             compared where both know a value.
+        tolerances: name -> {flat position: `float.hex` of the largest difference that still matches}, for
+            the samples of a quantized base's weights (dequantized values); other samples match exactly.
     """
 
     structure: str
     n_tensors: int
     samples: dict[str, dict[int, str]] = field(default_factory=dict)
+    tolerances: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    def matches(self, name: str, pos: int, value: float) -> bool:
+        """Whether a model's `value` at `name[pos]` is this base's there (exactly, or within its tolerance)."""
+        tol = self.tolerances.get(name, {}).get(pos)
+        if tol is None:
+            return float(value).hex() == self.samples[name][pos]
+        return abs(float(value) - float.fromhex(self.samples[name][pos])) <= float.fromhex(tol)
 
     @classmethod
     def of(cls, state: Mapping[str, torch.Tensor]) -> BaseFingerprint:
@@ -76,7 +128,7 @@ class BaseFingerprint:
         samples = {}
         for name, t in tensors.items():
             pos = _sample_positions(t.numel())
-            if pos:
+            if pos and t.device.type != "meta":  # a quantized layer's weight: from_optimizer samples it
                 vals = t.detach().reshape(-1)[torch.tensor(pos, device=t.device)].tolist()
                 samples[name] = {p: float(v).hex() for p, v in zip(pos, vals)}
         return cls(_structure_hash(tensors), len(tensors), samples)
@@ -92,7 +144,9 @@ class BaseFingerprint:
             f"{name}[{pos}]"
             for name, mine in self.samples.items()
             for pos, value in mine.items()
-            if other.samples.get(name, {}).get(pos, value) != value
+            if pos in other.samples.get(name, {}) and not (
+                self.matches(name, pos, float.fromhex(other.samples[name][pos]))
+                or other.matches(name, pos, float.fromhex(value)))
         ]
         if differing:
             return [f"{len(differing)} sampled base values differ (first: {', '.join(differing[:3])})"]
@@ -100,21 +154,34 @@ class BaseFingerprint:
 
     def union(self, other: BaseFingerprint) -> BaseFingerprint:
         """The fingerprint knowing the samples of both (they must not conflict)."""
-        samples = {name: dict(vals) for name, vals in self.samples.items()}
-        for name, vals in other.samples.items():
-            samples.setdefault(name, {}).update(vals)
-        return BaseFingerprint(self.structure, self.n_tensors, samples)
+        samples: dict[str, dict[int, str]] = {}
+        tolerances: dict[str, dict[int, str]] = {}
+        # An exact sample (a 16-bit base) wins over a dequantized one with its tolerance.
+        for fingerprint in sorted((self, other), key=lambda f: bool(f.tolerances), reverse=True):
+            for name, vals in fingerprint.samples.items():
+                for pos, value in vals.items():
+                    tol = fingerprint.tolerances.get(name, {}).get(pos)
+                    if tol is None or pos not in samples.get(name, {}):
+                        samples.setdefault(name, {})[pos] = value
+                        if tol is None:
+                            tolerances.get(name, {}).pop(pos, None)
+                        else:
+                            tolerances.setdefault(name, {})[pos] = tol
+        return BaseFingerprint(self.structure, self.n_tensors, samples, {n: t for n, t in tolerances.items() if t})
 
     def to_json(self) -> str:
-        return json.dumps({"structure": self.structure, "n_tensors": self.n_tensors,
-                           "samples": {n: {str(p): v for p, v in s.items()} for n, s in self.samples.items()}},
-                          separators=(",", ":"))
+        d = {"structure": self.structure, "n_tensors": self.n_tensors,
+             "samples": {n: {str(p): v for p, v in s.items()} for n, s in self.samples.items()}}
+        if self.tolerances:
+            d["tolerances"] = {n: {str(p): v for p, v in s.items()} for n, s in self.tolerances.items()}
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> BaseFingerprint:
         d = json.loads(text)
         samples = {n: {int(p): str(v) for p, v in s.items()} for n, s in d["samples"].items()}
-        return cls(str(d["structure"]), int(d["n_tensors"]), samples)
+        tolerances = {n: {int(p): str(v) for p, v in s.items()} for n, s in d.get("tolerances", {}).items()}
+        return cls(str(d["structure"]), int(d["n_tensors"]), samples, tolerances)
 
 
 def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:
