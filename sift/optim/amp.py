@@ -13,15 +13,19 @@ which then changes nothing (params, moments, step counts, a pending selection).
 scaled until `clip_grad_norm_` or the step unscales them, exactly once, by the inverse of the
 scale of `optimizer.grad_scaler` (the scaler the optimizer was given).
 
-In the compact modes every step under the scaler reports the compact buffers' inf/NaN flags to the
-scaler (`found_inf_per_device`), so `scaler.update()` backs the scale off for an overflow it could
-not see and finds a check even when no trained param kept a dense `.grad`. The scaler that calls
-`step()` is found from the call itself when `optimizer.grad_scaler` was not set (and then kept as
-the link); a step that cannot find it refuses before changing anything rather than stall.
+Every step under the scaler reports its inf/NaN flag to the scaler (`found_inf_per_device`), in every
+mode: the compact buffers' flags join the `.grad` check, so `scaler.update()` backs the scale off for an
+overflow it could not see, and always finds a check even when no trained param kept a dense `.grad`
+(a 4-bit layer's delta scoring on a selection step has none). The scaler that calls `step()` is found
+from the call itself when `optimizer.grad_scaler` was not set (and, in the compact modes, kept as the
+link); a compact-mode step that cannot find it refuses before changing anything rather than stall.
 
-Under FSDP2 the scaler's own check all-reduces `.grad`'s flag over the DTensor mesh (torch's DTensor
-rule for the check), but each rank checks only its own shard's compact buffers: the step all-reduces
-their flag too, so that every rank skips, selects and backs off the scale on the same steps.
+Across ranks (a `process_group`, the default group adopted under DDP, an FSDP2 mesh) the step agrees
+once, in `_agree`, before anything branches: one small all-reduce (MAX) of this rank's inf/NaN flag
+(the scaler's `.grad` check and the compact buffers') and of how many weights it takes into a
+cross-rank selection. Each rank checks only its own gradients before the optimizer averages them, so
+without it one rank would skip while another stepped on the averaged inf, or entered the selection's
+collectives alone. The agreed flag is what the scaler is told, so every rank backs off alike.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState
 
-from sift.optim.state import first_shard, is_selected, local_tensor, uses_grad
+from sift.optim.state import is_selected, local_tensor, uses_grad
 
 
 def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
@@ -82,9 +86,13 @@ class AmpMixin:
         _unscale_(buffers, inv_scale, self._compact_found_inf)
         self._scaled_compact.clear()
 
-    def _amp_begin(self) -> bool:
-        """Start of a step under GradScaler: unscale the compact buffers written in backward and
-        decide. Returns True when the step must be skipped (inf/NaN in `.grad` or a compact buffer).
+    def _amp_begin(self) -> list[torch.Tensor] | None:
+        """Start of a step under GradScaler: refuse what cannot run under it, and unscale (checking for
+        inf/NaN) the compact buffers written in backward. Nothing is averaged or decided here.
+
+        Returns:
+            This rank's inf/NaN flags (the scaler's `.grad` check, the compact buffers' per device), or
+            None when no GradScaler drives the step.
 
         Raises:
             RuntimeError: `scaler.unscale_` ran, compact buffers are scaled, and the optimizer
@@ -113,14 +121,67 @@ class AmpMixin:
                                "clip_grad_norm_ and step() unscale them")
         if compact_inv is not None:
             self._unscale_compact(compact_inv)
-        if under_scaler and self.compact_grads:
-            self._agree_found_inf()
-            self._report_found_inf()
+        # The 4-bit layers' selection scores (sift.quantized) are formed in backward, where no `.grad` shows them.
+        scored = [flag for flag in (route.found_inf() for route in self._quantized.values()) if flag is not None]
+        if under_scaler and scored:
+            for flag in scored:
+                held = self._compact_found_inf.get(flag.device)
+                self._compact_found_inf[flag.device] = flag if held is None else held + flag
+            if self.grad_scaler is None:  # kept: a later selecting backward unscales its score by it
+                self.grad_scaler = self._calling_scaler()
         flags = [t for t in (found_inf, *self._compact_found_inf.values()) if t is not None]
-        if not flags:
-            return False
-        # The one host read of the step: whether it runs decides what selection commits.
-        return bool(sum(t.to(flags[0].device) for t in flags).item())
+        return flags if under_scaler or flags else None
+
+    def _agree(self, found_inf: list[torch.Tensor] | None) -> bool:
+        """The step's one agreement across ranks, reached by every rank on every path before anything
+        branches (skip, select, average): whether any rank found inf/NaN, and that every rank takes the
+        same number of weights into this step's cross-rank selection. Tells the scaler the agreed flag.
+
+        One all-reduce (MAX) of three numbers over the optimizer's ranks, when there are several and a
+        scaler drives the step or a selection is still pending; none otherwise.
+
+        Args:
+            found_inf: this rank's inf/NaN flags (`_amp_begin`), None without GradScaler.
+
+        Returns:
+            Whether the step is skipped (the same on every rank).
+
+        Raises:
+            RuntimeError: the ranks would select different weights together (a backward that did not reach
+                a trained weight on some rank); raised on every rank, before anything changes.
+        """
+        group, device = self._agreement_group()
+        if group is None or (found_inf is None and self._pending == []):
+            if found_inf is None:
+                return False
+            flag = sum(t.to(found_inf[0].device) for t in found_inf) if found_inf else None
+            self._report_found_inf(flag)
+            # The one host read of the step: whether it runs decides what selection commits.
+            return flag is not None and bool(flag.item())
+        import torch.distributed as dist
+
+        selecting = float(self._selecting_together())
+        votes = torch.tensor([0.0, selecting, -selecting], dtype=torch.float32, device=device)
+        for t in found_inf or ():
+            votes[0] += t.to(device).sum()  # FSDP2's check is a [1] tensor
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+        flag = votes[0]
+        if found_inf is not None:
+            self._report_found_inf(flag)
+        inf, most, least = votes.tolist()  # the step's one host read
+        if most != -least:
+            raise RuntimeError(f"the ranks of this SparseAdamW disagree on the sparse weights that choose their "
+                               f"entries together in this step (from {int(-least)} to {int(most)}): every rank must "
+                               "run backward over the same trained weights, as DDP requires")
+        return inf > 0
+
+    def _selecting_together(self) -> int:
+        """How many weights this rank takes into a cross-rank selection this step: every pending one under a
+        process group (averaged before it selects), the FSDP2 weights choosing the whole weight's top-k."""
+        pending = self._pending_with_grad()
+        if self.process_group is not None:
+            return len(pending)
+        return sum(1 for _, p in pending if self._selects_globally(p))
 
     def _calling_scaler(self) -> torch.amp.GradScaler | None:
         """The GradScaler whose `scaler.step(self)` is running (found on the call stack), or None."""
@@ -134,40 +195,19 @@ class AmpMixin:
             frame = frame.f_back
         return None
 
-    def _agree_found_inf(self) -> None:
-        """Under FSDP2, make the compact buffers' inf/NaN flag the same on every rank (one scalar all-reduce).
-
-        Each rank checks only its own shard's buffers, which the scaler never sees; a rank that skipped
-        while the others stepped would leave their collectives (clip, selection, the next forward) waiting.
-        """
-        sharded = first_shard(self)
-        if sharded is None:
-            return
-        import torch.distributed as dist
-
-        device = local_tensor(sharded).device
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        for t in self._compact_found_inf.values():
-            flag.add_(t.to(device))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sharded.device_mesh.get_group())
-        self._compact_found_inf.clear()
-        self._compact_found_inf[device] = flag
-
-    def _report_found_inf(self) -> None:
-        """Add the compact buffers' inf/NaN flags to the scaler's, so that `scaler.update()` backs off
-        the scale for them too (its own check saw only `.grad`) and always finds a check."""
-        per_optimizer = self.grad_scaler._per_optimizer_states.get(id(self))
+    def _report_found_inf(self, flag: torch.Tensor | None) -> None:
+        """Make `flag` (this step's agreed inf/NaN flag; None: nothing was checked, a clean check) the scaler's
+        whole check of this optimizer, so that `scaler.update()` backs off for the compact buffers too (its
+        own check saw only `.grad`), alike on every rank, and always finds a check."""
+        scaler = self.grad_scaler if self.grad_scaler is not None else self._calling_scaler()
+        per_optimizer = scaler._per_optimizer_states.get(id(self)) if scaler is not None else None
         if per_optimizer is None:  # a linked scaler that is not the one stepping: nothing to report to
             return
+        if flag is None:
+            flag = torch.zeros((), dtype=torch.float32, device=scaler._scale.device)
         per_device = per_optimizer["found_inf_per_device"]
-        for device, flag in self._compact_found_inf.items():
-            if device in per_device:
-                per_device[device].add_(flag)
-            else:
-                per_device[device] = flag
-        if not per_device:  # no `.grad` and no compact gradient this step: a clean check
-            scale = self.grad_scaler._scale
-            per_device[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
+        per_device.clear()
+        per_device[flag.device] = flag
 
     def _amp_unscale_after_selection(self) -> None:
         """With `grad_scale`: unscale what the step reads from `.grad`, now that selection is done.

@@ -178,6 +178,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self.backend = backend
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
+        # The default group when adopted because DDP leaves the sparse weights to this optimizer: DDP
+        # averages the other params' `.grad` then, and the optimizer must not again.
+        self._ddp_process_group: Any = None
         self.update_in_backward = update_in_backward
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
@@ -396,7 +399,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if excluded and not self.update_in_backward:
             logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
                         "(the sparse weights are excluded from DDP)", world)
-            self.process_group = dist.group.WORLD
+            self.process_group = self._ddp_process_group = dist.group.WORLD
             return
         reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
                   "across ranks: use update_in_backward=False" if self.update_in_backward else
@@ -448,13 +451,14 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._hook_new_params()
         if self.compact_grads and not self.state:
             self._check_params_not_replaced()
-        self._sync_grads()
-        self.last_step_skipped = self._amp_begin()
+        # Every rank agrees, once, before anything is averaged, selected or skipped.
+        self.last_step_skipped = self._agree(self._amp_begin())
         if self.last_step_skipped:
             # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
             # step's gradients are used up as by a step that ran.
             self._end_step()
             return loss
+        self._sync_grads()
         # The only place entries are chosen: a step GradScaler skips never gets here.
         self._select()
         for route in self._quantized.values():

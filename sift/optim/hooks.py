@@ -1,6 +1,11 @@
 """Gradient hooks of `SparseAdamW`: `compact_grads` mode, `update_in_backward`, and averaging
 across the ranks of a `process_group`.
 
+Averaging: with a `process_group` given to the optimizer, `step()` averages every gradient it reads (the
+compact buffers, the pending weights' dense gradients before selection, the dense groups' `.grad`) once.
+With the default group adopted under DDP (the sparse weights were excluded from DDP before the wrap), it
+averages only the params DDP ignores: DDP has already averaged the others' `.grad`.
+
 In `compact_grads` mode a post-accumulate-grad hook on each selected sparse weight gathers
 `grad[indices]` into a [k] fp32 buffer and frees the dense gradient; a sparse backward
 (`sift.sparse_backward`) writes those buffers directly through `compact_grad_target`. With
@@ -15,12 +20,13 @@ already in the weight's open [k] buffer.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from sift.optim.clip import clip_each_
 from sift.optim.sharded import sharded_update_hook
-from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
+from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 
 def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, accumulate: bool) -> None:
@@ -166,6 +172,12 @@ class HooksMixin:
             tensor.div_(world)
         return tensor
 
+    def _reduced_by_ddp(self, p: torch.Tensor) -> bool:
+        """Whether DDP already averaged p's `.grad`: the optimizer adopted the default group because DDP
+        ignores the sparse weights, and DDP does not ignore p (a dense head, a 4-bit layer's delta)."""
+        adopted = getattr(self, "_ddp_process_group", None)
+        return adopted is not None and self.process_group is adopted and not getattr(p, "_ddp_ignored", False)
+
     def _sync_grads(self) -> None:
         """compact_grads + process_group: average what this step uses across ranks, once a step.
 
@@ -178,12 +190,23 @@ class HooksMixin:
                 if p in self._averaged:
                     continue
                 if group["density"] >= 1.0:
-                    if uses_grad(p):
+                    if uses_grad(p) and not self._reduced_by_ddp(p):
                         self._average_across_ranks(p.grad)
                         self._averaged.add(p)
                 elif p in self._grad_ready:
                     self._average_across_ranks(self._compact[p])
                     self._averaged.add(p)
+
+    def _agreement_group(self) -> tuple[Any, torch.device | None]:
+        """The ranks that take each step's decisions together, and the device of their agreement: the process
+        group (given, or adopted under DDP), else an FSDP2 mesh's; (None, None) for one process."""
+        if self.process_group is not None:
+            first = next((p for group in self.param_groups for p in group["params"]), None)
+            return self.process_group, local_tensor(first).device if first is not None else torch.device("cpu")
+        sharded = first_shard(self)
+        if sharded is None:
+            return None, None
+        return sharded.device_mesh.get_group(), local_tensor(sharded).device
 
     def _hook_new_params(self) -> None:
         """compact_grads: hook sparse params unfrozen since the last step."""
