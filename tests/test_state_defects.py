@@ -337,14 +337,13 @@ def _trained(seed: int, named: bool, layout: str = "exact", dtype=torch.float32,
     return model, opt
 
 
-@pytest.mark.parametrize("layout", ["exact", "lean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("named", [True, False], ids=["named", "positional"])
-def test_a_state_dict_of_another_model_is_refused_and_nothing_changes(named, dtype, layout):
+def test_a_state_dict_of_another_model_is_refused_and_nothing_changes(named, dtype):
     """An optimizer state_dict loaded into an optimizer over another model of the same shapes was accepted, and
     the next step wrote the first model's values (its `base`) into the second's chosen entries."""
-    _, source = _trained(0, named, layout, dtype)
-    other, target = _trained(1, named, layout, dtype, steps=1)
+    _, source = _trained(0, named, "exact", dtype)
+    other, target = _trained(1, named, "exact", dtype, steps=1)
     before = copy.deepcopy(target.state_dict())
     weight_before = other.weight.detach().clone()
     theirs, ours = ("'weight'", "'weight'") if named else ("param 0", "group 0, param 0")

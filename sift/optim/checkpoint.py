@@ -37,10 +37,6 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 
 
 
-# How many chosen entries' values a lean state_dict keeps per weight, to tell its weight from another.
-LEAN_FINGERPRINT = 64
-
-
 class CheckpointMixin:
     """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
 
@@ -89,13 +85,8 @@ class CheckpointMixin:
         # Each param's shape, so that a load can tell a state meant for another weight of equal size.
         shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], self.param_groups)
                   for pid, p in zip(saved["params"], group["params"])}
-        # The lean state keeps no base to tell its weight by: the values of its first chosen entries do (plain
-        # floats, exact for every weight dtype, so that saved states still compare with ==).
-        lean_values = {pid: local_tensor(p.detach()).reshape(-1)[self.indices_of(p)[:LEAN_FINGERPRINT].long()]
-                       .double().tolist() for saved, group in zip(sd["param_groups"], self.param_groups)
-                       for pid, p in zip(saved["params"], group["params"]) if "indices_low" in self.state.get(p, {})}
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "state": self.state_layout, "format": 1, "param_shapes": shapes, "lean_values": lean_values,
+                      "state": self.state_layout, "format": 1, "param_shapes": shapes,
                       **self._memory_mode()}
         return sd
 
@@ -145,7 +136,7 @@ class CheckpointMixin:
             route = self._quantized.get(p)
             new_state[p] = _load_param_state(p, saved_state, density, f"state of param {pid}", lean=layout == "lean",
                                              delta_numel=route.numel if route is not None else None)
-        _check_entry_values(new_state, id_map, saved_groups, self.param_groups, meta.get("lean_values", {}))
+        _check_entry_values(new_state, id_map, saved_groups, self.param_groups)
         # Everything validated: install.
         self.state = defaultdict(dict, new_state)
         self._pending = None
@@ -210,30 +201,23 @@ def _check_shapes(shapes: dict[Any, list[int]] | None, id_map: dict[Any, tuple[t
 
 def _check_entry_values(new_state: dict[torch.Tensor, dict[str, Any]],
                         id_map: dict[Any, tuple[torch.Tensor, float]], saved_groups: list[dict[str, Any]],
-                        groups: list[dict[str, Any]],
-                        lean_values: dict[Any, list[float]]) -> None:
-    """Refuse a state whose weight is not this param. The exact step writes each chosen entry as
-    round(base + delta), so the param an exact state was saved with holds exactly those values there (another
-    model's weight of equal shape does not); a lean state saved the values of its first chosen entries. States
-    with neither (4-bit deltas, fp32 states saved without bases, lean ones saved before the values were) carry
-    nothing to compare: their params are matched by name alone."""
+                        groups: list[dict[str, Any]]) -> None:
+    """Refuse an exact state whose weight is not this param: its step writes each chosen entry as
+    round(base + delta), so the param the state was saved with holds exactly those values there (another model's
+    weight of equal shape does not), and the next step would write them over this param's. States without a base
+    (lean: its step adds to the weight's own values; 4-bit deltas; fp32 states saved without bases) carry nothing
+    to compare and write nothing of another weight: their params are matched by name (and shape) alone."""
     saved_name = {pid: name for saved in saved_groups
                   for pid, name in zip(saved["params"], saved.get("param_names", ()))}
     own_name = {id(p): name for group in groups for p, name in zip(group["params"], group.get("param_names", ()))}
     own_position = {id(p): (gi, pi) for gi, group in enumerate(groups) for pi, p in enumerate(group["params"])}
     for pid, (p, _) in id_map.items():
         state = new_state.get(p, {})
-        if "indices" in state and "base" in state:
-            indices = state["indices"].long()
-            written = (state["base"].float() + state["delta"]).to(p.dtype).double()
-        elif "indices_low" in state and isinstance(lean_values.get(pid), (list, tuple)):
-            written = torch.tensor(lean_values[pid], dtype=torch.float64, device=p.device).reshape(-1)
-            indices = _ops.decode_lean_indices(state["indices_low"], state["window_offsets"])
-            n = min(indices.numel(), written.numel())
-            indices, written = indices[:n].long(), written[:n]
-        else:
+        if "indices" not in state or "base" not in state:
             continue
-        held = local_tensor(p.detach()).reshape(-1)[indices].double()
+        indices = state["indices"].long()
+        written = (state["base"].float() + state["delta"]).to(p.dtype)
+        held = local_tensor(p.detach()).reshape(-1)[indices]
         differs = ~(held.eq(written) | (held.isnan() & written.isnan()))
         if not bool(differs.any()):
             continue
@@ -242,7 +226,7 @@ def _check_entry_values(new_state: dict[torch.Tensor, dict[str, Any]],
         ours = (f"{own_name[id(p)]!r}" if id(p) in own_name else
                 "group {}, param {}".format(*own_position[id(p)]))
         raise ValueError(f"the state_dict's state of {theirs} does not belong to this optimizer's {ours}: "
-                         f"{int(differs.sum())} of the {indices.numel()} chosen entries compared hold other values "
+                         f"{int(differs.sum())} of its {indices.numel()} chosen entries hold other values "
                          f"than the weight it was saved with (flat position {int(indices[first])} holds "
                          f"{float(held[first])!r}, that weight {float(written[first])!r}). It was saved with another "
                          "model; or load the model's weights saved with it before the optimizer state")

@@ -178,9 +178,6 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self.backend = backend
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
-        # The default group when adopted because DDP leaves the sparse weights to this optimizer: DDP
-        # averages the other params' `.grad` then, and the optimizer must not again.
-        self._ddp_process_group: Any = None
         self.update_in_backward = update_in_backward
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
@@ -229,6 +226,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
         self._hooks_ready = False  # until the groups exist: add_param_group then hooks a group added later
         self._warned_unscored: set[torch.Tensor] = set()  # weights whose score ranked nothing, said once
+        # The default group when adopted because DDP leaves the sparse weights to this optimizer: DDP
+        # averages the other params' `.grad` then, and the optimizer must not again. A copy has no process
+        # group, so it has none adopted either.
+        self._ddp_process_group: Any = None
 
     def _init_step_caches(self) -> None:
         """What lives for one step only: the entries a selecting step will choose (computed by
