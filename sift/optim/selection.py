@@ -11,6 +11,12 @@ FSDP2 params (`sharded_selection="global"`, the default) take the whole weight's
 pending weight's k-th largest score across the shards is found at once by `sharded_top_k`, a
 bisection over the scores' fp32 bit patterns with one all-reduce of a count vector per round, and
 each rank keeps its shard's part (any number of entries, 0 included).
+
+A score that ranks nothing (zero on the whole weight, as below a zero-initialised head or on a batch whose
+labels are all ignored, or not finite) chooses nothing: the weight stays pending, its state as it was and the
+step not counted, with one warning naming it, until a step whose gradient ranks its entries. Every rank
+decides alike: on gradients averaged across a process group or DDP, and under FSDP2's global selection on the
+whole weight's score, agreed in the search's first all-reduce (FSDP2 shards selecting per shard choose as before).
 """
 
 from __future__ import annotations
