@@ -87,8 +87,9 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
         asked = [key for key in ("sparse_backward", "update_in_backward", "compact_grads") if explicit.get(key)]
         if asked:
             raise ValueError(f"{asked[0]}=True on a model already wrapped in DistributedDataParallel, which averages "
-                             ".grad, which this mode frees or never forms: build the optimizer (SparseAdamW.for_model) "
-                             "on the unwrapped model before wrapping it in DDP, or train in plain mode under DDP")
+                             ".grad, but this mode frees or never forms it: build the optimizer (SparseAdamW.for_model) "
+                             "on the unwrapped model before wrapping it in DDP, and wrap it in DDP afterwards "
+                             "(sift.wrap_ddp), or train in plain mode under DDP")
         drop(("update_in_backward", "sparse_backward", "compact_grads"),
              "the model is already wrapped in DistributedDataParallel (call for_model before wrapping it)")
     if kwargs.get("max_grad_norm") is not None:
