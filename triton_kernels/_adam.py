@@ -1,7 +1,8 @@
 """What both step kernels (`sparse_adamw.py`, `sparse_adamw_lean.py`) share: finding a
 program's segment, the gradient load, the moment update, the bias corrections, the weight's
-increment and its rounding (inlined into each kernel, so each keeps its own fp-fusion setting),
-and the launch with the arguments every step kernel takes (`launch_step`)."""
+increment and its rounding, and the launch with the arguments every step kernel takes
+(`launch_step`). Every product an add consumes goes through `mul_rn`: both kernels round each
+operation as their references do, whatever fp-fusion setting they are compiled with."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import triton.language as tl
 
 from . import _segments
 from ._launch import launchable
-from ._rounding import round_to_bf16
+from ._rounding import mul_rn, round_to_bf16
 from ._step_args import AdamWHyper, ExactState, LeanState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -93,8 +94,8 @@ def adam_update(g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_mi
     """New moments and the step's scales: (m, v, lr, lr / bc1, 1 / sqrt(bc2)), the scales fp32."""
     # 1 - beta comes from the host in double precision, as torch's AdamW takes it: in fp32,
     # 1 - 0.999 is 5e-5 off and would bias every second moment.
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + one_minus_beta2 * g * g
+    m = mul_rn(beta1, m) + mul_rn(one_minus_beta1, g)
+    v = mul_rn(beta2, v) + mul_rn(one_minus_beta2 * g, g)
     # Bias corrections in fp64 (scalars, once per program), from the device step count: in
     # fp32, 1 - beta^t cancels for beta near 1 (beta2 = 0.99999 at t = 1 leaves 1e-5 with an
     # absolute error of ~6e-8).
@@ -113,7 +114,7 @@ def adam_update(g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_mi
 @triton.jit
 def weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps):
     """[BLOCK] fp32 AdamW increment of the weights w: -lr * wd * w - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)."""
-    return -(lr_value * weight_decay) * w - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
+    return mul_rn(-(lr_value * weight_decay), w) - step_size * m / (mul_rn(tl.sqrt_rn(v), inv_bc2_sqrt) + eps)
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def launch_step(kernel, tables: _segments.Tables | None, state: ExactState | Lea
     Passes what every step kernel takes: the segment and block tables (None when DIRECT),
     `hyper`'s runtime scalars (`AdamWHyper.kernel_args`), and the constexprs W_DTYPE, G_DTYPE,
     COMPACT_GRAD, LR_ON_DEVICE, MAXIMIZE, BLOCK and DIRECT; `options` adds the kernel's own
-    constexprs and launch options (e.g. `enable_fp_fusion`).
+    constexprs.
     """
     g_dtype = torch.float32 if state.compact_grads else w_dtype
     constexprs = dict(W_DTYPE=TL_DTYPES[w_dtype], G_DTYPE=TL_DTYPES[g_dtype], COMPACT_GRAD=state.compact_grads,

@@ -3,7 +3,7 @@
 For one weight with flat view `w` ([numel], fp32/bf16/fp16), `idx` ([k] int32/int64, sorted,
 unique, in [0, numel)) and `val` ([k] fp32):
 
-    apply:    old = w[idx];  w[idx] = dtype(fp32(old) + scale * val)   (old saved when asked)
+    apply:    old = w[idx];  w[idx] = dtype(fp32(old) + fp32(scale * val))   (old saved when asked)
     restore:  w[idx] = saved                                            (saved: [k], w's dtype)
 
 Indices are unique, so every program writes its own entries and no atomics are needed. `scale`
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ._checks import check_lengths
 from ._launch import launchable
-from ._rounding import round_to_bf16
+from ._rounding import mul_rn, round_to_bf16
 
 BLOCK = 1024
 
@@ -35,7 +35,8 @@ def _sparse_delta_apply_kernel(w_ptr, idx_ptr, val_ptr, saved_ptr, scale, k, SAV
     if SAVE:
         tl.store(saved_ptr + offs, old, mask=mask)
     val = tl.load(val_ptr + offs, mask=mask, other=0.0)
-    new = old.to(tl.float32) + scale * val
+    # The contract rounds scale * val before the add (`mul_rn`: no fused multiply-add).
+    new = old.to(tl.float32) + mul_rn(scale, val)
     if IS_BF16:
         tl.store(w_ptr + idx, round_to_bf16(new), mask=mask)
     else:

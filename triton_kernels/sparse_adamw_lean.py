@@ -21,8 +21,9 @@ and the addresses of the operands (residual 0 for fp32); a block table `[n_block
 each program to (tensor, first entry). The tables are built and kept in the caller's
 `table_cache` by `_segments.py`, as for `sparse_adamw.py`.
 
-Hyper-parameters are runtime scalars; 1 - beta is taken in fp64 on the host. The launch turns
-off fp fusion, so the kernel rounds every operation as the reference does. While torch.compile
+Hyper-parameters are runtime scalars; 1 - beta is taken in fp64 on the host. The kernel rounds
+every operation as the reference does: each product an add consumes is `_rounding.mul_rn`, so
+no fused multiply-add appears, however it is compiled (torch.compile drops launch options). While torch.compile
 records the launch, the kernel runs once per tensor with `DIRECT=True` (no tables), as in
 `sparse_adamw.py`.
 """
@@ -37,6 +38,7 @@ from . import _segments
 from ._adam import (adam_update, launch_step, load_grad, operand, program_segment, shared_columns, shared_operands,
                     to_weight_dtype, weight_increment)
 from ._launch import is_recording
+from ._rounding import mul_rn
 from ._step_args import LEAN_WINDOW_BITS, AdamWHyper, LeanState, check_state_lengths, check_step, takes_step_lists
 
 # Segment table columns: those every step table shares (param, grad, moments, step: `_segments.py`),
@@ -122,15 +124,15 @@ def _sparse_adamw_lean_kernel(
     if W_DTYPE != tl.float32:
         r_ptr = operand(row, COL_RESIDUAL, r_arg, tl.int8, DIRECT)
         residual = tl.load(r_ptr + offs, mask=mask, other=0).to(tl.float32)
-        w = w + residual * _unit(stored, W_DTYPE, False)
+        w = w + mul_rn(residual, _unit(stored, W_DTYPE, False))
     fresh = w + weight_increment(w, m, v, lr_value, weight_decay, step_size, inv_bc2_sqrt, eps)
     rounded = to_weight_dtype(fresh, W_DTYPE)
     tl.store(w_ptr + idx, rounded, mask=mask)
     if W_DTYPE != tl.float32:
         back = rounded.to(tl.float32)
-        q = (fresh - back) * _unit(rounded, W_DTYPE, True)
+        q = mul_rn(fresh - back, _unit(rounded, W_DTYPE, True))
         # Round half to even: |q| <= 128 here, far below 2^22, where adding and removing
-        # 1.5 * 2^23 leaves the nearest integer (no fp fusion or reassociation in this launch).
+        # 1.5 * 2^23 leaves the nearest integer (q is rounded before the add: no fusion).
         q = (q + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(q, -128.0), 127.0)
         q = tl.where((back - back) == 0.0, q, 0.0)  # 0 where the weight is inf or NaN
@@ -212,7 +214,7 @@ def sparse_adamw_lean_(
                         windows=windows[i], search_steps_arg=search_steps[i], k=state.indices_low[i].numel())
 
         launch_step(_sparse_adamw_lean_kernel, None, state, hyper, w_dtype, num_warps or _NUM_WARPS, block or _BLOCK,
-                    direct, enable_fp_fusion=False)
+                    direct)
         return
     ptr = torch.Tensor.data_ptr
     cols = shared_columns(state, map(torch.Tensor.numel, state.indices_low), int(N_COLS))
@@ -225,5 +227,4 @@ def sparse_adamw_lean_(
     tables = _segments.launch_tables(
         table_cache, _CACHE_KEY, (str(device), w_dtype, state.compact_grads, param_ptrs), tuple(zip(*cols)),
         int(N_COLS), block or _BLOCK, device, lambda: check_step(state, hyper), build=_build_tables)
-    launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block,
-                enable_fp_fusion=False)
+    launch_step(_sparse_adamw_lean_kernel, tables, state, hyper, w_dtype, num_warps or _NUM_WARPS, tables.block)
