@@ -1,112 +1,110 @@
-"""The Triton kernels compile for the GPU they run on (sm_90, H100/H200) even on a CPU-only
-machine: the interpreter, which runs them in the other tests, never lowers them to PTX, so a
-construct the GPU backend rejects (an fp64 op without a lowering, a layout it cannot handle)
-would otherwise surface only on a GPU."""
+"""The Triton kernels compile, as the package launches them, for the GPUs users run (sm_80 A100,
+sm_90 H100/H200), on a machine without a GPU: the interpreter, which runs them in the other tests,
+never lowers them to PTX, so a construct the GPU backend rejects, a spill in a streaming kernel or
+a fused multiply-add the contract does not make would otherwise surface only on a GPU.
+
+`triton_compile_cases.py` calls every public launcher with the arguments the ops pass and
+compiles each specialization those calls reach (see its docstring); it also writes
+bench/results/gpu-compile.md, which the last test keeps current.
+"""
 
 from __future__ import annotations
 
-import json
+import importlib
 import os
-import subprocess
-import sys
+import pkgutil
+import struct
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("triton")
+from conftest import requires_triton
 
-SCRIPT = r'''
-import json, re
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from sift.triton_kernels import delta, singular_values, sparse_adamw, sparse_adamw_lean, sparse_weight_grad
+triton = pytest.importorskip("triton")
+import triton_compile_cases as cases  # noqa: E402  (after the skip: it needs triton)
 
-target = GPUTarget("cuda", 90, 32)
-out = {}
-
-def build(name, fn, signature, constexprs, num_warps):
-    sig = dict(signature)
-    sig.update({k: "constexpr" for k in constexprs})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target,
-                       options={"num_warps": num_warps})
-    ptx = k.asm["ptx"]
-    local = [int(n) for n in re.findall(r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx)]
-    out[name] = {"local_bytes": sum(local), "ptx_chars": len(ptx)}
-
-adamw_sig = {"table_ptr": "*i64", "blocks_ptr": "*i64", "lr_ptr": "*fp32", "lr": "fp32", "beta1": "fp32",
-             "beta2": "fp32", "one_minus_beta1": "fp32", "one_minus_beta2": "fp32", "log2_beta1": "fp32",
-             "log2_beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
-# The step kernels' DIRECT launches (one tensor, operands as arguments: what torch.compile records).
-adamw_direct = ("w_arg", "g_arg", "i_arg", "m_arg", "v_arg", "d_arg", "b_arg", "step_arg", "k")
-lean_direct = ("w_arg", "g_arg", "low_arg", "off_arg", "m_arg", "v_arg", "r_arg", "step_arg", "windows",
-               "search_steps_arg", "k")
+REPORT = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu-compile.md"
 
 
-def tables_only(names):
-    return {"DIRECT": False, **{n: None for n in names}}
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, list[dict]]:
+    """Each target's specializations, compiled once for the module (about two minutes on 2 cores)."""
+    from triton import knobs
 
-
-def direct_only(signature, names, **args):
-    # No tables; a float lr leaves lr_ptr None.
-    sig = {k: v for k, v in signature.items() if k not in ("table_ptr", "blocks_ptr", "lr_ptr")}
-    sig.update(args)
-    return sig, {"table_ptr": None, "blocks_ptr": None, "lr_ptr": None, "DIRECT": True,
-                 **{n: None for n in names if n not in args}}
-
-
-for name, w, g, base, compact, lr_dev in [("adamw fp32", tl.float32, tl.float32, False, False, False),
-                                          ("adamw fp32 base compact", tl.float32, tl.float32, True, True, False),
-                                          ("adamw bf16 lr-tensor", tl.bfloat16, tl.bfloat16, True, False, True)]:
-    build(name, sparse_adamw._sparse_adamw_kernel, adamw_sig,
-          {"W_DTYPE": w, "G_DTYPE": tl.float32 if compact else g, "I_DTYPE": tl.int32, "COMPACT_GRAD": compact,
-           "HAS_BASE": base, "LR_ON_DEVICE": lr_dev, "MAXIMIZE": False, "ALIGNED": True, "EVICT_FIRST": False,
-           "BLOCK": sparse_adamw._BLOCK, **tables_only(adamw_direct)}, sparse_adamw._NUM_WARPS)
-sig, fixed = direct_only(adamw_sig, adamw_direct, w_arg="*fp32", g_arg="*fp32", i_arg="*i32", m_arg="*fp32",
-                         v_arg="*fp32", d_arg="*fp32", step_arg="*fp32", k="i32")
-build("adamw fp32 direct", sparse_adamw._sparse_adamw_kernel, sig,
-      {"W_DTYPE": tl.float32, "G_DTYPE": tl.float32, "I_DTYPE": tl.int32, "COMPACT_GRAD": False, "HAS_BASE": False,
-       "LR_ON_DEVICE": False, "MAXIMIZE": False, "ALIGNED": False, "EVICT_FIRST": False,
-       "BLOCK": sparse_adamw._BLOCK, **fixed}, sparse_adamw._NUM_WARPS)
-sv_sig = {"x_ptr": "*fp32", "sigma_ptr": "*fp32", "work_ptr": "*fp64", "n_reduce": "i32", "n_keep": "i32",
-          "stride_x_batch": "i64", "stride_x_reduce": "i64", "stride_x_keep": "i64", "stride_sigma_batch": "i64"}
-for n, dot in [(16, True), (64, True), (64, False)]:
-    build(f"singular_values N={n} {'dot' if dot else 'fma'}", singular_values._gram_tridiag_singular_values_kernel,
-          sv_sig, {"N": n, "BLOCK_R": 32, "GRAM_BY_DOT": dot, "BISECT_STEPS": singular_values.BISECT_STEPS},
-          4 if n <= 32 else 8)
-for name, w, compact in [("lean fp32", tl.float32, False), ("lean bf16 compact", tl.bfloat16, True)]:
-    build(name, sparse_adamw_lean._sparse_adamw_lean_kernel, adamw_sig,
-          {"W_DTYPE": w, "G_DTYPE": tl.float32 if compact else w, "COMPACT_GRAD": compact, "LR_ON_DEVICE": False,
-           "MAXIMIZE": False, "BLOCK": sparse_adamw_lean._BLOCK, **tables_only(lean_direct)},
-          sparse_adamw_lean._NUM_WARPS)
-sig, fixed = direct_only(adamw_sig, lean_direct, w_arg="*bf16", g_arg="*fp32", low_arg="*i16", off_arg="*i32",
-                         m_arg="*bf16", v_arg="*bf16", r_arg="*i8", step_arg="*fp32", windows="i32",
-                         search_steps_arg="i32", k="i32")
-build("lean bf16 compact direct", sparse_adamw_lean._sparse_adamw_lean_kernel, sig,
-      {"W_DTYPE": tl.bfloat16, "G_DTYPE": tl.float32, "COMPACT_GRAD": True, "LR_ON_DEVICE": False, "MAXIMIZE": False,
-       "BLOCK": sparse_adamw_lean._BLOCK, **fixed}, sparse_adamw_lean._NUM_WARPS)
-for name, dt in [("sparse weight grad fp32", "*fp32"), ("sparse weight grad bf16", "*bf16")]:
-    build(name, sparse_weight_grad._sparse_weight_grad_kernel,
-          {"dy_ptr": dt, "x_ptr": dt, "idx_ptr": "*i32", "out_ptr": "*fp32", "T": "i64", "C": "i64", "k": "i64",
-           "stride_dy_t": "i64", "stride_dy_r": "i64", "stride_x_t": "i64", "stride_x_c": "i64"},
-          {"BLOCK_K": 64, "BLOCK_T": 32}, 4)
-build("delta apply bf16", delta._sparse_delta_apply_kernel,
-      {"w_ptr": "*bf16", "idx_ptr": "*i64", "val_ptr": "*fp32", "saved_ptr": "*bf16", "scale": "fp32", "k": "i64"},
-      {"SAVE": True, "IS_BF16": True, "BLOCK": 1024}, 4)
-build("delta restore fp32", delta._sparse_delta_restore_kernel,
-      {"w_ptr": "*fp32", "idx_ptr": "*i32", "saved_ptr": "*fp32", "k": "i64"}, {"BLOCK": 1024}, 4)
-print(json.dumps(out))
-'''
-
-
-def test_triton_kernels_compile_for_sm90():
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode != 0 and "ptxas" in done.stderr and "not found" in done.stderr.lower():
+    if not os.path.exists(knobs.nvidia.ptxas.path):
         pytest.skip("this Triton build ships no ptxas")
-    assert done.returncode == 0, done.stderr[-3000:]
-    built = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(built) == 14, built
-    # The fused step is a streaming kernel: any spill to local memory would cost bandwidth.
-    for name in ("adamw fp32", "adamw fp32 base compact", "adamw bf16 lr-tensor", "adamw fp32 direct", "lean fp32",
-                 "lean bf16 compact", "lean bf16 compact direct"):
-        assert built[name]["local_bytes"] == 0, (name, built[name])
+    start = time.perf_counter()
+    results = cases.compile_all()
+    print(f"compiled {sum(map(len, results.values()))} specializations in {time.perf_counter() - start:.0f} s")
+    return results
+
+
+def _kernel_names() -> set[str]:
+    import sift.triton_kernels as package
+
+    names = set()
+    for module in pkgutil.iter_modules(package.__path__):
+        mod = importlib.import_module(f"sift.triton_kernels.{module.name}")
+        names |= {name for name, obj in vars(mod).items() if name.endswith("_kernel") and hasattr(obj, "fn")}
+    return names
+
+
+def test_every_kernel_compiles_for_each_target_from_its_launcher(compiled):
+    assert set(compiled) == set(cases.TARGETS)
+    for target, rows in compiled.items():
+        assert {r["kernel"] for r in rows} == _kernel_names(), target
+    # One launch sequence, so both targets meet the same specializations in the same order.
+    assert [r["launch"] for r in compiled["sm_80"]] == [r["launch"] for r in compiled["sm_90"]]
+    launches = {r["launch"] for r in compiled["sm_90"]}
+    for kind in ("bf16 base compact int64 lr-tensor table", "fp16 base dense int32 lr-float recorded"):
+        assert f"sparse_adamw_ {kind}" in launches
+    assert "sparse_adamw_lean_ 4-bit delta values recorded" in launches
+
+
+def test_streaming_kernels_do_not_spill(compiled):
+    for target, rows in compiled.items():
+        for r in rows:
+            if r["kernel"] in cases.STREAMING:
+                assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), (target, r)
+
+
+def test_rounded_kernels_have_no_fused_multiply_add_in_any_launch(compiled):
+    """Regression: the lean step's separate roundings were a launch option torch.compile drops, and the
+    delta apply contracted old + scale * val into one FMA."""
+    for target, rows in compiled.items():
+        for kernel in cases.ROUNDED:
+            mine = [r for r in rows if r["kernel"] == kernel]
+            assert mine, kernel
+            if kernel != "_sparse_delta_apply_kernel":  # the step kernels' DIRECT launches, as Inductor compiles them
+                assert any(r["launch"].endswith("recorded") for r in mine), kernel
+            assert [r["launch"] for r in mine if r["fma_32"]] == [], (target, kernel)
+
+
+def test_report_is_current(compiled):
+    tools = cases.versions()
+    committed = REPORT.read_text()
+    if f"triton {tools['triton']}, ptxas {tools['ptxas']}," not in committed:
+        pytest.skip(f"{REPORT.name} was made with another toolchain")
+    assert committed == cases.report(compiled, tools), \
+        f"regenerate: python tests/triton_compile_cases.py --write {REPORT.relative_to(REPORT.parents[2])}"
+
+
+@requires_triton
+@pytest.mark.parametrize("case", ["fma-sensitive", "negative-scale"])
+def test_delta_apply_rounds_scale_times_value_before_the_add(case):
+    """Regression: the delta apply rounded old + scale * val once (an FMA), the contract twice."""
+    from sift._ops import sparse_delta_apply_ref
+    from sift.triton_kernels.delta import sparse_delta_apply_
+
+    one_plus = struct.unpack("<f", struct.pack("<I", 0x3F800003))[0]  # 1 + 3 * 2**-23
+    scale = one_plus if case == "fma-sensitive" else -one_plus
+    old = -1.0 if case == "fma-sensitive" else 1.0
+    want, got = torch.full((5,), old), torch.full((5,), old)
+    idx, val = torch.tensor([0, 3]), torch.full((2,), one_plus)
+    sparse_delta_apply_ref([want], [idx], [val], scale, [])
+    sparse_delta_apply_([got], [idx], [val], scale, [])
+    expected = 6 * 2.0**-23 * (1 if case == "fma-sensitive" else -1)  # 0x1.8p-21: the product rounded first
+    assert want[0].item() == expected
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
