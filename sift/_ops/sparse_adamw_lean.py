@@ -171,8 +171,8 @@ def sparse_adamw_lean_ref(state: LeanState, hyper: AdamWHyper, *, table_cache: d
         flat = p.view(-1)
         idx = decode_lean_indices(state.indices_low[i], state.window_offsets[i])
         g = _step_grad(state, hyper, i, idx)
-        # Separate roundings, no fused multiply-add (torch's add_ with alpha fuses), so the
-        # kernels, compiled with fp-contract off, give the same bits.
+        # Separate roundings, no fused multiply-add (torch's add_ with alpha fuses), as the
+        # kernels round each product before adding it (`triton_kernels._rounding.mul_rn`).
         m = state.exp_avgs[i].float() * beta1 + g * (1 - beta1)
         v = state.exp_avg_sqs[i].float() * beta2 + g * (1 - beta2) * g
         bc1, bc2 = _bias_corrections(hyper, state.steps[i])
