@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import sift
 from conftest import spawned_rank
 from sift import SparseAdamW
 
@@ -27,6 +28,8 @@ INIT_SCALE = 2.0**12  # powers of two: scaled fp32 training rounds as unscaled t
 CASES = {
     "selecting-step": dict(steps=4, poison={0: (0, "sparse")}),
     "normal-step": dict(steps=5, poison={2: (0, "head"), 3: (1, "compact")}),
+    # scaler.unscale_ and sift.clip_grad_norm_ every step: the clip averages before the step agrees.
+    "unscale-clip": dict(steps=4, poison={0: (1, "sparse"), 2: (0, "head")}, clip=0.5),
 }
 MODES = ["ddp", "process-group"]
 
@@ -58,8 +61,9 @@ def _poison(model, opt, where: str) -> None:
         opt._compact[model[2].weight][0] = float("inf")
 
 
-def _train(net, model, opt, rank: int, world: int, steps, scaler=None, poison=None) -> list[bool]:
-    """Each rank trains on its slice of every batch; returns, per step, whether it ran."""
+def _train(net, model, opt, rank: int, world: int, steps, scaler=None, poison=None, clip=None) -> list[bool]:
+    """Each rank trains on its slice of every batch (clipping to `clip` with sift.clip_grad_norm_); returns, per
+    step, whether it ran."""
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     ran = []
     for step in steps:
@@ -68,12 +72,17 @@ def _train(net, model, opt, rank: int, world: int, steps, scaler=None, poison=No
         loss = torch.nn.functional.cross_entropy(net(x[shard]), y[shard])
         if scaler is None:
             loss.backward()
+            if clip is not None:
+                sift.clip_grad_norm_(opt, clip)
             opt.step()
             ran.append(True)
             continue
         scaler.scale(loss).backward()
         if poison and step in poison and poison[step][0] == rank:
             _poison(model, opt, poison[step][1])
+        if clip is not None:
+            scaler.unscale_(opt)
+            sift.clip_grad_norm_(opt, clip)
         scaler.step(opt)
         scaler.update()
         ran.append(not opt.last_step_skipped)
@@ -108,7 +117,8 @@ def _build(mode: str):
 def _scaled_run(rank: int, world: int, mode: str, case: str) -> dict:
     net, model, opt = _build(mode)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=1)
-    ran = _train(net, model, opt, rank, world, range(CASES[case]["steps"]), scaler, CASES[case]["poison"])
+    config = CASES[case]
+    ran = _train(net, model, opt, rank, world, range(config["steps"]), scaler, config["poison"], config.get("clip"))
     return {"ran": ran, "scale": scaler.get_scale(),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "indices": {n: opt.indices_of(p) for n, p in model.named_parameters() if "indices" in opt.state.get(p, {})}}
@@ -141,10 +151,30 @@ def _head_reductions(rank: int, world: int, mode: str) -> list[int]:
     return counts
 
 
+def _disagreement(rank: int, world: int, mode: str) -> dict:
+    """The selecting step after a backward that did not reach a sparse weight on rank 1: every rank must refuse
+    (none may enter the selection's collectives alone), changing nothing."""
+    net, model, opt = _build(mode)
+    x, y = _data(0)
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
+    if rank == 1:
+        model[2].weight.grad = None
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "changed": any(not torch.equal(a, p) for a, p in zip(before, model.parameters())),
+            "state": any(opt.state.get(p) for p in model.parameters())}
+
+
 @_ranked
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
     results = {case: _scaled_run(rank, world, mode, case) for case in CASES}
     results["head-reductions"] = _head_reductions(rank, world, mode)
+    results["disagreement"] = _disagreement(rank, world, mode)
     torch.save(results, f"{out}.{rank}")
 
 
@@ -170,7 +200,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks, case):
         assert r["scale"] == INIT_SCALE * 2.0 ** (sum(expected) - len(poison)), (rank, r["scale"])
     model = _model()
     opt = _optimizer(model)
-    _train(model, model, opt, 0, 1, [step for step in range(steps) if step not in poison])
+    _train(model, model, opt, 0, 1, [step for step in range(steps) if step not in poison], clip=CASES[case].get("clip"))
     for name, p in model.named_parameters():
         for rank, r in enumerate(per_rank):
             assert torch.equal(r["params"][name], per_rank[0]["params"][name]), f"rank {rank} drifted at {name}"
@@ -212,3 +242,13 @@ def test_plain_4_bit_selection_steps_report_a_check_to_the_scaler():
     for (name, p), ref in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert any(route.selected for route in opt._quantized.values())
+
+
+def test_ranks_selecting_different_weights_refuse_together(ranks):
+    """Regression: a rank whose backward did not reach a sparse weight skipped its average on the selecting step
+    while the other ranks waited in it; now every rank refuses at the agreement, before anything changes."""
+    _, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        result = r["disagreement"]
+        assert result["error"] is not None and "disagree" in result["error"], (rank, result)
+        assert not result["changed"] and not result["state"], (rank, result)
