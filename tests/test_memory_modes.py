@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+import sift
 from conftest import backward_and_step
 from sift import SparseAdamW
 
@@ -45,7 +46,7 @@ def _batch(family: str, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train(family: str, steps: int = 4, micro: int = 1, scaler=None, **kwargs):
+def _train(family: str, steps: int = 4, micro: int = 1, scaler=None, clip: float | None = None, **kwargs):
     torch.manual_seed(0)
     model = MODELS[family]()
     opt = SparseAdamW.for_model(model, density=0.05, lr=1e-2, **kwargs)
@@ -53,7 +54,13 @@ def _train(family: str, steps: int = 4, micro: int = 1, scaler=None, **kwargs):
         for m in range(micro - 1):
             loss = model(**_batch(family, step, m)).loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        backward_and_step(opt, model(**_batch(family, step, micro - 1)).loss, scaler)
+        loss = model(**_batch(family, step, micro - 1)).loss
+        if clip is None:
+            backward_and_step(opt, loss, scaler)
+        else:
+            loss.backward()
+            sift.clip_grad_norm_(opt, clip)
+            opt.step()
         opt.zero_grad()
     return model, opt
 
@@ -109,6 +116,18 @@ def test_lowest_under_clipping_drops_the_update_in_backward_with_one_log_line(ca
     assert [r.getMessage() for r in caplog.records if "update_in_backward" in r.getMessage()] == [
         "sift: memory='lowest' without update_in_backward: max_grad_norm clips over all weights, which cannot wait "
         "for one inside backward"]
+
+
+def test_lowest_under_sift_clip_grad_norm_drops_the_update_in_backward_on_the_first_step(caplog):
+    """memory="lowest" refused `sift.clip_grad_norm_` (it told the caller to pass max_grad_norm, which the preset
+    drops the update in backward for); before anything is selected it now trains as the lean state without it."""
+    with caplog.at_level(logging.WARNING, logger="sift"):
+        model, opt = _train("llama", clip=0.05, memory="lowest")
+    assert not opt.update_in_backward
+    assert sum("clip_grad_norm_" in r.getMessage() for r in caplog.records) == 1
+    explicit, _ = _train("llama", clip=0.05, compact_grads=True, sparse_backward=True, state="lean")
+    for (name, p), q in zip(_params(model).items(), _params(explicit).values()):
+        assert torch.equal(p, q), name
 
 
 def test_lowest_with_accumulation_drops_the_update_in_backward_on_the_first_step(caplog):

@@ -66,6 +66,9 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    # memory="lowest" before its first selection: nothing was stepped in backward yet, so the preset's update
+    # in backward gives way to the global norm, as it does to accumulation and GradScaler.
+    optimizer._settle_update_in_backward(global_clip=True)
     if optimizer.update_in_backward:
         raise RuntimeError("clip_grad_norm_ cannot clip an optimizer with update_in_backward=True: its sparse "
                            "gradients were applied and freed during backward; pass max_grad_norm to the optimizer "

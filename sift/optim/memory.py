@@ -107,10 +107,11 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
 class MemoryPresetMixin:
     """`SparseAdamW`'s side of `memory="lowest"`: the first step may still drop the update in backward."""
 
-    def _settle_update_in_backward(self) -> None:
+    def _settle_update_in_backward(self, global_clip: bool = False) -> None:
         """memory="lowest": on the steps before anything is selected (nothing was stepped in backward yet),
-        drop the update in backward with one log line if micro-batches accumulated or a GradScaler drives
-        the step; once entries are chosen, the choice is final (a later misuse raises)."""
+        drop the update in backward with one log line if micro-batches accumulated, a GradScaler drives
+        the step or `sift.clip_grad_norm_` clips by the global norm (`global_clip`); once entries are chosen,
+        the choice is final (a later misuse raises)."""
         if not self._update_in_backward_auto:
             return
         if any(is_selected(self.state.get(p, {})) for _, p in self._sparse_params()) or any(
@@ -118,7 +119,9 @@ class MemoryPresetMixin:
             self._update_in_backward_auto = False
             return
         why = None
-        if self._accumulation_seen:
+        if global_clip:
+            why = "sift.clip_grad_norm_ needs every gradient before any is applied"
+        elif self._accumulation_seen:
             why = "micro-batches accumulate before each step"
         elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None or \
                 self.grad_scaler is not None:
