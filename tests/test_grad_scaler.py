@@ -345,3 +345,56 @@ def test_update_in_backward_refuses_a_grad_scaler():
         scaler.step(opt)
     with pytest.raises(TypeError, match="grad_scaler"):
         SparseAdamW(model.parameters(), grad_scaler=object())
+
+
+def _clipped_scaled_run(model_seed: int, steps: range, opt=None, model=None, scaler=None, link: bool = True):
+    """for_model's default (hook mode + sparse backward) under GradScaler with `scaler.unscale_` + clip."""
+    if model is None:
+        torch.manual_seed(model_seed)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    if opt is None:
+        opt = SparseAdamW.for_model(model, density=0.2, lr=1e-2, target_modules=["0", "2"])
+    scaler = scaler or torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    if link:
+        opt.grad_scaler = scaler
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(6, 12, generator=g)).square().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        sift.clip_grad_norm_(opt, 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt, scaler
+
+
+def test_a_resumed_optimizer_without_the_scaler_link_refuses_to_clip_scaled_gradients():
+    """A resumed compact-mode optimizer lost its implicit link to the scaler and clipped the still loss-scaled
+    compact gradients by a norm `scale` times too large, silently."""
+    import copy
+
+    model, opt, scaler = _clipped_scaled_run(0, range(2), link=False)  # linked implicitly by its first step
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), scaler.state_dict())
+    reference, _, _ = _clipped_scaled_run(0, range(2, 4), opt=opt, model=model, scaler=scaler, link=False)
+    reference = {n: p.detach().clone() for n, p in reference.named_parameters()}
+
+    def resumed():
+        torch.manual_seed(0)
+        fresh = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+        fresh_opt = SparseAdamW.for_model(fresh, density=0.2, lr=1e-2, target_modules=["0", "2"])
+        fresh.load_state_dict(saved[0])
+        fresh_opt.load_state_dict(saved[1])
+        fresh_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        fresh_scaler.load_state_dict(saved[2])
+        return fresh, fresh_opt, fresh_scaler
+
+    fresh, fresh_opt, fresh_scaler = resumed()
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    with pytest.raises(RuntimeError, match="optimizer.grad_scaler = scaler"):
+        _clipped_scaled_run(0, range(2, 3), opt=fresh_opt, model=fresh, scaler=fresh_scaler, link=False)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in fresh.named_parameters())
+    fresh, fresh_opt, fresh_scaler = resumed()
+    _clipped_scaled_run(0, range(2, 4), opt=fresh_opt, model=fresh, scaler=fresh_scaler, link=True)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), reference[name]), name

@@ -101,6 +101,8 @@ class AmpMixin:
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         under_scaler = grad_scale is not None or found_inf is not None
+        if under_scaler:
+            self.loss_scaled = True
         if self.update_in_backward and under_scaler:
             raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
                                "inside backward, before the scaler's inf/NaN check could skip the step")

@@ -41,7 +41,8 @@ class CheckpointMixin:
     """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
 
     _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto", "sharded_selection")
+                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto", "sharded_selection",
+                "loss_scaled")
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
@@ -68,6 +69,7 @@ class CheckpointMixin:
         self.__dict__.setdefault("update_in_backward", False)
         self.__dict__.setdefault("_update_in_backward_auto", False)
         self.__dict__.setdefault("sharded_selection", "global")
+        self.__dict__.setdefault("loss_scaled", False)
         self.process_group = None
         self.grad_scaler = None
         if had_process_group:
@@ -87,7 +89,7 @@ class CheckpointMixin:
                   for pid, p in zip(saved["params"], group["params"])}
         sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
                       "state": self.state_layout, "format": 1, "param_shapes": shapes,
-                      **self._memory_mode()}
+                      "loss_scaled": self.loss_scaled, **self._memory_mode()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -151,6 +153,7 @@ class CheckpointMixin:
         self.selection = meta.get("selection", self.selection)
         self.seed = meta.get("seed", self.seed)
         self._resume_memory_mode(meta)
+        self.loss_scaled = bool(meta.get("loss_scaled", self.loss_scaled))
         self._compact.clear()
         self._grad_ready.clear()
         self._backward_seen.clear()

@@ -69,6 +69,12 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     # memory="lowest" before its first selection: nothing was stepped in backward yet, so the preset's update
     # in backward gives way to the global norm, as it does to accumulation and GradScaler.
     optimizer._settle_update_in_backward(global_clip=True)
+    if optimizer.compact_grads and optimizer.loss_scaled and optimizer.grad_scaler is None and optimizer._grad_ready:
+        # The compact buffers hold the scaled loss's gradients, and only the scaler knows its scale: clipping them
+        # as they are would clip by a norm `scale` times too large (a resumed optimizer has lost the link).
+        raise RuntimeError("clip_grad_norm_: this optimizer's compact gradients are scaled by a GradScaler it is not "
+                           "linked to (an optimizer loaded from a state_dict does not know it): set "
+                           "`optimizer.grad_scaler = scaler` (or pass grad_scaler= to SparseAdamW.for_model)")
     if optimizer.update_in_backward:
         raise RuntimeError("clip_grad_norm_ cannot clip an optimizer with update_in_backward=True: its sparse "
                            "gradients were applied and freed during backward; pass max_grad_norm to the optimizer "

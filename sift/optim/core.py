@@ -21,6 +21,7 @@ from sift.optim.memory import MemoryPresetMixin, resolve_memory
 from sift.optim.selection import SelectionMixin
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.trainer_check import check_trainer
 
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
                              "backward cannot be unstepped when the scaler finds inf/NaN")
         self.grad_scaler = grad_scaler
+        # Whether a GradScaler has driven a step: its compact buffers then hold loss-scaled gradients that only
+        # a linked scaler can unscale before a clip. Saved in state_dict, since a resumed optimizer has no link.
+        self.loss_scaled = False
         # memory="lowest" chose the update in backward: the first step may still drop it (see sift.optim.memory).
         self._update_in_backward_auto = False
         self._init_runtime()
@@ -431,6 +435,11 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         for device in devices:  # a forced backend that cannot run raises here, not mid-step
             _ops.resolve("sparse_adamw_lean_" if self.state_layout == "lean" else "sparse_adamw_", device,
                          self.backend)
+
+    def train(self) -> None:
+        """Called by transformers' Trainer before each training step: refuses one whose clipping cannot see
+        the gradients this optimizer frees (`sift.optim.trainer_check`). Nothing else changes."""
+        check_trainer(self)
 
     @torch.no_grad()
     def step(self, closure=None):
