@@ -1,8 +1,9 @@
 """What both step kernels (`sparse_adamw.py`, `sparse_adamw_lean.py`) share: finding a
 program's segment, the gradient load, the moment update, the bias corrections, the weight's
 increment and its rounding, and the launch with the arguments every step kernel takes
-(`launch_step`). Every product an add consumes goes through `mul_rn`: both kernels round each
-operation as their references do, whatever fp-fusion setting they are compiled with."""
+(`launch_step`). Every product an add consumes goes through `mul_rn` (and the fp64 bias
+corrections through `add_rn`): both kernels round each operation on its own, whatever fp-fusion
+setting they are compiled with."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton.language as tl
 
 from . import _segments
 from ._launch import launchable
-from ._rounding import mul_rn, round_to_bf16
+from ._rounding import add_rn, mul_rn, round_to_bf16
 from ._step_args import AdamWHyper, ExactState, LeanState
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -99,9 +100,11 @@ def adam_update(g, m, v, step, lr_ptr, lr, beta1, beta2, one_minus_beta1, one_mi
     # Bias corrections in fp64 (scalars, once per program), from the device step count: in
     # fp32, 1 - beta^t cancels for beta near 1 (beta2 = 0.99999 at t = 1 leaves 1e-5 with an
     # absolute error of ~6e-8).
+    # Rounded op by op as well: a product or a sum fused into the inlined exp2 would move them.
     step64 = step.to(tl.float64)
-    bias_correction1 = 1.0 - tl.exp2(step64 * log2_beta1)
-    bias_correction2 = 1.0 - tl.exp2(step64 * log2_beta2)
+    one = tl.full([], 1.0, tl.float64)
+    bias_correction1 = add_rn(one, -tl.exp2(mul_rn(step64, log2_beta1)))
+    bias_correction2 = add_rn(one, -tl.exp2(mul_rn(step64, log2_beta2)))
     if LR_ON_DEVICE:
         lr_value = tl.load(lr_ptr).to(tl.float32)
     else:
