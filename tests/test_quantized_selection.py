@@ -262,3 +262,25 @@ def test_trainable_summary_counts_a_4_bit_weight_by_its_logical_elements():
     assert elements in total_q and elements in total_d, (total_q, total_d)
     share = total_d.split("**")[3]  # "(x% of all)" after the entries
     assert share in total_q, (total_q, total_d)
+
+
+def test_a_zero_gradient_before_selection_does_not_count_an_adam_step():
+    """DDP hands the delta values a zero gradient on a scoring-only step (its backward did not reach them): the
+    optimizer stepped them densely, counting an Adam step, so the first real update's bias correction was off."""
+    runs = []
+    for ddp_zeros in (False, True):
+        quantized, _ = _pair()
+        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                                    select_steps=2, memory="plain")
+        for step in range(3):
+            x, y = _batch(step)
+            (quantized(x) - y).square().mean().backward()
+            for layer in (quantized[0], quantized[2]):
+                if ddp_zeros and layer.sift_delta.grad is None:
+                    layer.sift_delta.grad = torch.zeros_like(layer.sift_delta)
+            opt.step()
+            opt.zero_grad()
+        runs.append([_effective(quantized, i) for i in (0, 2)])
+        assert all(int(opt.state[layer.sift_delta]["step"]) == 2 for layer in (quantized[0], quantized[2]))
+    for plain, zeros in zip(*runs):
+        assert torch.equal(plain, zeros)

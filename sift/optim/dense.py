@@ -52,7 +52,10 @@ class DenseStepMixin:
     def _dense_step(self, group: dict[str, Any]) -> None:
         """torch's own functional AdamW. With a tensor lr on CUDA it runs capturable (step
         counts on the device, no host read), so a CUDA graph can capture the whole step."""
-        params = [p for p in group["params"] if uses_grad(p)]
+        # A 4-bit layer's delta values train only once its entries are chosen: before that, a gradient can only be
+        # the zeros DDP gives a param its backward did not reach, and stepping it would count an Adam step.
+        params = [p for p in group["params"] if uses_grad(p)
+                  and (p not in self._quantized or self._quantized[p].selected)]
         self._dense_update(group, params, [p.grad for p in params])
 
     def _dense_update(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
