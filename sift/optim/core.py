@@ -18,6 +18,7 @@ from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.dense import DenseStepMixin
 from sift.optim.hooks import HooksMixin
 from sift.optim.memory import MemoryPresetMixin, resolve_memory
+from sift.optim.reselection import check_reselect_modes, reselect_, reselect_memory, reselect_settings
 from sift.optim.selection import SelectionMixin
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
@@ -110,6 +111,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             weight's seeded scores on every rank (no communication). "per_shard": each rank the top
             `ceil(density * shard numel)` of its own shard, no communication (equal to one process
             selecting per block of rows). No effect on unsharded params.
+        reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
+            reselect_drop: periodic drop-and-grow re-selection, off by default (`sift.optim.reselection`).
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -141,8 +144,12 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         update_in_backward: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         sharded_selection: str = "global",
+        reselect_every: int | None = None, reselect_fraction: float = 0.2, reselect_schedule: str = "constant",
+        reselect_total_steps: int | None = None, reselect_rule: str = "spiel", reselect_drop: str = "merge",
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay, density)
+        reselect = reselect_settings(reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps,
+                                     reselect_rule, reselect_drop)
         if not isinstance(update_in_backward, bool):
             raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
         if compact_grads is not None and not isinstance(compact_grads, bool):
@@ -170,6 +177,10 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             raise ValueError(f"backend must be one of {_ops.BACKENDS} or None, got {backend!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
                         maximize=maximize)
+        if reselect is not None:
+            check_reselect_modes(compact_grads=compact_grads, update_in_backward=update_in_backward, state=state,
+                                 max_grad_norm=max_grad_norm)
+            defaults["reselect"] = reselect
         self.select_steps = select_steps
         self.selection = selection
         self.sharded_selection = sharded_selection
@@ -287,6 +298,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if sparse_backward and optimizer_kwargs.get("compact_grads") is False:
             raise ValueError("sparse_backward=True needs compact_grads=True (its gradients go to the compact "
                              "buffers); leave compact_grads unset or True")
+        memory = reselect_memory(memory, model, optimizer_kwargs)
         flags, auto = resolve_memory(memory, model, {**optimizer_kwargs, "sparse_backward": sparse_backward})
         sparse_backward = flags.pop("sparse_backward")
         optimizer_kwargs.update(flags)
@@ -470,6 +482,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
             return loss
         self._sync_grads()
         # The only place entries are chosen: a step GradScaler skips never gets here.
+        reselect_(self)
         self._select()
         for route in self._quantized.values():
             route.commit()
