@@ -1,5 +1,10 @@
-"""transformers `Trainer` integration: `SparseTrainer` builds a `SparseAdamW` from the
-Trainer's own arguments and clips the gradients the optimizer actually uses."""
+"""transformers `Trainer` integration, for any Trainer class (TRL's `SFTTrainer`, `DPOTrainer`, ...).
+
+`SparseTrainerMixin` gives a Trainer class sift's behaviour: it builds a `SparseAdamW` from the Trainer's own
+arguments (or takes the one given in `optimizers=`), clips the gradients the optimizer actually uses with
+`sift.clip_grad_norm_` and logs their true norm, logs what it trains, and writes the fine-tune (a delta
+directory), not the model, in `save_model`, checkpoints and `load_best_model_at_end`.
+`sparse_trainer(SFTTrainer)` applies it over any Trainer class; `SparseTrainer` is `sparse_trainer(Trainer)`."""
 
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
-from sift.optim.state import first_shard
-from sift.targets import model_family, plan_targets
+from sift.optim.state import first_shard, increments
+from sift.targets import model_family, plan_targets, trainable_summary
 
 logger = logging.getLogger(__name__)
 TRAINED_VALUES = "sift_trained_values.safetensors"  # in checkpoints: the trained entries' exact values
@@ -38,10 +43,20 @@ class _ReportSkippedSteps(TrainerCallback):
             optimizer._is_overflow = True
 
 
-class SparseTrainer(Trainer):
-    """A `transformers.Trainer` that fine-tunes with `sift.SparseAdamW`.
+class _SummaryAtTrainStart(TrainerCallback):
+    """Logs once, when training starts, what the optimizer trains (`sift.trainable_summary`)."""
 
-    It trains what `SparseAdamW.for_model` trains (one plan for both): the attention projections'
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, SparseAdamW) and model is not None and state.is_world_process_zero:
+            logger.warning("sift trains:\n%s", trainable_summary(model, inner))
+
+
+class SparseTrainerMixin:
+    """Fine-tuning with `sift.SparseAdamW` for any `transformers.Trainer` class (Trainer, TRL's
+    `SFTTrainer`, `DPOTrainer`, ...): `sparse_trainer(TrainerClass)` puts it first among the bases.
+
+    Unless `optimizers=(SparseAdamW..., None)` gives one, it trains what `SparseAdamW.for_model` trains (one plan for both): the attention projections'
     weights sparsely at `density`, the new task head densely, everything else frozen. For a model
     whose family `for_model` does not know, and without `target_modules`, it falls back (with one
     log line) to a rule by dimension: weights (two or more dimensions) sparsely, biases and norm
@@ -50,10 +65,15 @@ class SparseTrainer(Trainer):
     betas, eps and weight decay (with the Trainer's usual no-decay set) come from
     `TrainingArguments`; the Trainer's LR scheduler drives the optimizer unchanged.
     `max_grad_norm` clips with `sift.clip_grad_norm_`, i.e. over the entries the optimizer
-    uses, which also works in `compact_grads` mode where no dense gradient is left.
+    uses, which also works in `compact_grads` mode where no dense gradient is left, and that norm
+    is the `grad_norm` logged. What trains is logged once when training starts
+    (`sift.trainable_summary`). `save_model` and checkpoints write the fine-tune (the delta
+    directory, `SparseDelta.save_pretrained`), checkpoints also the optimizer state:
+    `resume_from_checkpoint` continues bit for bit, and `load_best_model_at_end` puts the best
+    checkpoint's fine-tune on the model (and `save_model` then writes that one).
 
     Args:
-        *args: passed to `transformers.Trainer`.
+        *args: passed to the Trainer class.
         density: fraction of each weight's entries to train, in (0, 1].
         memory: the memory mode, as for `SparseAdamW.for_model` (`sift.optim.memory`): "low" (the
             default: hook mode and the sparse backward), "lowest" (also the update in backward, which
@@ -80,7 +100,7 @@ class SparseTrainer(Trainer):
             (`TrainingArguments.weight_decay`, default 0).
         dense_modules: see `target_modules` (default there: the task head).
         selection: `SparseAdamW(selection=...)`, e.g. "magnitude" or "random".
-        **kwargs: passed to `transformers.Trainer`.
+        **kwargs: passed to the Trainer class.
 
     Raises:
         ValueError: density outside (0, 1], compact_grads with several processes,
@@ -97,6 +117,8 @@ class SparseTrainer(Trainer):
                                 density=0.01, target_modules=["query", "key", "value"])
     """
 
+    sift_integrated = True  # read by sift.optim.trainer_check: this class clips with sift.clip_grad_norm_
+
     def __init__(self, *args: Any, density: float = 0.01, memory: str = "low", compact_grads: bool | None = None,
                  select_steps: int = 1,
                  dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None,
@@ -105,6 +127,9 @@ class SparseTrainer(Trainer):
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         model = kwargs.get("model", args[0] if args else None)
+        given = (kwargs.get("optimizers") or (None,))[0]
+        if not isinstance(model, torch.nn.Module) or isinstance(given, SparseAdamW):
+            model = None  # a model id TRL loads itself (planned when the optimizer is built), or the user's plan
         # Given indices (HiFi's heads, their biases too) say what trains: they keep the rule by dimension.
         by_targets = target_modules is not None or dense_modules is not None or (
             indices is None and model is not None and model_family(model) is not None)
@@ -150,10 +175,13 @@ class SparseTrainer(Trainer):
         self.sift_select_steps = select_steps
         self.sift_dense_1d = dense_1d
         self.sift_indices = dict(indices) if indices is not None else {}
-        self.sift_targets = (target_modules, dense_modules) if by_targets else None
+        # A model not known yet (an id TRL loads) is planned by for_model's rule when the optimizer is built.
+        self.sift_targets = (target_modules, dense_modules) if by_targets or (model is None and indices is None) \
+            else None
         self.sift_selection = selection
         super().__init__(*args, **kwargs)
         self.add_callback(_ReportSkippedSteps())
+        self.add_callback(_SummaryAtTrainStart())
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.is_fsdp_enabled and self.args.save_strategy != "no":
@@ -165,6 +193,11 @@ class SparseTrainer(Trainer):
                 "shards), or checkpoint with torch.distributed.checkpoint and sift.optim.sharded.ShardedOptimizerState")
         if self.optimizer is None:
             opt_model = self.model if model is None else model
+            if self.sift_targets == (None, None) and model_family(opt_model) is None:
+                logger.warning("SparseTrainer: for_model does not know the attention projections of %s; training "
+                               "every weight sparsely and every 1-D param densely (pass target_modules to choose)",
+                               type(opt_model).__name__)
+                self.sift_targets = None
             self.optimizer = (self._create_optimizer_for_targets(opt_model) if self.sift_targets is not None
                               else self._create_sparse_optimizer(opt_model))
         # The scaler's unscale_ sees only .grad: the optimizer unscales its compact buffers itself
@@ -261,7 +294,8 @@ class SparseTrainer(Trainer):
 
         model = self.accelerator.unwrap_model(self.model)
         # Under FSDP2 every rank gathers the shards' k entries (collective); the main process writes.
-        delta = SparseDelta.from_optimizer(optimizer, model)
+        best = None if getattr(self, "_sift_checkpointing", False) else getattr(self, "_sift_best_delta", None)
+        delta = best if best is not None else SparseDelta.from_optimizer(optimizer, model)
         if not self.args.should_save:
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -286,6 +320,10 @@ class SparseTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
         self.accelerator.wait_for_everyone()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._sift_best_delta = None  # the fine-tune load_best_model_at_end chose; this run chooses anew
+        return super().train(*args, **kwargs)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         self._sift_checkpointing = True
@@ -316,9 +354,96 @@ class SparseTrainer(Trainer):
                     name = key[: -len(".values")]
                     params[name].view(-1)[delta[name].indices.long()] = values.to(params[name].dtype)
 
+    def _load_best_model(self) -> None:
+        """Put the best checkpoint's fine-tune on the model: the trained entries go back to their base values
+        (kept in the optimizer's exact state), then the checkpoint loads as for a resume."""
+        from sift.pretrained import CONFIG_NAME
+
+        best = self.state.best_model_checkpoint
+        optimizer = self._sparse_optimizer()
+        if optimizer is None or not os.path.isfile(os.path.join(best, CONFIG_NAME)):
+            return super()._load_best_model()
+        from sift.delta import SparseDelta
+
+        logger.info("Loading the best fine-tune from %s (score: %s).", best, self.state.best_metric)
+        model = self.accelerator.unwrap_model(self.model)
+        restore_base_(optimizer, model)
+        self._load_from_checkpoint(best, model)
+        # save_model after this writes the best fine-tune, not the optimizer's last one.
+        self._sift_best_delta = SparseDelta.from_pretrained(best)
+
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
         # scaler remembers the unscale and does not repeat it in step().
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        optimizer = self._sparse_optimizer()
+        if optimizer is None:
+            return super()._clip_grad_norm(model)
         self.accelerator.unscale_gradients()
         return clip_grad_norm_(optimizer, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | float | None = None):
+        """Without clipping, the norm `sift.clip_grad_norm_` would clip (a bound of inf scales by exactly 1),
+        not the Trainer's norm of `.grad`, which the memory modes free; none with the update in backward,
+        whose gradients are gone by now."""
+        optimizer = self._sparse_optimizer()
+        if grad_norm is None and optimizer is not None:
+            if optimizer.update_in_backward:
+                return None
+            self.accelerator.unscale_gradients()
+            grad_norm = clip_grad_norm_(optimizer, float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
+
+
+def restore_base_(optimizer: SparseAdamW, model: torch.nn.Module) -> None:
+    """Write the base values back at every entry `optimizer` changed (its exact state keeps them), so that a
+    checkpoint's delta can be applied onto the base. Dense params are left: a delta replaces them whole."""
+    names = {p: n for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p, state in optimizer.state.items():
+            exact = increments(state, p.numel()) if p in names else None
+            if exact is None or exact[2] is None:
+                continue
+            idx, _, base = exact
+            p.view(-1)[idx.to(p.device).long()] = base.to(p.device, p.dtype)
+
+
+_INTEGRATED: dict[type, type] = {}
+
+
+def sparse_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
+    """`trainer_cls` with sift's fine-tuning (`SparseTrainerMixin`): the same class, taking `density`,
+    `memory`, `target_modules` and the other `SparseTrainer` arguments, or a `SparseAdamW` in `optimizers=`.
+
+    Args:
+        trainer_cls: `transformers.Trainer` or a subclass of it (TRL's `SFTTrainer`, `DPOTrainer`, ...).
+
+    Returns:
+        The subclass `Sparse<Name>` (one per class: calling again returns the same one);
+        `sparse_trainer(Trainer)` is `SparseTrainer`, and an integrated class comes back unchanged.
+
+    Raises:
+        TypeError: `trainer_cls` is not a `transformers.Trainer` subclass.
+
+    Example:
+        >>> from transformers import Trainer
+        >>> sparse_trainer(Trainer) is SparseTrainer
+        True
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"trainer_cls must be a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, SparseTrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _INTEGRATED:
+        name = f"Sparse{trainer_cls.__name__}"
+        _INTEGRATED[trainer_cls] = type(name, (SparseTrainerMixin, trainer_cls), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"`{trainer_cls.__name__}` with sift's fine-tuning: see `SparseTrainerMixin`."})
+    return _INTEGRATED[trainer_cls]
+
+
+class SparseTrainer(SparseTrainerMixin, Trainer):
+    """A `transformers.Trainer` that fine-tunes with `sift.SparseAdamW` (`sparse_trainer(Trainer)`);
+    arguments, behaviour and examples: `SparseTrainerMixin`."""
+
+
+_INTEGRATED[Trainer] = SparseTrainer
