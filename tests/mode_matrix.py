@@ -70,15 +70,28 @@ class Cell:
     clip: bool
     resume: str
     route: str
+    # Whether the head trains densely: not over a quantized base under FSDP2, where only the 4-bit deltas can
+    # train (docs/distributed.md); not a factor of the matrix.
+    head: bool | None = None
+
+    def __post_init__(self):
+        if self.head is None:
+            object.__setattr__(self, "head", not (self.quantized and self.route == "fsdp2"))
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in ("nf4", "int8")
 
     @property
     def id(self) -> str:
-        return "-".join(str(v) for v in asdict(self).values())
+        values = [str(v) for k, v in asdict(self).items() if k != "head"]
+        return "-".join(values + ([] if self.head else ["no-head"]))
 
     def reference(self) -> Cell:
-        """Plain mode in one process, no resume, with this cell's state layout."""
+        """Plain mode in one process, no resume, with this cell's state layout (and head)."""
         layout = "lean" if self.memory in ("lean", "lowest") else "plain"
-        return Cell(layout, self.dtype, self.accumulation, self.select_steps, self.clip, "none", "one-process")
+        return Cell(layout, self.dtype, self.accumulation, self.select_steps, self.clip, "none", "one-process",
+                    self.head)
 
     @property
     def lean(self) -> bool:
@@ -158,16 +171,17 @@ def resume_after(cell: Cell) -> int | None:
 
 # ------------------------------------------------------------------------------------------- one run
 
-def _shard(cell: Cell, model: nn.Module) -> nn.Module:
-    """FSDP2 shards each layer and the root before the optimizer is built (docs/distributed.md's order)."""
+def _shard(cell: Cell, model: nn.Module, ignored: set | None = None) -> nn.Module:
+    """FSDP2 shards each layer and the root: before the optimizer is built over a 16-bit model, after it over a
+    quantized one, its deltas kept out (docs/distributed.md's two orders)."""
     if cell.route == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in (model.fc1, model.fc2, model.head):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, ignored_params=ignored)
     return model
 
 
@@ -179,8 +193,11 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
         import torch.distributed as dist
 
         kwargs["process_group"] = dist.group.WORLD
+    if not cell.head:
+        model.head.requires_grad_(False)
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],
-                                      dense_modules=["head"], select_steps=cell.select_steps, **kwargs)
+                                      dense_modules=["head"] if cell.head else [], select_steps=cell.select_steps,
+                                      **kwargs)
 
 
 def _wrap(cell: Cell, model: nn.Module) -> nn.Module:
@@ -191,9 +208,18 @@ def _wrap(cell: Cell, model: nn.Module) -> nn.Module:
 def _prepare(cell: Cell):
     """(the module to call, the model, its optimizer, the scaler) as the docs' recipe for the route builds them;
     a refusal by `for_model` raises `Refused`."""
-    model = _shard(cell, build_model(cell))
     scaler = _scaler(cell)
-    opt = _guarded(model, None, lambda: _optimizer(cell, model, scaler))
+    if cell.quantized:
+        from sift.optim.sharded import replicated_quantized_deltas
+
+        model = build_model(cell)
+        opt = _guarded(model, None, lambda: _optimizer(cell, model, scaler))
+        if cell.route == "fsdp2":
+            deltas = _guarded(model, opt, lambda: replicated_quantized_deltas(opt))
+            _shard(cell, model, deltas)
+    else:
+        model = _shard(cell, build_model(cell))
+        opt = _guarded(model, None, lambda: _optimizer(cell, model, scaler))
     return _wrap(cell, model), model, opt, scaler
 
 
@@ -314,7 +340,13 @@ def _effective(model: nn.Module, name: str) -> torch.Tensor:
     module = getattr(model, name)
     route = getattr(module, "_sift_quantized", None)
     if route is not None:
-        return route.weight(torch.float32, module.sift_delta.detach(), route.indices)
+        if hasattr(module, "unshard"):  # FSDP2 holds the packed bytes sharded outside forward
+            module.unshard()
+        try:
+            return route.weight(torch.float32, module.sift_delta.detach(), route.indices)
+        finally:
+            if hasattr(module, "reshard"):
+                module.reshard()
     w = module.weight.detach()
     return (w.full_tensor() if hasattr(w, "full_tensor") else w).float().clone()
 
