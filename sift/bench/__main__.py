@@ -1,5 +1,7 @@
-"""`python -m sift.bench [suite ...] [--quick]`: run benchmark suites, print markdown tables,
-save JSON and markdown under bench/results (or $SIFT_BENCH_DIR).
+"""`python -m sift.bench [suite ...] [--quick] [--results-dir DIR]`: run benchmark suites, print
+markdown tables, save JSON and markdown under DIR: by default `$SIFT_BENCH_DIR`, else a cache folder
+(`~/.cache/sift/bench-results`), never the checkout's tracked bench/results unless asked for with
+`--results-dir bench/results`.
 
 On Linux the run asks torch to put its large CPU allocations on 2 MiB transparent huge pages
 (`THP_MEM_ALLOC_ENABLE=1`, unless already set: `THP_MEM_ALLOC_ENABLE=0` measures 4 KiB
@@ -21,18 +23,38 @@ SUITES = {
     "delta": "sift.bench.delta",
     "distributed": "sift.bench.distributed",
     "heads": "sift.bench.heads",
+    "llm": "sift.bench.llm",
     "memory": "sift.bench.memory",
     "quantized": "sift.bench.quantized",
 }
 
 
+# Wall time of each suite on the 2-core CPU shared with other work where the committed results were made.
+DURATIONS = {"llm": "about 25 min (--quick: about 5 min; the first run also builds the model, 1 min)"}
+
+
+def default_results_dir() -> str:
+    """`$SIFT_BENCH_DIR`, else `~/.cache/sift/bench-results` (`$SIFT_CACHE` / `$XDG_CACHE_HOME` honoured)."""
+    from sift.demo.llm import cache_root
+
+    return os.environ.get("SIFT_BENCH_DIR") or os.path.join(cache_root(), "bench-results")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m sift.bench", description=__doc__)
-    parser.add_argument("suites", nargs="*", default=["all"], help=f"any of {sorted(SUITES)} or 'all' (default)")
+    durations = "; ".join(f"{name}: {DURATIONS.get(name, 'not timed here')}" for name in sorted(SUITES))
+    parser.add_argument("suites", nargs="*", default=["all"],
+                        help=f"any of {sorted(SUITES)} or 'all' (default). Time here: {durations}")
+    parser.add_argument("--results-dir", default=None,
+                        help="where to write results (default: $SIFT_BENCH_DIR, else ~/.cache/sift/bench-results; "
+                             "pass bench/results to update the committed files)")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, for a smoke run (figures not comparable; saved as <suite>-<device>-quick.*)")
     args = parser.parse_args(argv)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    out = args.results_dir or default_results_dir()
+    os.environ["SIFT_BENCH_DIR"] = out  # every suite writes through `results_dir()`
+    print(f"sift.bench: results go to {os.path.abspath(out)}")
     names = list(SUITES) if "all" in args.suites else args.suites
     for name in names:
         if name not in SUITES:

