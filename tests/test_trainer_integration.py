@@ -88,6 +88,7 @@ CASES = {  # id: (trainer kind, memory, dtype, optimizer given in optimizers=, m
     "trainer-bf16": ("trainer", "low", torch.bfloat16, False, 0.05),
     "trainer-given-optimizer": ("trainer", "low", torch.float32, True, 0.05),
     "trainer-no-clip": ("trainer", "low", torch.float32, False, 0.0),
+    "trainer-lowest-no-clip": ("trainer", "lowest", torch.float32, False, 0.0),  # steps in backward: no norm
     "sft-low": ("sft", "low", torch.float32, False, 0.05),
 }
 
@@ -113,14 +114,17 @@ def test_integrated_trainer_clips_like_a_manual_loop(tmp_path, case):
     reference = _llama(dtype)
     # The plain class computes the loss (TRL's SFT loss included); clipping and stepping are the manual loop's.
     loss_of = base_cls(**_trainer_kwargs(kind, reference, tmp_path / "ref", max_grad_norm=max_norm))
+    # The trainer keeps the exact state (its checkpoints export increments) and, when it clips, steps after backward.
     opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0,  # TrainingArguments'
-                                memory="low" if memory == "lowest" and max_norm else memory)
+                                memory="low" if memory == "lowest" and max_norm else memory,
+                                **({"state": "exact"} if memory == "lowest" else {}))
     norms = []
     reference.train()
     for inputs, num_items in trainer.batches:
         opt.zero_grad()
         loss_of.compute_loss(reference, dict(inputs), num_items_in_batch=num_items).backward()
-        norms.append(sift.clip_grad_norm_(opt, max_norm if max_norm else float("inf")).item())
+        if not opt.update_in_backward:  # which leaves no gradient to take a norm of (nor a 0.0 to log)
+            norms.append(sift.clip_grad_norm_(opt, max_norm if max_norm else float("inf")).item())
         opt.step()
     assert len(trainer.batches) == 4
     assert _grad_norms(trainer) == norms
