@@ -49,6 +49,11 @@ def check_trainer(optimizer: Any) -> None:
     if trainer is None or getattr(trainer, "sift_integrated", False):
         optimizer._trainer_checked = True
         return
+    if getattr(trainer.args, "world_size", 1) > 1:
+        # Several processes need plain mode, whatever the trainer class: the memory modes are refused there by
+        # their own checks (DDP's averaging of .grad, FSDP2's replaced params), with that fix in the message.
+        optimizer._trainer_checked = True
+        return
     name = type(trainer).__name__
     max_norm = trainer.args.max_grad_norm
     fix = (f"use sift.integrations.sparse_trainer({name}) instead of {name} (the same trainer, clipping with "
