@@ -191,13 +191,10 @@ def test_integrated_sft_trainer_resumes_bit_for_bit(tmp_path):
                            _llama().model.layers[0].self_attn.q_proj.weight)
 
 
-def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
-    """SparseTrainer with load_best_model_at_end=True kept the last model (its checkpoints hold no
-    model.safetensors for the Trainer to load): it now restores the best checkpoint's fine-tune, and save_model
-    then writes that one."""
+def _best_run(out, saved: dict, resume: str | None = None):
+    """3 steps, evaluated and saved at each; the highest eval loss is "best": training lowers it, so the best
+    checkpoint is the first, not the last. `saved` gets the weights at every save."""
     from sift.integrations.hf import SparseTrainer
-
-    saved = {}
 
     class Snapshot(transformers.TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
@@ -205,13 +202,21 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
 
     model = _llama()
     data = _lm_data()
-    # The highest eval loss is "best": training lowers it, so the best checkpoint is the first, not the last.
-    args = _args(tmp_path / "run", max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1,
+    args = _args(out, max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1,
                  save_strategy="steps", save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
                  greater_is_better=True, per_device_eval_batch_size=4)
     trainer = SparseTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, density=DENSITY,
                             callbacks=[Snapshot()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, model
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    """SparseTrainer with load_best_model_at_end=True kept the last model (its checkpoints hold no
+    model.safetensors for the Trainer to load): it now restores the best checkpoint's fine-tune, and save_model
+    then writes that one."""
+    saved = {}
+    trainer, model = _best_run(tmp_path / "run", saved)
     best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
     assert best != 3 and sorted(saved) == [1, 2, 3]
     assert any(not torch.equal(saved[best][n], saved[3][n]) for n in saved[3])
@@ -222,6 +227,17 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     SparseDelta.from_pretrained(tmp_path / "tune").apply_(fresh)
     for name, p in fresh.named_parameters():
         torch.testing.assert_close(p, saved[best][name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_load_best_model_at_end_after_resuming_from_the_best_checkpoint(tmp_path):
+    """Resumed from the checkpoint that stays best, loading it again at the end is the same delta applied twice
+    over: it restores the base first, so the weights are that checkpoint's, not doubled or refused."""
+    saved = {}
+    _best_run(tmp_path / "run", saved)
+    resumed, model = _best_run(tmp_path / "run", {}, resume=str(tmp_path / "run" / "checkpoint-1"))
+    assert resumed.state.best_model_checkpoint.endswith("checkpoint-1")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[1][name]), name
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])

@@ -345,7 +345,9 @@ class SparseTrainerMixin:
 
         model = self.model if model is None else model
         delta = SparseDelta.from_pretrained(resume_from_checkpoint)
-        delta.apply_(model)
+        # Over the base restored by _load_best_model the same checkpoint may come back (a resume's, or an earlier
+        # best): the registry of applied deltas would refuse it as already applied.
+        delta.apply_(model, stack=getattr(self, "_sift_loading_best", False))
         exact_file = os.path.join(resume_from_checkpoint, TRAINED_VALUES)
         if os.path.isfile(exact_file):
             params = dict(model.named_parameters())
@@ -367,8 +369,12 @@ class SparseTrainerMixin:
 
         logger.info("Loading the best fine-tune from %s (score: %s).", best, self.state.best_metric)
         model = self.accelerator.unwrap_model(self.model)
-        restore_base_(optimizer, model)
-        self._load_from_checkpoint(best, model)
+        _restore_base(optimizer, model)
+        self._sift_loading_best = True
+        try:
+            self._load_from_checkpoint(best, model)
+        finally:
+            self._sift_loading_best = False
         # save_model after this writes the best fine-tune, not the optimizer's last one.
         self._sift_best_delta = SparseDelta.from_pretrained(best)
 
@@ -394,7 +400,7 @@ class SparseTrainerMixin:
         return super()._get_grad_norm(model, grad_norm)
 
 
-def restore_base_(optimizer: SparseAdamW, model: torch.nn.Module) -> None:
+def _restore_base(optimizer: SparseAdamW, model: torch.nn.Module) -> None:
     """Write the base values back at every entry `optimizer` changed (its exact state keeps them), so that a
     checkpoint's delta can be applied onto the base. Dense params are left: a delta replaces them whole."""
     names = {p: n for n, p in model.named_parameters()}
