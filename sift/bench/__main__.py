@@ -30,7 +30,7 @@ SUITES = {
 
 
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made.
-DURATIONS = {"llm": "about 25 min (--quick: about 5 min; the first run also builds the model, 1 min)"}
+DURATIONS = {"llm": "about 20 min (--quick: a few min; the first run also builds the model, 1 min)"}
 
 
 def default_results_dir() -> str:
@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="small sizes, for a smoke run (figures not comparable; saved as <suite>-<device>-quick.*)")
     args = parser.parse_args(argv)
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    out = args.results_dir or default_results_dir()
-    os.environ["SIFT_BENCH_DIR"] = out  # every suite writes through `results_dir()`
-    print(f"sift.bench: results go to {os.path.abspath(out)}")
     names = list(SUITES) if "all" in args.suites else args.suites
     for name in names:
         if name not in SUITES:
             parser.error(f"unknown suite {name!r}; choose from {sorted(SUITES)} or 'all'")
+    out = args.results_dir or default_results_dir()
+    os.environ["SIFT_BENCH_DIR"] = out  # every suite writes through `results_dir()`
+    print(f"sift.bench: results go to {os.path.abspath(out)}")
     from sift.env import backend_banner, missing_kernels
 
     failed = []

@@ -459,8 +459,15 @@ def markdown(rows: Sequence[dict[str, Any]], config: Config, wall_s: float | Non
               "step. Peak RSS growth: the method's process, peak resident set after the model was loaded minus the "
               "resident set then (VmHWM reset), over training, generation and saving. Saved bytes: the files of "
               "the fine-tune directory (sift: `SparseDelta.save_pretrained`; peft: the adapter; full: the model). "
-              "sparta is sift's `selection=\"random\"` at 1% (SpaRTA's recipe; no SpaRTA package exists)."]
+              "sparta is sift's `selection=\"random\"` at 1% (SpaRTA's recipe; no SpaRTA package exists). "
+              f"Answering \"none\" to every held-out word scores {100 * _none_share(config.test_words):.1f}%; "
+              f"one word is {100 / max(1, config.test_words):.1f} points."]
     return "\n".join(lines)
+
+
+def _none_share(test_words: int) -> float:
+    _, test = load_words(test_words=test_words)
+    return sum(answer == "none" for _, answer in test) / max(1, len(test))
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
