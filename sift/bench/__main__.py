@@ -30,7 +30,7 @@ SUITES = {
 
 
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made.
-DURATIONS = {"llm": "about 20 min (--quick: a few min; the first run also builds the model, 1 min)"}
+DURATIONS = {"llm": "about 20 min (--quick: about 8 min, one process; the first run also builds the model, 1 min)"}
 
 
 def default_results_dir() -> str:
