@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import sift
-from conftest import gloo_rank, run_ranks
+from conftest import backward_and_step, gloo_rank, run_ranks
 from sift import SparseAdamW
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -27,13 +27,7 @@ def _step(model, opt, step: int, scaler=None, poison: bool = False) -> None:
     x, y = _batch(step)
     if poison:
         x[0, 0] = float("inf")
-    loss = (model(x).float() - y).square().mean()
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    backward_and_step(opt, (model(x).float() - y).square().mean(), scaler)
     opt.zero_grad()
 
 
