@@ -118,26 +118,17 @@ def test_lowest_under_clipping_drops_the_update_in_backward_with_one_log_line(ca
         "for one inside backward"]
 
 
-def test_lowest_under_sift_clip_grad_norm_drops_the_update_in_backward_on_the_first_step(caplog):
-    """memory="lowest" refused `sift.clip_grad_norm_` (it told the caller to pass max_grad_norm, which the preset
-    drops the update in backward for); before anything is selected it now trains as the lean state without it."""
+@pytest.mark.parametrize("train, log", [(dict(micro=2), "micro-batches accumulate"),
+                                         (dict(clip=0.05), "clip_grad_norm_")], ids=["accumulation", "clip"])
+def test_lowest_drops_the_update_in_backward_on_the_first_step(caplog, train, log):
+    """memory="lowest" would have raised at the second micro-batch of the selecting step, and refused
+    `sift.clip_grad_norm_` (telling the caller to pass max_grad_norm, which the preset drops the update in backward
+    for); before anything is selected it now trains as the lean state without the update in backward."""
     with caplog.at_level(logging.WARNING, logger="sift"):
-        model, opt = _train("llama", clip=0.05, memory="lowest")
+        model, opt = _train("llama", memory="lowest", **train)
     assert not opt.update_in_backward
-    assert sum("clip_grad_norm_" in r.getMessage() for r in caplog.records) == 1
-    explicit, _ = _train("llama", clip=0.05, compact_grads=True, sparse_backward=True, state="lean")
-    for (name, p), q in zip(_params(model).items(), _params(explicit).values()):
-        assert torch.equal(p, q), name
-
-
-def test_lowest_with_accumulation_drops_the_update_in_backward_on_the_first_step(caplog):
-    """memory="lowest" would have raised at the second micro-batch of the selecting step; it now trains as the
-    lean state without the update in backward, which accumulates."""
-    with caplog.at_level(logging.WARNING, logger="sift"):
-        model, opt = _train("llama", micro=2, memory="lowest")
-    assert not opt.update_in_backward
-    assert sum("micro-batches accumulate" in r.getMessage() for r in caplog.records) == 1
-    explicit, _ = _train("llama", micro=2, compact_grads=True, sparse_backward=True, state="lean")
+    assert sum(log in r.getMessage() for r in caplog.records) == 1
+    explicit, _ = _train("llama", compact_grads=True, sparse_backward=True, state="lean", **train)
     for (name, p), q in zip(_params(model).items(), _params(explicit).values()):
         assert torch.equal(p, q), name
 
