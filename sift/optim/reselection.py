@@ -166,7 +166,7 @@ def reselect_(opt: Any) -> None:
         ValueError: a param group's `reselect` settings are invalid.
         RuntimeError: a weight due for re-selection is in a mode it does not support yet.
     """
-    due = []
+    candidates = []
     for group in opt.param_groups:
         settings = group.get("reselect")
         if not settings or group["density"] >= 1.0:
@@ -174,15 +174,25 @@ def reselect_(opt: Any) -> None:
         reselect_settings(**settings)
         for p in group["params"]:
             state = opt.state.get(p)
-            if not state or not is_selected(state) or not uses_grad(p):
-                continue
-            count = int(state["step"])
-            if count == 0 or count % settings["every"]:
-                continue
-            why = _refusal(opt, p, state)
-            if why is not None:
-                raise RuntimeError(f"re-selection (reselect_every={settings['every']}) at update {count}: {why}")
-            due.append((group, p, settings, count))
+            if state and is_selected(state) and uses_grad(p):
+                candidates.append((group, p, settings, state))
+    # The update counts live on the weights' device: read them in one transfer per device, not one per weight.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, _, state) in enumerate(candidates):
+        by_device.setdefault(state["step"].device, []).append(i)
+    counts = [0] * len(candidates)
+    for positions in by_device.values():
+        read = torch.stack([candidates[i][3]["step"] for i in positions]).tolist()
+        for i, count in zip(positions, read):
+            counts[i] = int(count)
+    due = []
+    for (group, p, settings, state), count in zip(candidates, counts):
+        if count == 0 or count % settings["every"]:
+            continue
+        why = _refusal(opt, p, state)
+        if why is not None:
+            raise RuntimeError(f"re-selection (reselect_every={settings['every']}) at update {count}: {why}")
+        due.append((group, p, settings, count))
     for group, p, settings, count in due:
         _reselect_param(opt, group, p, settings, count)
 
