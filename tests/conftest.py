@@ -165,18 +165,24 @@ def backward_and_step(opt, loss, scaler=None) -> None:
         opt.step()
 
 
-def gloo_rank(worker):
+def gloo_rank(worker=None, *, timeout_s: float | None = None):
     """A `torch.multiprocessing.spawn` worker `worker(rank, world, *args)` run as one rank of a gloo
     process group: spawned with `(rank, world, init_file, *args)`, it joins the group through the
     file, runs on one thread, always leaves the group, and exits at once when it returns
-    (`spawned_rank`)."""
+    (`spawned_rank`). `@gloo_rank(timeout_s=30)`: collectives time out, so a rank left alone in one
+    fails the test instead of hanging it."""
+    import datetime
     import functools
 
     import torch.distributed as dist
 
+    if worker is None:
+        return functools.partial(gloo_rank, timeout_s=timeout_s)
+    extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+
     @functools.wraps(worker)
     def run(rank, world, init_file, *args):
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, **extra)
         torch.set_num_threads(1)
         try:
             worker(rank, world, *args)

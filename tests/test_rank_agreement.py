@@ -8,8 +8,6 @@ that ran; the dense head, which DDP already averages, must not be averaged again
 
 from __future__ import annotations
 
-import datetime
-import functools
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import sift
-from conftest import spawned_rank
+from conftest import gloo_rank
 from sift import SparseAdamW
 
 WORLD = 2
@@ -89,23 +87,6 @@ def _train(net, model, opt, rank: int, world: int, steps, scaler=None, poison=No
     return ran
 
 
-def _ranked(worker):
-    """`worker(rank, world, *args)` as one rank of a gloo group whose collectives time out in 30 s: a rank left
-    alone in a collective fails the test instead of hanging it."""
-
-    @functools.wraps(worker)
-    def run(rank, world, init_file, *args):
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=30))
-        torch.set_num_threads(1)
-        try:
-            worker(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-
-    return spawned_rank(run)
-
-
 def _build(mode: str):
     model = _model()
     if mode == "ddp":
@@ -170,7 +151,7 @@ def _disagreement(rank: int, world: int, mode: str) -> dict:
             "state": any(opt.state.get(p) for p in model.parameters())}
 
 
-@_ranked
+@gloo_rank(timeout_s=30)
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
     results = {case: _scaled_run(rank, world, mode, case) for case in CASES}
     results["head-reductions"] = _head_reductions(rank, world, mode)
