@@ -103,3 +103,159 @@ def test_quantized_model_named_with_a_quantization_config_is_refused_up_front(tm
     with pytest.raises(ValueError, match="quantization_config"):
         cls(model="some/model", args=_args(tmp_path, trl.SFTConfig), quantization_config=quant,
             train_dataset=datasets.Dataset.from_dict({"text": ["ab"]}), density=DENSITY)
+
+
+def _chat_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The letter tokenizer with a chat template that marks the answers (`{% generation %}`) and adds no role
+    tokens: a prompt is its letters, an answer its letters and `</s>`."""
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+                               "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }}"
+                               "{% endif %}{% endfor %}")
+    return tokenizer
+
+
+PAIRS = [("hello", "world"), ("sparse", "finetune"), ("abc", "def"), ("quiet", "zones")]
+
+
+def _answer_data(form: str) -> datasets.Dataset:
+    if form == "messages":
+        return datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": p},
+                                                         {"role": "assistant", "content": c}] for p, c in PAIRS]})
+    return datasets.Dataset.from_dict({"prompt": [p for p, _ in PAIRS], "completion": [c for _, c in PAIRS]})
+
+
+def _answer_labels(input_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """The labels of a batch built here from PAIRS, not by TRL: each answer's tokens and `</s>`, the prompt
+    and the padding -100."""
+    labels = torch.full_like(input_ids, -100)
+    rows = {tuple(tokenizer(p + c)["input_ids"]) + (tokenizer.eos_token_id,): len(p) for p, c in PAIRS}
+    for row, ids in enumerate(input_ids.tolist()):
+        while ids and ids[-1] == tokenizer.pad_token_id:
+            ids = ids[:-1]
+        prompt_length = rows[tuple(ids)]
+        labels[row, prompt_length:len(ids)] = input_ids[row, prompt_length:len(ids)]
+    return labels
+
+
+def _answer_trainer(form: str, model, out, max_steps: int = 4, **kwargs):
+    option = {"assistant_only_loss": True} if form == "messages" else {"completion_only_loss": True}
+    return _recording(sparse_trainer(trl.SFTTrainer))(
+        model=model, args=_args(out, trl.SFTConfig, max_steps=max_steps, **option), train_dataset=_answer_data(form),
+        processing_class=_chat_tokenizer(), density=DENSITY, **kwargs)
+
+
+@pytest.mark.parametrize("form", ["messages", "prompt-completion"])
+def test_loss_on_the_answer_tokens_only_trains_as_a_manual_loop(tmp_path, form):
+    """SFTTrainer's answer-only loss (assistant_only_loss on chats, completion_only_loss on prompt/completion)
+    through sparse_trainer: the prompt's labels are -100 in every batch, and the weights are a manual loop's
+    over labels built here, bit for bit (and not the unmasked loop's)."""
+    model = _llama()
+    trainer = _answer_trainer(form, model, tmp_path / "run")
+    trainer.train()
+    tokenizer = _chat_tokenizer()
+    assert len(trainer.batches) == 4
+    for inputs, _ in trainer.batches:
+        assert torch.equal(inputs["labels"], _answer_labels(inputs["input_ids"], tokenizer))
+
+    def manual(masked: bool) -> torch.nn.Module:
+        reference = _llama()
+        # The plain class computes the loss (TRL's SFT loss, which patches the model it is given) from the labels
+        # given here.
+        loss_of = trl.SFTTrainer(model=reference, args=_args(tmp_path / "ref", trl.SFTConfig),
+                                 train_dataset=_answer_data(form), processing_class=tokenizer)
+        reference.train()
+        opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0)
+        for inputs, num_items in trainer.batches:
+            ids, mask = inputs["input_ids"], inputs["attention_mask"]
+            labels = _answer_labels(ids, tokenizer) if masked else ids.masked_fill(mask == 0, -100)
+            opt.zero_grad()
+            loss_of.compute_loss(reference, {**inputs, "labels": labels}, num_items_in_batch=num_items).backward()
+            sift.clip_grad_norm_(opt, 0.05)
+            opt.step()
+        return reference
+
+    _assert_same_params(model, manual(masked=True))
+    unmasked = manual(masked=False)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), unmasked.parameters()))
+
+
+HEADS = {  # the tied head (lm_head is embed_tokens): frozen (the default), trained sparsely, trained densely
+    "head-frozen": {},
+    "head-sparse": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]},
+    "head-dense": {"dense_modules": ["lm_head"]},
+}
+
+
+def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_generation_from_the_reloaded_and_the_merged_fine_tune(tmp_path, head):
+    """A tied-head chat fine-tune through sparse_trainer(SFTTrainer), reloaded onto a fresh base and merged into a
+    plain checkpoint (AutoModelForCausalLM): the same weights bit for bit, the head still tied, and the same
+    greedy tokens from generate and the text-generation pipeline as the trained model."""
+    model = _llama()
+    trainer = _answer_trainer("messages", model, tmp_path / "run", max_steps=2, **HEADS[head])
+    trainer.train()
+    trainer.save_model(str(tmp_path / "tune"))
+    tune = SparseDelta.from_pretrained(tmp_path / "tune")
+    tied = {"head-frozen": [], "head-sparse": ["model.embed_tokens.weight"], "head-dense": []}[head]
+    assert [n for n in tune.entries if "embed" in n] == tied
+    assert list(tune.dense) == (["model.embed_tokens.weight"] if head == "head-dense" else [])
+
+    reloaded = _llama()
+    tune.apply_(reloaded)
+    sift.merge_and_save(_llama(), SparseDelta.from_pretrained(tmp_path / "tune"), tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tokenizer = _chat_tokenizer()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    model.eval()
+    expected = _greedy(model, ids)
+    with torch.no_grad():
+        assert not torch.equal(_llama()(ids).logits, model(ids).logits), "training must change the logits"
+    text = tokenizer.decode(expected[0, ids.shape[1]:])
+    for other in (reloaded, merged):
+        assert other.lm_head.weight is other.model.embed_tokens.weight
+        _assert_same_params(other, model)
+        assert torch.equal(_greedy(other, ids), expected)
+        generator = transformers.pipeline("text-generation", model=other, tokenizer=tokenizer, device="cpu")
+        out = generator("hello", max_new_tokens=8, do_sample=False, return_full_text=False, pad_token_id=0)
+        assert out[0]["generated_text"].replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("memory", ["low", "plain"])
+def test_gradient_checkpointing_over_bf16_weights_trains_as_a_manual_loop_and_resumes(tmp_path, memory):
+    """The integrated Trainer with activation checkpointing over a bf16 Llama equals a manual loop over the same
+    checkpointed model bit for bit, and a resume from its mid-run checkpoint equals the uninterrupted run."""
+    model = _llama(torch.bfloat16)
+    cls = _recording(sparse_trainer(transformers.Trainer))
+    trainer = cls(model=model, args=_args(tmp_path / "run", activation_checkpointing=True, save_strategy="steps",
+                                          save_steps=2), train_dataset=_lm_data(), density=DENSITY, memory=memory)
+    trainer.train()
+    assert model.is_activation_checkpointing
+
+    reference = _llama(torch.bfloat16)
+    reference.activation_checkpointing_enable()
+    reference.train()
+    opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0, memory=memory)
+    norms = []
+    for inputs, num_items in trainer.batches:
+        opt.zero_grad()
+        reference(**inputs, num_items_in_batch=num_items).loss.backward()
+        norms.append(sift.clip_grad_norm_(opt, 0.05).item())
+        opt.step()
+    assert [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h] == norms
+    _assert_same_params(model, reference)
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight,
+                           _llama(torch.bfloat16).model.layers[0].self_attn.q_proj.weight)
+
+    resumed = _llama(torch.bfloat16)
+    again = cls(model=resumed, args=_args(tmp_path / "run", activation_checkpointing=True), train_dataset=_lm_data(),
+                density=DENSITY, memory=memory)
+    again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    _assert_same_params(resumed, model)
