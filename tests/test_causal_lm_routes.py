@@ -259,3 +259,33 @@ def test_gradient_checkpointing_over_bf16_weights_trains_as_a_manual_loop_and_re
                 density=DENSITY, memory=memory)
     again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     _assert_same_params(resumed, model)
+
+
+def test_quantized_base_load_best_model_at_end(tmp_path, base_dir):
+    """load_best_model_at_end over an 8-bit base puts the best checkpoint's deltas back on the packed layers (the
+    checkpoint holds no model.safetensors), and save_model then writes that fine-tune."""
+    saved = {}
+
+    class Snapshot(transformers.TrainerCallback):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            saved[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model = _packed(base_dir, 8)
+    data = _lm_data()
+    args = _args(tmp_path / "run", max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1,
+                 save_strategy="steps", save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                 greater_is_better=True, per_device_eval_batch_size=4)
+    trainer = sparse_trainer(transformers.Trainer)(model=model, args=args, train_dataset=data, eval_dataset=data,
+                                                   density=DENSITY, callbacks=[Snapshot()])
+    trainer.train()
+    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
+    assert best != 3 and sorted(saved) == [1, 2, 3]
+    assert any(not torch.equal(saved[best][n], saved[3][n]) for n in saved[3])
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[best][name]), name
+    trainer.save_model(str(tmp_path / "tune"))
+    fresh = _packed(base_dir, 8)
+    sift.quantized.attach_delta_(fresh, SparseDelta.from_pretrained(tmp_path / "tune"))
+    model.train(), fresh.train()
+    with torch.no_grad():
+        assert torch.equal(fresh(IDS).logits, model(IDS).logits)

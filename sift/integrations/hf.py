@@ -394,12 +394,15 @@ class SparseTrainerMixin:
         pending = getattr(self, "_sift_pending_deltas", None) or {}
         routes = {route.name: (values, route) for values, route in
                   getattr(self._sparse_optimizer(), "_quantized", {}).items()}
-        problems = [f"{layer}: not a trained 4-bit or 8-bit layer, or {values.numel()} entries where it trains "
-                    f"{routes[layer][0].numel() if layer in routes else 0}" for layer, (_, values) in pending.items()
-                    if layer not in routes or routes[layer][0].numel() != values.numel()]
-        problems += [f"{layer}: other entries than the optimizer's" for layer, (indices, _) in pending.items()
-                     if layer in routes and routes[layer][1].indices is not None
-                     and not torch.equal(routes[layer][1].indices.cpu().long(), indices.long())]
+        problems = []
+        for layer, (indices, values) in pending.items():
+            if layer not in routes:
+                problems.append(f"{layer}: the optimizer trains no delta over it")
+            elif routes[layer][0].numel() != values.numel():
+                problems.append(f"{layer}: {values.numel()} entries, the optimizer trains {routes[layer][0].numel()}")
+            elif routes[layer][1].indices is not None and not torch.equal(routes[layer][1].indices.cpu().long(),
+                                                                          indices.long()):
+                problems.append(f"{layer}: other entries than the optimizer's")
         if problems:
             raise ValueError("the checkpoint's deltas over quantized layers do not fit the optimizer: "
                              + "; ".join(problems))
