@@ -257,8 +257,8 @@ class QuantizedRoute:
     def _commit_inverse_scale(self) -> torch.Tensor | None:
         """1 / the scale of this step's losses, as `step()` knows it (`grad_scale`, or the scale `scaler.unscale_`
         divided `.grad` by); None without a scaler."""
-        inv_scale = self.optimizer._grad_inv_scale
-        return inv_scale if inv_scale is not None else self.optimizer._scaler_inverse_scale()
+        inv_scale = self.optimizer.amp.grad_inv_scale
+        return inv_scale if inv_scale is not None else self.optimizer.amp.scaler_inverse_scale()
 
     def record_group(self) -> None:
         """At forward: remember the process group of the DDP running this forward, if any."""

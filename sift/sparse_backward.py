@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.optim.state import SparseStateMixin, is_selected
+from sift.optim.state import SparseOptimizer, is_selected
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -214,7 +214,7 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
         >>> handle = enable_sparse_backward(model, opt)  # doctest: +SKIP
     """
     # SparseAdamW's own base: sift.optim.core, which defines SparseAdamW, imports this module.
-    if not isinstance(optimizer, SparseStateMixin):
+    if not isinstance(optimizer, SparseOptimizer):
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not optimizer.compact_grads:
         raise ValueError("sparse backward writes the optimizer's compact gradient buffers: build the optimizer "

@@ -29,10 +29,11 @@ from sift._index import entries_for
 from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear4bit,
                             is_linear8bit, is_quantized_linear)
 from sift.sparse_backward import check_routable, enable_sparse_backward, exclude_from_ddp, routable_layers
-from sift.optim.state import SparseStateMixin
+from sift.optim.state import SparseOptimizer
 from sift.optim.state import is_selected as _selected
 from sift.optim.state import local_tensor as _local
 from sift.optim.state import num_entries as _num_entries
+from sift.optim.state import quantized_routes as _quantized_routes
 
 if TYPE_CHECKING:
     from sift.optim import SparseAdamW
@@ -330,8 +331,8 @@ def for_model(
     if optimizer.compact_grads:
         exclude_from_ddp(model, list(plan.sparse))
     if quantized:
-        optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
-        optimizer._hook_quantized()
+        optimizer.grads.quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
+        optimizer.grads.hook_quantized()
     if sparse_backward:
         optimizer.sparse_backward_handle = enable_sparse_backward(model, optimizer)
     return optimizer
@@ -409,7 +410,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         if group is None or not p.requires_grad:
             mode, entries = "frozen", 0
         elif group.get("name") == "quantized":  # the [k] values of a 4-bit or 8-bit layer's sparse delta
-            route = getattr(optimizer, "_quantized", {}).get(p)
+            route = _quantized_routes(optimizer).get(p)
             mode = "8-bit delta" if route is not None and is_linear8bit(route.module) else "4-bit delta"
             entries = numel
             pending = int("delta_indices" not in state and "delta_indices_low" not in state)
@@ -432,7 +433,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         row[1] += entries
         row[2] += state_bytes
         row[3] += pending
-    if isinstance(optimizer, SparseStateMixin):  # SparseAdamW's base that defines state_bytes()
+    if isinstance(optimizer, SparseOptimizer):  # a SparseAdamW, which defines state_bytes()
         total_bytes = int(optimizer.state_bytes()["state_bytes"])
     lines = ["| name | shape | mode | trainable entries | optimizer state (bytes) |", "|---|---|---|---|---|"]
     for (name, shape, mode), (count, entries, state_bytes, pending) in rows.items():

@@ -309,7 +309,7 @@ def _run_mode(rank: int, world: int, name: str, config: dict, extra: dict, dead:
     with _reduce_scatters(log):  # the last step's, long after selection
         _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
     out = {"snapshot": _snapshot(model, opt), "reduce-scatters": log,
-           "plans-final": getattr(opt, "_sharded_plans_final", None)}
+           "plans-final": opt.grads.sharded_plans_final}
     base = _model(dead).state_dict() if name in LEAN else None
     if name in ("plain", "hook", "hook-lean", "sparse-backward"):
         out["snapshot"]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))

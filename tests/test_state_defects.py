@@ -75,7 +75,7 @@ def test_a_copy_has_every_attribute_the_constructor_sets(make_copy):
         assert set(vars(dup)) <= set(vars(opt)), flags
         assert dup.last_step_skipped is False
         dup.remove_hooks()
-        assert not dup._hook_handles and not dup._quantized_handles
+        assert not dup.grads.hook_handles and not dup.grads.quantized_handles
 
 
 @pytest.mark.parametrize("make_copy", COPIES)

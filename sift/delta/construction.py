@@ -18,7 +18,7 @@ from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
 from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of,
                                     logical_state)
 from sift.delta.packing import HALF_DTYPES, shortest_increments
-from sift.optim.state import increments, is_dense_stepped, is_dtensor
+from sift.optim.state import increments, is_dense_stepped, is_dtensor, quantized_routes
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -94,7 +94,7 @@ class DeltaConstructionMixin:
         entries, problems = {}, []
         dense: dict[str, torch.Tensor] = {}
         # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
-        quantized = getattr(optimizer, "_quantized", {})
+        quantized = quantized_routes(optimizer)
         for values, route in quantized.items():
             indices = route.indices
             if indices is not None:

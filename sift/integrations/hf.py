@@ -233,7 +233,7 @@ class SparseTrainerMixin:
             selection=self.sift_selection,
             **flags,
         )
-        optimizer._update_in_backward_auto = auto
+        optimizer.memory.auto = auto
         for p, idx in given.items():
             optimizer.set_indices(p, idx)
         if sparse_backward:
@@ -267,7 +267,7 @@ class SparseTrainerMixin:
             select_steps=self.sift_select_steps,
             **flags,
         )
-        optimizer._update_in_backward_auto = auto
+        optimizer.memory.auto = auto
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():
             optimizer.set_indices(params[name], idx)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sift._index import index_dtype as _index_dtype
-from sift.optim.state import is_dtensor, is_selected, local_tensor
+from sift.optim.state import is_dtensor, is_selected, local_tensor, quantized_routes
 
 if TYPE_CHECKING:
     from sift.optim.core import SparseAdamW
@@ -105,10 +105,10 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     if grad is None:
         return
     selected = is_selected(optimizer.state[p])
-    optimizer._mark_backward(p, selected)
+    optimizer.grads.mark_backward(p, selected)
     if not selected or not p.requires_grad:
         return
-    optimizer._update_now(p, optimizer._gather_scratch(p, grad))
+    optimizer.grads.update_now(p, optimizer.grads.gather_scratch(p, grad))
     p.grad = None
 
 
@@ -210,16 +210,14 @@ def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> lis
     sharded = [route for route in routes if is_dtensor(route.weight)]
     if not sharded:
         return []
-    plans = getattr(optimizer, "_sharded_sparse_grads", [])
     for route in sharded:
         route.sharded = ShardedSparseGrad(optimizer, route.weight)
-        plans.append(route.sharded)
-    optimizer._sharded_sparse_grads = plans
-    if getattr(optimizer, "_sharded_sparse_hooks", None):
+        optimizer.grads.sharded_plans.append(route.sharded)
+    if optimizer.grads.sharded_hooks:
         return []
     hooks = [optimizer.register_step_post_hook(lambda opt, args, kwargs: _refresh_stale(opt)),
              optimizer.register_load_state_dict_post_hook(lambda opt: refresh_sparse_backward(opt))]
-    optimizer._sharded_sparse_hooks = hooks
+    optimizer.grads.sharded_hooks = hooks
     return hooks
 
 
@@ -229,8 +227,8 @@ def _refresh_stale(optimizer: SparseAdamW) -> None:
     then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once)."""
     import torch.distributed as dist
 
-    plans = getattr(optimizer, "_sharded_sparse_grads", [])
-    if not plans or getattr(optimizer, "_sharded_plans_final", False):
+    plans = optimizer.grads.sharded_plans
+    if not plans or optimizer.grads.sharded_plans_final:
         return
     flags = torch.tensor([float(any(plan.stale() for plan in plans)),
                           # A rank's empty shard (FSDP2 pads dim 0) never chooses entries: nothing pends there.
@@ -241,7 +239,7 @@ def _refresh_stale(optimizer: SparseAdamW) -> None:
     stale, pending = flags.tolist()
     if stale:
         refresh_sparse_backward(optimizer)
-    optimizer._sharded_plans_final = not pending
+    optimizer.grads.sharded_plans_final = not pending
 
 
 def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
@@ -256,9 +254,9 @@ def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
         >>> optimizer.set_indices(weight, indices)  # doctest: +SKIP
         >>> refresh_sparse_backward(optimizer)  # doctest: +SKIP
     """
-    for plan in getattr(optimizer, "_sharded_sparse_grads", []):
+    for plan in optimizer.grads.sharded_plans:
         plan.refresh()
-    optimizer._sharded_plans_final = False  # entries changed outside step(): the next step checks again
+    optimizer.grads.sharded_plans_final = False  # entries changed outside step(): the next step checks again
 
 
 # ----------------------------------------------------------------------------- delta export
@@ -424,7 +422,7 @@ def replicated_quantized_deltas(optimizer: SparseAdamW, process_group: Any = Non
     """
     import torch.distributed as dist
 
-    routes = getattr(optimizer, "_quantized", {})
+    routes = quantized_routes(optimizer)
     if not routes:
         raise ValueError("the optimizer trains no 4-bit layer's delta: build it with SparseAdamW.for_model on a "
                          "bitsandbytes 4-bit model")
