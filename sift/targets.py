@@ -20,7 +20,7 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,14 +29,11 @@ from sift._index import entries_for
 from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear4bit,
                             is_linear8bit, is_quantized_linear)
 from sift.sparse_backward import check_routable, enable_sparse_backward, exclude_from_ddp, routable_layers
-from sift.optim.state import SparseOptimizer
-from sift.optim.state import is_selected as _selected
-from sift.optim.state import local_tensor as _local
-from sift.optim.state import num_entries as _num_entries
-from sift.optim.state import quantized_routes as _quantized_routes
-
-if TYPE_CHECKING:
-    from sift.optim import SparseAdamW
+from sift._params import SparseOptimizer
+from sift._params import is_selected as _selected
+from sift._params import local_tensor as _local
+from sift._params import num_entries as _num_entries
+from sift._params import quantized_routes as _quantized_routes
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -255,10 +252,10 @@ def for_model(
     target_modules: str | Sequence[str] | None = None,
     dense_modules: str | Sequence[str] | None = None,
     selection: str = "magnitude",
-    optimizer_cls: type[SparseAdamW],
+    optimizer_cls: type[torch.optim.Optimizer],
     sparse_backward: bool = False,
     **optimizer_kwargs: Any,
-) -> SparseAdamW:
+) -> torch.optim.Optimizer:
     """Freeze `model` but for its target weights (sparse) and task head (dense); their optimizer.
 
     The target modules' biases are frozen too: SIFT trains weight entries only. Everything
@@ -449,7 +446,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     return "\n".join(lines)
 
 
-def planned_entries(optimizer: SparseAdamW) -> int:
+def planned_entries(optimizer: SparseOptimizer) -> int:
     """Trainable entries of `optimizer` once every sparse weight is selected.
 
     Example:

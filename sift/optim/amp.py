@@ -128,14 +128,16 @@ class ScalerLink:
             found_inf = None
         self.grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
         compact_inv = self.grad_inv_scale if grad_scale is not None else self.scaler_inverse_scale()
-        if compact_inv is None and found_inf is not None and any(p in self.opt.grads.ready for p in self.scaled_compact):
+        ready = self.opt.grads.ready
+        if compact_inv is None and found_inf is not None and any(p in ready for p in self.scaled_compact):
             raise RuntimeError("scaler.unscale_(optimizer) cannot see the compact gradients of compact_grads mode "
                                "(or the sparse backward): set `optimizer.grad_scaler = scaler` so that "
                                "clip_grad_norm_ and step() unscale them")
         if compact_inv is not None:
             self.unscale_compact(compact_inv)
         # The 4-bit layers' selection scores (sift.quantized) are formed in backward, where no `.grad` shows them.
-        scored = [flag for flag in (route.found_inf() for route in self.opt.grads.quantized.values()) if flag is not None]
+        routes = self.opt.grads.quantized.values()
+        scored = [flag for flag in (route.found_inf() for route in routes) if flag is not None]
         if under_scaler and scored:
             for flag in scored:
                 held = self.compact_found_inf.get(flag.device)

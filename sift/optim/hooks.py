@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from sift.optim.clip import clip_each_
-from sift.optim.sharded import sharded_update_hook
+from sift.optim.sharded import attach_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 
@@ -79,6 +79,11 @@ class GradRoutes:
     def new_step(self) -> None:
         """Forget what lived for one step: which pending dense grads were averaged across ranks."""
         self.averaged: set[torch.Tensor] = set()
+
+    def attach_sparse_backward(self, routes: list[Any]) -> None:
+        """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
+        their cross-rank plans (`sift.optim.sharded`)."""
+        attach_sparse_backward(self.opt, routes)
 
     def end_step(self) -> None:
         """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers."""
@@ -351,8 +356,8 @@ class GradRoutes:
         """A [k] fp32 view of p's device's scratch gradient, grown to the largest k selected there."""
         buffer = self.scratch.get(p.device)
         if buffer is None or buffer.numel() < k:
-            largest = max((num_entries(s) for q, s in self.opt.state.items() if q.device == p.device and is_selected(s)),
-                          default=k)
+            states = self.opt.state.items()
+            largest = max((num_entries(s) for q, s in states if q.device == p.device and is_selected(s)), default=k)
             buffer = torch.empty(max(k, largest), dtype=torch.float32, device=p.device)
             self.scratch[p.device] = buffer
         return buffer[:k]

@@ -143,7 +143,7 @@ class MemoryPolicy:
         self.auto = False
         self.opt.update_in_backward = False
         self.opt.grads.backward_seen.clear()
-        self.opt.remove_hooks()
+        self.opt.grads.remove_hooks()
         self.opt.grads.hooks_ready = True
         self.opt.grads.sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
 

@@ -28,8 +28,7 @@ import torch
 
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
-from sift._index import random_generator as _random_generator
-from sift._index import top_k_positions
+from sift._rules import random_entries, ranks_nothing, score_flags, step_score, top_k, total_score, warn_unscored
 from sift.optim.sharded import shard_group, shard_offset
 from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
 
@@ -110,21 +109,6 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     return out
 
 
-def _score_flags(score: torch.Tensor) -> torch.Tensor:
-    """[2] fp32: whether `score` holds a non-finite value, and whether it holds a nonzero one (on the device,
-    so that ranks can take the maximum of both in one all-reduce)."""
-    return torch.stack([torch.isfinite(score).logical_not().any(), score.ne(0).any()]).float()
-
-
-def _ranks_nothing(score: torch.Tensor | None) -> bool:
-    """Whether a weight's selection score cannot rank its entries: zero everywhere (a zero-initialised layer,
-    a batch whose labels are all ignored) or not finite. "random" (no score) always ranks."""
-    if score is None:
-        return False
-    bad, nonzero = _score_flags(score).tolist()
-    return bool(bad) or not nonzero
-
-
 class Selector:
     """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps: one engine for
     every 16-bit weight (scores unscaled, ties to the lower index, inf/NaN and all-zero scores left
@@ -164,16 +148,15 @@ class Selector:
             position = next(i for i, q in enumerate(q for _, q in self.opt.entries.sparse_params()) if q is p)
             names = group.get("param_names") or ()
             name = next((n for n, q in zip(names, group["params"]) if q is p), None)
-            gen = _random_generator(self.opt.seed, name, position, p.device)
-            if self.selects_globally(p):
-                # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
-                start = shard_offset(p)
-                chosen = top_k_positions(torch.rand(p.numel(), generator=gen, device=p.device), k)
-                chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
-                return chosen.to(_index_dtype(local))
-            score = torch.rand(local, generator=gen, device=p.device)
+            if not self.selects_globally(p):
+                return random_entries(self.opt.seed, name, position, local, k, p.device)
+            # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
+            start = shard_offset(p)
+            chosen = random_entries(self.opt.seed, name, position, p.numel(), k, p.device).long()
+            chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
+            return chosen.to(_index_dtype(local))
         assert score is not None
-        return top_k_positions(score, k).to(_index_dtype(local))
+        return top_k(score, k)
 
     def average_pending(self) -> None:
         """The cross-rank work before anything selects (`step()` and `clip_grad_norm_` call it): the
@@ -196,11 +179,11 @@ class Selector:
             by_group.setdefault(shard_group(p), []).append((group, p))
         for mesh_group, members in by_group.items():
             # A clip before the step searched already: search again only if any rank's gradient changed. The
-            # same all-reduce agrees on the weights whose whole score ranks nothing (see `_score_flags`).
+            # same all-reduce agrees on the weights whose whole score ranks nothing (see `score_flags`).
             device = local_tensor(members[0][1]).device
             changed = float(any(self.tentative.get(p, (None,))[0] != self.grad_key(p) for _, p in members))
             flags = torch.cat([torch.tensor([changed], device=device)] +
-                              [_score_flags(self.final_score(p)).to(device) for _, p in members])
+                              [score_flags(self.final_score(p)).to(device) for _, p in members])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh_group)
             flags = flags.tolist()
             if not flags[0]:
@@ -223,20 +206,10 @@ class Selector:
                     chunk = []
 
     def score_now(self, p: torch.Tensor) -> torch.Tensor | None:
-        """This step's contribution to p's selection score (fp32, p's local shape); None for "random"."""
-        grad = local_tensor(p.grad.detach())
-        if self.opt.selection == "magnitude":
-            score = grad.abs().float()
-        elif self.opt.selection == "saliency":
-            # First-order saliency: the loss change predicted for zeroing the entry. Summed
-            # signed over the selection steps; the magnitude of the sum ranks (the average's order).
-            score = -(local_tensor(p.detach()).float() * grad.float())
-        else:
-            return None
-        if self.opt.amp.grad_inv_scale is not None:
-            # GradScaler's scale may change between selection steps: scores add unscaled.
-            score.mul_(self.opt.amp.grad_inv_scale.to(score.device))
-        return score
+        """This step's contribution to p's selection score (fp32, p's local shape; `sift._rules.step_score`), unscaled
+        by GradScaler's scale, whose value may change between selection steps; None for "random"."""
+        return step_score(self.opt.selection, local_tensor(p.grad.detach()), local_tensor(p.detach()),
+                          self.opt.amp.grad_inv_scale)
 
     @staticmethod
     def grad_key(p: torch.Tensor) -> tuple:
@@ -264,16 +237,11 @@ class Selector:
         """The score p's entries are chosen by on its last selection step (fp32, p's local shape; a new
         tensor): this step's plus the earlier steps'; None for "random"."""
         score = self.score_now(p)
-        previous = self.opt.state.get(p, {}).get("score")
-        if score is not None and previous is not None:
-            score = score.add_(previous)
-        if score is not None and self.opt.selection == "saliency":
-            score = score.abs_()
-        return score
+        return None if score is None else total_score(self.opt.selection, score, self.opt.state.get(p, {}).get("score"))
 
     def tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor | None:
         """The entries this step would choose for pending p (its final selection step); not committed. None
-        when p's score ranks nothing (`_ranks_nothing`): p then stays pending. FSDP2 shards selecting per
+        when p's score ranks nothing (`sift._rules.ranks_nothing`): p then stays pending. FSDP2 shards selecting per
         shard choose as before, since their ranks could not agree on it without a collective."""
         key = self.grad_key(p)
         hit = self.tentative.get(p)
@@ -285,7 +253,7 @@ class Selector:
                                "the ranks in this step; change gradients before clip_grad_norm_ and step()")
         score = self.final_score(p)
         per_shard = is_dtensor(p)  # per_shard selection: every rank chooses on its own, so all of them do
-        indices = None if not per_shard and _ranks_nothing(score) else self.choose(group, p, score)
+        indices = None if not per_shard and ranks_nothing(score) else self.choose(group, p, score)
         self.tentative[p] = (key, indices)
         return indices
 
@@ -308,7 +276,7 @@ class Selector:
                     self.gather_compact(p, self.clipped_grad(p))
             else:
                 score = self.score_now(p)
-                if not is_dtensor(p) and _ranks_nothing(score):
+                if not is_dtensor(p) and ranks_nothing(score):
                     # Not counted (as a step that did not reach p): a NaN would stay in the sum for good. FSDP2
                     # shards add theirs: their ranks agree on the whole weight's score at the final step alone.
                     self.leave_pending(group, p)
@@ -336,9 +304,7 @@ class Selector:
         position = next(j for j, q in enumerate(group["params"]) if q is p)
         label = (repr(names[position]) if position < len(names) else
                  f"group {next(i for i, g in enumerate(self.opt.param_groups) if g is group)}, param {position}")
-        warnings.warn(f"SparseAdamW: the selection score of {label} is zero everywhere or not finite (a zero-"
-                      "initialised layer, a batch whose labels are all ignored, a NaN gradient): its entries are not "
-                      "chosen, and it stays pending until a step whose gradient ranks them", stacklevel=4)
+        warn_unscored(label, stacklevel=4)
 
     def clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""

@@ -7,12 +7,14 @@ The public functions here read a param's state dict, whatever optimizer holds it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from sift import _ops
+from sift._params import (SparseOptimizer, first_shard, increments, is_dense_stepped, is_dtensor,  # noqa: F401
+                          is_selected, local_tensor, num_entries, quantized_routes, uses_grad)
 from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
@@ -21,97 +23,6 @@ from sift._index import merge_disjoint as _merge_disjoint
 SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
 RETIRED_KEYS = ("retired_indices", "retired_delta", "retired_base")
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether `t` is a DTensor: FSDP2 shards params so, and sparse state lives on each rank's local shard."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def first_shard(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """The optimizer's first DTensor (FSDP2) param, or None when it holds none."""
-    return next((p for group in optimizer.param_groups for p in group["params"] if is_dtensor(p)), None)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (a view of its storage), else `t` itself."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def uses_grad(p: torch.Tensor) -> bool:
-    """Whether the step uses p's gradient this time: frozen params are skipped even with a grad."""
-    return p.requires_grad and p.grad is not None
-
-
-@runtime_checkable
-class SparseOptimizer(Protocol):
-    """What the routes (the sparse backward, `clip_grad_norm_`, `trainable_summary`) need of `SparseAdamW`: an
-    `isinstance` check against this tells one apart without importing the class."""
-
-    def indices_of(self, param: torch.Tensor) -> torch.Tensor: ...
-
-    def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
-
-    def state_bytes(self) -> dict[str, float]: ...
-
-
-def quantized_routes(optimizer: Any) -> dict[torch.Tensor, Any]:
-    """A SparseAdamW's 4-bit and 8-bit layers (`sift.quantized`): delta values param -> route; {} for any other
-    optimizer."""
-    return getattr(getattr(optimizer, "grads", None), "quantized", None) or {}
-
-
-def is_selected(state: Mapping[str, Any]) -> bool:
-    """Whether a param state holds chosen entries (exact or lean layout)."""
-    return "indices" in state or "indices_low" in state
-
-
-def num_entries(state: Mapping[str, Any]) -> int:
-    """k of a selected param state, in either layout."""
-    return (state["indices"] if "indices" in state else state["indices_low"]).numel()
-
-
-def is_dense_stepped(state: Mapping[str, Any]) -> bool:
-    """Whether a param state is dense AdamW's (a `density=1.0` group's param that has been stepped)."""
-    return "exp_avg" in state and not is_selected(state)
-
-
-def increments(state: Mapping[str, torch.Tensor], numel: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The exact increments of a sparse param state on the CPU, active and retired entries merged.
-
-    Args:
-        state: the param's state in a `SparseAdamW(state="exact")` (`optimizer.state[param]`).
-        numel: the param's element count (it fixes the index dtype).
-
-    Returns:
-        [n] sorted flat positions (int32, int64 past 2**31 elements), [n] fp32 increments since
-        the first selection, and [n] base values (None for a hand-made state without them); None
-        when the state has no exact chosen entries (not selected yet, a dense param, or the lean
-        layout, which keeps no increments).
-
-    Example:
-        >>> from sift import SparseAdamW
-        >>> w = torch.nn.Parameter(torch.randn(4, 4))
-        >>> opt = SparseAdamW([w], density=0.25)
-        >>> opt.set_indices(w, torch.tensor([1, 6, 11, 12]))
-        >>> positions, values, base = increments(opt.state[w], w.numel())
-        >>> positions.tolist(), values.tolist(), torch.equal(base, w.detach().view(-1)[positions.long()])
-        ([1, 6, 11, 12], [0.0, 0.0, 0.0, 0.0], True)
-    """
-    if "indices" not in state:
-        return None
-    index_dtype = _index_dtype(numel)
-    idx = state["indices"].detach().to("cpu", index_dtype, copy=True)
-    values = state["delta"].detach().to("cpu", torch.float32, copy=True)
-    base = state["base"].detach().to("cpu", copy=True) if "base" in state else None
-    if "retired_indices" in state:
-        pairs = [(values, state["retired_delta"].detach().to("cpu", torch.float32))]
-        if base is not None:
-            pairs.append((base, state["retired_base"].detach().cpu()))
-        idx, merged = _merge_disjoint(idx, state["retired_indices"].detach().to("cpu", index_dtype), *pairs)
-        values, base = merged[0], (merged[1] if base is not None else None)
-    return idx, values, base
 
 
 class EntryState:
@@ -256,7 +167,8 @@ class EntryState:
                     entries += num_entries(state)
                 elif "exp_avg" in state:
                     entries += local_tensor(p).numel()
-        grad_bytes = sum(t.numel() * t.element_size() for t in [*self.opt.grads.compact.values(), *self.opt.grads.scratch.values()])
+        grads = self.opt.grads
+        grad_bytes = sum(t.numel() * t.element_size() for t in [*grads.compact.values(), *grads.scratch.values()])
         return {
             "state_bytes": float(total),
             "trainable_entries": float(entries),
