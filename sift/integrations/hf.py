@@ -8,9 +8,10 @@ directory), not the model, in `save_model`, checkpoints and `load_best_model_at_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
 from sift.optim.state import first_shard, increments
+from sift.quantized import DELTA, is_quantized_linear
 from sift.targets import model_family, plan_targets, trainable_summary
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,12 @@ class SparseTrainerMixin:
     `resume_from_checkpoint` continues bit for bit, and `load_best_model_at_end` puts the best
     checkpoint's fine-tune on the model (and `save_model` then writes that one).
 
+    A model loaded in 4 or 8 bits by bitsandbytes (`quantization_config=BitsAndBytesConfig(...)`) trains a
+    sparse delta over each packed target layer (`sift.quantized`), with its packed weights and every other
+    param frozen: the Trainer's refusal of a quantized model without an adapter does not apply (nor TRL's
+    cast of its trainable params to bf16), checkpoints keep the deltas and a resume puts them back on the
+    freshly loaded packed model. Pass the model loaded, not a name with `quantization_config`.
+
     Args:
         *args: passed to the Trainer class.
         density: fraction of each weight's entries to train, in (0, 1].
@@ -106,7 +114,8 @@ class SparseTrainerMixin:
         ValueError: density outside (0, 1], compact_grads with several processes,
             `indices` naming a param the model does not have (or a frozen one, or with
             `target_modules` one that is not a target weight), or `target_modules` /
-            `dense_modules` that do not fit the model (see `sift.targets.plan_targets`).
+            `dense_modules` that do not fit the model (see `sift.targets.plan_targets`), or a model
+            given by name with a `quantization_config` (pass it loaded).
 
     Example (`model` a transformers model, `ds` its training dataset)::
 
@@ -127,6 +136,14 @@ class SparseTrainerMixin:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         model = kwargs.get("model", args[0] if args else None)
+        host = model if _is_bitsandbytes_base(model) else None
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(model, str) and (kwargs.get("quantization_config") is not None or "quantization_config" in (
+                getattr(training_args, "model_init_kwargs", None) or {})):
+            # TRL would load it and Trainer.__init__ refuse it before the integration sees the model.
+            raise ValueError("a quantized model must be given to the integrated trainer loaded (model=AutoModelFor"
+                             "CausalLM.from_pretrained(name, quantization_config=...)), not as the name "
+                             f"{model!r} with quantization_config")
         given = (kwargs.get("optimizers") or (None,))[0]
         if not isinstance(model, torch.nn.Module) or isinstance(given, SparseAdamW):
             model = None  # a model id TRL loads itself (planned when the optimizer is built), or the user's plan
@@ -152,7 +169,6 @@ class SparseTrainerMixin:
             if unknown or frozen:
                 raise ValueError(f"indices names params the model does not train: unknown {unknown}, "
                                  f"frozen {frozen}")
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if compact_grads and training_args is not None and training_args.world_size > 1:
             # Checked before Trainer.__init__ so that nothing (device placement) touches the model.
             raise ValueError(
@@ -179,7 +195,8 @@ class SparseTrainerMixin:
         self.sift_targets = (target_modules, dense_modules) if by_targets or (model is None and indices is None) \
             else None
         self.sift_selection = selection
-        super().__init__(*args, **kwargs)
+        with _hosting_sift_delta(host):
+            super().__init__(*args, **kwargs)
         self.add_callback(_ReportSkippedSteps())
         self.add_callback(_SummaryAtTrainStart())
 
@@ -200,6 +217,8 @@ class SparseTrainerMixin:
                 self.sift_targets = None
             self.optimizer = (self._create_optimizer_for_targets(opt_model) if self.sift_targets is not None
                               else self._create_sparse_optimizer(opt_model))
+            if getattr(self, "_sift_pending_deltas", None):  # a resume's, loaded before the optimizer existed
+                self._put_pending_deltas(opt_model)
         # The scaler's unscale_ sees only .grad: the optimizer unscales its compact buffers itself
         # by this scaler's scale (see sift.optim.amp). Linked here, before any step, since the
         # Trainer may unscale without clipping.
@@ -307,6 +326,8 @@ class SparseTrainerMixin:
             for p, state in optimizer.state.items():
                 if "indices" in state and p in names:
                     exact[f"{names[p]}.values"] = p.detach().reshape(-1)[state["indices"].long()].cpu().contiguous()
+            for values, route in getattr(optimizer, "_quantized", {}).items():  # a packed layer's [k] delta, whole
+                exact[f"{route.name}.{DELTA}"] = values.detach().float().cpu().contiguous()
             save_file(exact, os.path.join(output_dir, TRAINED_VALUES))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
@@ -345,16 +366,47 @@ class SparseTrainerMixin:
 
         model = self.model if model is None else model
         delta = SparseDelta.from_pretrained(resume_from_checkpoint)
+        exact_file = os.path.join(resume_from_checkpoint, TRAINED_VALUES)
+        exact = load_file(exact_file) if os.path.isfile(exact_file) else {}
+        # A packed (4-bit or int8) layer's entries are its trainable delta's values, not weights to write into.
+        modules = dict(model.named_modules())
+        packed = {name[: -len(".weight")]: entry for name, entry in delta.entries.items()
+                  if name.endswith(".weight") and is_quantized_linear(modules.get(name[: -len(".weight")]))}
+        if packed:
+            delta = SparseDelta({n: e for n, e in delta.entries.items() if n[: -len(".weight")] not in packed},
+                                delta.base, delta.dense)
+            self._sift_pending_deltas = {layer: (entry.indices, exact.pop(f"{layer}.{DELTA}", entry.values))
+                                         for layer, entry in packed.items()}
+            if self._sparse_optimizer() is not None:  # the best checkpoint, loaded after training
+                self._put_pending_deltas(model)
         # Over the base restored by _load_best_model the same checkpoint may come back (a resume's, or an earlier
         # best): the registry of applied deltas would refuse it as already applied.
         delta.apply_(model, stack=getattr(self, "_sift_loading_best", False))
-        exact_file = os.path.join(resume_from_checkpoint, TRAINED_VALUES)
-        if os.path.isfile(exact_file):
-            params = dict(model.named_parameters())
-            with torch.no_grad():
-                for key, values in load_file(exact_file).items():
-                    name = key[: -len(".values")]
-                    params[name].view(-1)[delta[name].indices.long()] = values.to(params[name].dtype)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key, values in exact.items():
+                name = key[: -len(".values")]
+                params[name].view(-1)[delta[name].indices.long()] = values.to(params[name].dtype)
+
+    def _put_pending_deltas(self, model: torch.nn.Module) -> None:
+        """Write a checkpoint's packed-layer deltas into the values the optimizer trains (`sift.quantized`): a
+        resume loads them before the optimizer exists, so `create_optimizer` calls this once it has built it."""
+        pending = getattr(self, "_sift_pending_deltas", None) or {}
+        routes = {route.name: (values, route) for values, route in
+                  getattr(self._sparse_optimizer(), "_quantized", {}).items()}
+        problems = [f"{layer}: not a trained 4-bit or 8-bit layer, or {values.numel()} entries where it trains "
+                    f"{routes[layer][0].numel() if layer in routes else 0}" for layer, (_, values) in pending.items()
+                    if layer not in routes or routes[layer][0].numel() != values.numel()]
+        problems += [f"{layer}: other entries than the optimizer's" for layer, (indices, _) in pending.items()
+                     if layer in routes and routes[layer][1].indices is not None
+                     and not torch.equal(routes[layer][1].indices.cpu().long(), indices.long())]
+        if problems:
+            raise ValueError("the checkpoint's deltas over quantized layers do not fit the optimizer: "
+                             + "; ".join(problems))
+        with torch.no_grad():
+            for layer, (_, values) in pending.items():
+                routes[layer][0].copy_(values.to(routes[layer][0].device, torch.float32))
+        self._sift_pending_deltas = None
 
     def _load_best_model(self) -> None:
         """Put the best checkpoint's fine-tune on the model: the trained entries go back to their base values
@@ -398,6 +450,47 @@ class SparseTrainerMixin:
             self.accelerator.unscale_gradients()
             grad_norm = clip_grad_norm_(optimizer, float("inf"))
         return super()._get_grad_norm(model, grad_norm)
+
+
+def _is_bitsandbytes_base(model: Any) -> bool:
+    """Whether `model` is a transformers model loaded in 4 or 8 bits by bitsandbytes, whose packed layers sift
+    trains as sparse deltas (`sift.quantized`)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    return (isinstance(model, torch.nn.Module) and getattr(model, "is_quantized", False)
+            and str(getattr(method, "value", method)) == "bitsandbytes"
+            and any(is_quantized_linear(m) for m in model.modules()))
+
+
+@contextlib.contextmanager
+def _hosting_sift_delta(model: torch.nn.Module | None) -> Iterator[None]:
+    """While the Trainer class initialises, a bitsandbytes base passes as what it becomes once the optimizer is
+    built: a frozen quantized model carrying trainable deltas.
+
+    Trainer.__init__ refuses a quantized model without a PEFT adapter ("cannot perform fine-tuning on purely
+    quantized models"): it is marked as carrying one (transformers' `_hf_peft_config_loaded`). TRL's SFTTrainer
+    casts the trainable params of a quantized model to bf16 (its QLoRA recipe), which would round the base's
+    16-bit weights (embeddings, norms): every param is frozen meanwhile. Both are restored on the way out; the
+    optimizer then freezes and trains by its own plan.
+    """
+    if model is None:
+        yield
+        return
+    marked = "_hf_peft_config_loaded" in vars(model)
+    previous = vars(model).get("_hf_peft_config_loaded")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model._hf_peft_config_loaded = True
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        if marked:
+            model._hf_peft_config_loaded = previous
+        else:
+            del model._hf_peft_config_loaded
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 def _restore_base(optimizer: SparseAdamW, model: torch.nn.Module) -> None:
