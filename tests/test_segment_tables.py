@@ -289,5 +289,7 @@ def test_copies_keep_every_setting_of_the_original(copier):
     clone = copier(opt)
     assert (clone.sharded_selection, clone.select_steps, clone.selection, clone.seed, clone.max_grad_norm) == \
         ("per_shard", 2, "saliency", 7, 0.5)
-    for name in type(opt)._PICKLED:
+    from sift.optim.checkpoint import PICKLED
+
+    for name in PICKLED:
         assert getattr(clone, name) == getattr(opt, name), name

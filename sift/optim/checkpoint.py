@@ -38,7 +38,7 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 
 
 # What a copy carries besides torch's own state: the settings, and the gradients gathered this step.
-_PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
+PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
             "update_in_backward", "sharded_selection", "loss_scaled")
 
 
@@ -53,7 +53,7 @@ def getstate(opt: Any) -> dict[str, Any]:
     state = torch.optim.Optimizer.__getstate__(opt)
     for name in ("entries", "grads", "selector", "amp", "steps", "memory", "last_step_skipped"):
         state.pop(name, None)
-    state.update({name: getattr(opt, name) for name in _PICKLED})
+    state.update({name: getattr(opt, name) for name in PICKLED})
     state["compact"] = opt.grads.compact
     state["grad_ready"] = opt.grads.ready
     state["update_in_backward_auto"] = opt.memory.auto

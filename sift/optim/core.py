@@ -126,6 +126,10 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # GradScaler hands `step()` its scale and inf flag (`sift.optim.amp`) instead of unscaling `.grad` itself.
     _step_supports_amp_scaling = True
+    # The parts every optimizer is composed of, by name (see `_build_parts`); a subclass may swap one for its own
+    # subclass (another selection rule, say).
+    PARTS = (("entries", EntryState), ("grads", GradRoutes), ("selector", Selector), ("amp", ScalerLink),
+             ("steps", Steps), ("memory", MemoryPolicy))
 
     def __init__(
         self,
@@ -211,8 +215,8 @@ class SparseAdamW(torch.optim.Optimizer):
             self.grads.sync_hooks()
 
     def _build_parts(self) -> None:
-        """The parts a mode is composed of, each owned by one module, and what lives with this process alone.
-        The constructor and every copy (`__setstate__`) build them here, so a copy never lacks one.
+        """The parts a mode is composed of (`PARTS`), each owned by one module, and what lives with this process
+        alone. The constructor and every copy (`__setstate__`) build them here, so a copy never lacks one.
 
         `entries` (sift.optim.state): the sparse params, their state layout, `set_indices`, `indices_of`.
         `grads` (sift.optim.hooks): where each weight's gradient comes from and waits: hooks, compact buffers,
@@ -226,12 +230,8 @@ class SparseAdamW(torch.optim.Optimizer):
         # step that takes the scale itself even when it skips, so wrappers that count skipped
         # steps by "step() was not called" (accelerate) read this instead.
         self.last_step_skipped = False
-        self.entries = EntryState(self)
-        self.grads = GradRoutes(self)
-        self.selector = Selector(self)
-        self.amp = ScalerLink(self)
-        self.steps = Steps(self)
-        self.memory = MemoryPolicy(self)
+        for name, part in self.PARTS:
+            setattr(self, name, part(self))
 
     def _forget_step_caches(self) -> None:
         """What lived for one step only, in each part (see their `new_step`)."""
