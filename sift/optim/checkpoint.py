@@ -97,7 +97,8 @@ def state_dict(opt: Any) -> dict[str, Any]:
               for pid, p in zip(saved["params"], group["params"])}
     sd["sift"] = {"select_steps": opt.select_steps, "selection": opt.selection, "seed": opt.seed,
                   "state": opt.state_layout, "format": 1, "param_shapes": shapes,
-                  "loss_scaled": opt.loss_scaled, **opt.memory.saved_mode()}
+                  "loss_scaled": opt.loss_scaled, "sharded_selection": opt.sharded_selection,
+                  "compact_grads": opt.compact_grads, **opt.memory.saved_mode()}
     return sd
 
 
@@ -137,6 +138,9 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     meta = state_dict.get("sift", {})
     _check_shapes(meta.get("param_shapes"), id_map, saved_groups, opt.param_groups)
     layout = meta.get("state", "exact")  # states saved before the option are exact
+    if meta.get("sharded_selection", "global") not in ("global", "per_shard"):
+        raise ValueError(f"state_dict['sift']['sharded_selection'] must be 'global' or 'per_shard', got "
+                         f"{meta['sharded_selection']!r}")
     if layout not in ("exact", "lean"):
         raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
@@ -161,6 +165,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     opt.select_steps = meta.get("select_steps", opt.select_steps)
     opt.selection = meta.get("selection", opt.selection)
     opt.seed = meta.get("seed", opt.seed)
+    opt.sharded_selection = meta.get("sharded_selection", opt.sharded_selection)
     opt.memory.resume(meta)
     opt.loss_scaled = bool(meta.get("loss_scaled", opt.loss_scaled))
     opt.grads.compact.clear()
