@@ -307,4 +307,4 @@ def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:
                        "params": len(group["params"])})
     return {"selection": getattr(optimizer, "selection", None), "state": getattr(optimizer, "state_layout", None),
             "select_steps": getattr(optimizer, "select_steps", None), "groups": groups,
-            "quantized": bool(getattr(optimizer, "_quantized", {}))}
+            "quantized": bool(quantized_routes(optimizer))}
