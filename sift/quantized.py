@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift._index import entries_for, index_dtype, random_generator, top_k_positions
+from sift._index import entries_for, index_dtype
+from sift._rules import random_entries, ranks_nothing, step_score, top_k, total_score, warn_unscored
 from sift.sparse_backward import weight_gradient_wanted
 
 DELTA = "sift_delta"  # the trained [k] values, registered on each 4-bit module
@@ -144,6 +145,10 @@ class QuantizedRoute:
         self.step_score: torch.Tensor | None = None
         self.step_found_inf: torch.Tensor | None = None
         self.reached = False  # a backward reached this layer since the last step
+        # This step's total score ranked nothing (zero everywhere or not finite): the layer stays pending if the
+        # step runs; said once per layer.
+        self.unscored = False
+        self.warned_unscored = False
 
     fixed_indices: torch.Tensor | None = None  # a delta attached without an optimizer (`attach_delta_`)
 
@@ -199,37 +204,40 @@ class QuantizedRoute:
         self.reached = True
         if self.tentative is not None:  # a later backward of the selecting step: the chosen entries' gradient
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+        if self.unscored:  # a later backward of a selecting step whose score ranked nothing
+            return None
         rule = optimizer.selection
         state = optimizer.state[self.values]
         final = state.get("selection_calls", 0) + 1 >= optimizer.select_steps
         if rule == "random":
             if not final:
                 return None
-            gen = random_generator(optimizer.seed, f"{self.name}.weight", self.position, dy.device)
-            indices = top_k_positions(torch.rand(self.numel, generator=gen, device=dy.device), self.k)
-            self.tentative = indices.to(index_dtype(self.numel))
+            self.tentative = random_entries(optimizer.seed, f"{self.name}.weight", self.position, self.numel, self.k,
+                                            dy.device)
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
         # Several ranks choose one set of entries: from the gradient of the batch their values train on.
         self.average(dense, selecting=True)
-        # Magnitude: |dW| in place (one weight-sized buffer); saliency: -W * dW, summed signed.
-        score = dense.abs_() if rule == "magnitude" else dense.mul_(weight.float()).neg_()
-        score = score.reshape(-1)
+        # The 16-bit weights' rule, computed in place (one weight-sized buffer); unscaled at commit, once the
+        # step knows its scale.
+        score = step_score(rule, dense, weight, reuse=True).reshape(-1)
         self._check_finite(score)
         self.step_score = score if self.step_score is None else self.step_score.add_(score)
         if not final:
             return None
-        total = self.step_score
-        previous = state.get("score")
+        total, previous = self.step_score, state.get("score")
+        self.step_score = None  # this step's score was only needed for the choice
         if previous is not None:
             # The earlier steps' scores were unscaled as they were committed: this one is too, by the scale
             # of the loss this backward came from.
             inv_scale = self._loss_inverse_scale()
-            total = total * inv_scale.to(total.device) + previous if inv_scale is not None else total + previous
-        if rule == "saliency":
-            total = total.abs()
-        self.tentative = top_k_positions(total, self.k).to(index_dtype(self.numel))
-        self.step_score = None  # this step's score was only needed for the choice
+            if inv_scale is not None:
+                total = total * inv_scale.to(total.device)
+        total = total_score(rule, total, previous)
+        if ranks_nothing(total):  # step() leaves the layer pending (or GradScaler skips the step)
+            self.unscored = True
+            return None
+        self.tentative = top_k(total, self.k)
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
     def _check_finite(self, score: torch.Tensor) -> None:
@@ -257,8 +265,8 @@ class QuantizedRoute:
     def _commit_inverse_scale(self) -> torch.Tensor | None:
         """1 / the scale of this step's losses, as `step()` knows it (`grad_scale`, or the scale `scaler.unscale_`
         divided `.grad` by); None without a scaler."""
-        inv_scale = self.optimizer._grad_inv_scale
-        return inv_scale if inv_scale is not None else self.optimizer._scaler_inverse_scale()
+        inv_scale = self.optimizer.amp.grad_inv_scale
+        return inv_scale if inv_scale is not None else self.optimizer.amp.scaler_inverse_scale()
 
     def record_group(self) -> None:
         """At forward: remember the process group of the DDP running this forward, if any."""
@@ -304,7 +312,17 @@ class QuantizedRoute:
         """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
         state = self.optimizer.state[self.values]
         if not self.selected and self.reached:
-            state["selection_calls"] = state.get("selection_calls", 0) + 1
+            score = self.step_score
+            if score is not None:
+                # GradScaler's scale may change between selection steps: scores add unscaled.
+                inv_scale = self._commit_inverse_scale()
+                if inv_scale is not None:
+                    score.mul_(inv_scale.to(score.device))
+            unranked = self.unscored or (self.tentative is None and ranks_nothing(score))
+            if unranked:
+                self._leave_pending()  # not counted, as a step that did not reach the layer
+            else:
+                state["selection_calls"] = state.get("selection_calls", 0) + 1
             if self.tentative is not None and self.optimizer.state_layout == "lean":
                 state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(
                     self.tentative, self.numel)
@@ -312,13 +330,15 @@ class QuantizedRoute:
             elif self.tentative is not None:
                 state["delta_indices"] = self.tentative
                 state.pop("score", None)
-            elif self.step_score is not None:
-                # GradScaler's scale may change between selection steps: scores add unscaled.
-                score, inv_scale = self.step_score, self._commit_inverse_scale()
-                if inv_scale is not None:
-                    score.mul_(inv_scale.to(score.device))
+            elif score is not None and not unranked:
                 state["score"] = score if "score" not in state else state["score"].add_(score)
         self.discard()
+
+    def _leave_pending(self) -> None:
+        """This step's score ranked nothing: the layer's selection state stays as it was, said once."""
+        if not self.warned_unscored:
+            self.warned_unscored = True
+            warn_unscored(repr(f"{self.name}.weight"), stacklevel=4)
 
     def discard(self) -> None:
         """A step that does not update (skipped, or gradients zeroed): forget this step's selection work."""
@@ -326,6 +346,7 @@ class QuantizedRoute:
         self.step_score = None
         self.step_found_inf = None
         self.reached = False
+        self.unscored = False
 
 
 class _QuantizedSparseLinear(torch.autograd.Function):

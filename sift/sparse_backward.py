@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift.optim.state import SparseStateMixin, is_selected
+from sift._params import SparseOptimizer, is_dtensor, is_selected
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -191,6 +191,20 @@ class SparseBackwardHandle:
         return f"SparseBackwardHandle({len(self.modules)} layers: {', '.join(list(self.modules)[:4])}...)"
 
 
+def check_sparse_backward(params: Iterable[tuple[str, torch.Tensor]], update_in_backward: bool) -> None:
+    """Raise before anything is patched if the sparse backward cannot route these weights.
+
+    With FSDP2 each rank's [k] gradient is reduce-scattered inside the layer's backward, once per use of
+    the weight; update_in_backward would have to step the weight after its last use's reduction, which
+    nothing marks for a weight FSDP2 never gives a gradient.
+    """
+    sharded = [name for name, p in params if is_dtensor(p)]
+    if sharded and update_in_backward:
+        raise ValueError(f"the sparse backward of FSDP2 (fully_shard) params ({sharded[0]!r} is a sharded DTensor) "
+                         "does not support update_in_backward=True: use update_in_backward=False (the step applies "
+                         "the reduced [k] gradients), or update_in_backward without the sparse backward")
+
+
 def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] | None = None) -> SparseBackwardHandle:
     """Route each sparsely trained linear weight of `model` through the sparse backward.
 
@@ -213,8 +227,8 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
         >>> opt = sift.SparseAdamW([model[0].weight], density=0.1, compact_grads=True)  # doctest: +SKIP
         >>> handle = enable_sparse_backward(model, opt)  # doctest: +SKIP
     """
-    # SparseAdamW's own base: sift.optim.core, which defines SparseAdamW, imports this module.
-    if not isinstance(optimizer, SparseStateMixin):
+    # Checked by its protocol: sift.optim, which defines SparseAdamW, imports this module.
+    if not isinstance(optimizer, SparseOptimizer):
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not optimizer.compact_grads:
         raise ValueError("sparse backward writes the optimizer's compact gradient buffers: build the optimizer "
@@ -234,8 +248,6 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
             if id(m.weight) not in sparse:
                 raise ValueError(f"the weight of module {name!r} is not in a sparse group of the optimizer")
             chosen[name] = m
-    from sift.optim.sharded import attach_sparse_backward, check_sparse_backward
-
     check_sparse_backward(((f"{name}.weight", m.weight) for name, m in chosen.items()), optimizer.update_in_backward)
     check_routable(chosen)
     # A model an earlier call routed (for_model run again) is taken over whole: no layer may keep feeding
@@ -247,7 +259,7 @@ def enable_sparse_backward(model: nn.Module, optimizer, modules: Iterable[str] |
         m._sift_route = _Route(m, optimizer, transposed=_is_conv1d(m))
         # A partial of a module-level function pickles (a bound method would be looked up by name on load).
         m.forward = functools.partial(_sparse_forward, m)
-    attach_sparse_backward(optimizer, [m._sift_route for m in chosen.values()])
+    optimizer.grads.attach_sparse_backward([m._sift_route for m in chosen.values()])
     name_of = {id(p): n for n, p in model.named_parameters()}
     exclude_from_ddp(model, [name_of[id(m.weight)] for m in chosen.values() if id(m.weight) in name_of])
     return SparseBackwardHandle(chosen)

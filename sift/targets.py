@@ -20,7 +20,7 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,13 +29,11 @@ from sift._index import entries_for
 from sift.quantized import (attach_deltas, bind_deltas, check_not_sharded, detach_deltas, is_linear4bit,
                             is_linear8bit, is_quantized_linear)
 from sift.sparse_backward import check_routable, enable_sparse_backward, exclude_from_ddp, routable_layers
-from sift.optim.state import SparseStateMixin
-from sift.optim.state import is_selected as _selected
-from sift.optim.state import local_tensor as _local
-from sift.optim.state import num_entries as _num_entries
-
-if TYPE_CHECKING:
-    from sift.optim import SparseAdamW
+from sift._params import SparseOptimizer
+from sift._params import is_selected as _selected
+from sift._params import local_tensor as _local
+from sift._params import num_entries as _num_entries
+from sift._params import quantized_routes as _quantized_routes
 
 # SIFT trains the attention projections; per family, the names of those modules.
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
@@ -254,10 +252,10 @@ def for_model(
     target_modules: str | Sequence[str] | None = None,
     dense_modules: str | Sequence[str] | None = None,
     selection: str = "magnitude",
-    optimizer_cls: type[SparseAdamW],
+    optimizer_cls: type[torch.optim.Optimizer],
     sparse_backward: bool = False,
     **optimizer_kwargs: Any,
-) -> SparseAdamW:
+) -> torch.optim.Optimizer:
     """Freeze `model` but for its target weights (sparse) and task head (dense); their optimizer.
 
     The target modules' biases are frozen too: SIFT trains weight entries only. Everything
@@ -330,8 +328,8 @@ def for_model(
     if optimizer.compact_grads:
         exclude_from_ddp(model, list(plan.sparse))
     if quantized:
-        optimizer._quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
-        optimizer._hook_quantized()
+        optimizer.grads.quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
+        optimizer.grads.hook_quantized()
     if sparse_backward:
         optimizer.sparse_backward_handle = enable_sparse_backward(model, optimizer)
     return optimizer
@@ -409,7 +407,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         if group is None or not p.requires_grad:
             mode, entries = "frozen", 0
         elif group.get("name") == "quantized":  # the [k] values of a 4-bit or 8-bit layer's sparse delta
-            route = getattr(optimizer, "_quantized", {}).get(p)
+            route = _quantized_routes(optimizer).get(p)
             mode = "8-bit delta" if route is not None and is_linear8bit(route.module) else "4-bit delta"
             entries = numel
             pending = int("delta_indices" not in state and "delta_indices_low" not in state)
@@ -432,7 +430,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
         row[1] += entries
         row[2] += state_bytes
         row[3] += pending
-    if isinstance(optimizer, SparseStateMixin):  # SparseAdamW's base that defines state_bytes()
+    if isinstance(optimizer, SparseOptimizer):  # a SparseAdamW, which defines state_bytes()
         total_bytes = int(optimizer.state_bytes()["state_bytes"])
     lines = ["| name | shape | mode | trainable entries | optimizer state (bytes) |", "|---|---|---|---|---|"]
     for (name, shape, mode), (count, entries, state_bytes, pending) in rows.items():
@@ -448,7 +446,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     return "\n".join(lines)
 
 
-def planned_entries(optimizer: SparseAdamW) -> int:
+def planned_entries(optimizer: SparseOptimizer) -> int:
     """Trainable entries of `optimizer` once every sparse weight is selected.
 
     Example:

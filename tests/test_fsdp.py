@@ -19,6 +19,7 @@ import sift
 from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW, SparseDelta
 from sift._index import entries_for, index_dtype, top_k_positions
+from sift.optim.selection import Selector
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -81,22 +82,26 @@ def _train(model, opt, rank: int, world: int, steps: int, micro: int, first: int
         opt.step()
 
 
-class RowBlockSparseAdamW(SparseAdamW):
+class RowBlockSelector(Selector):
     """One process selecting as FSDP2 ranks do: the top-k of each block of rows (`torch.chunk` over `world`)."""
 
-    def __init__(self, *args, world: int, **kwargs):
-        self.world = world
-        super().__init__(*args, **kwargs)
-
-    def _choose(self, group, p, score):
+    def choose(self, group, p, score):
         rows, per_row = p.shape[0], p.numel() // p.shape[0]
-        chunk = -(-rows // self.world)
+        chunk = -(-rows // self.opt.world)
         flat, chosen = score.reshape(-1), []
         for first in range(0, rows, chunk):
             block = flat[first * per_row:min(first + chunk, rows) * per_row]
             k = max(1, entries_for(group["density"], block.numel()))
             chosen.append(top_k_positions(block, k) + first * per_row)
         return torch.cat(chosen).to(index_dtype(p.numel()))
+
+
+class RowBlockSparseAdamW(SparseAdamW):
+    PARTS = tuple((name, RowBlockSelector if name == "selector" else part) for name, part in SparseAdamW.PARTS)
+
+    def __init__(self, *args, world: int, **kwargs):
+        self.world = world
+        super().__init__(*args, **kwargs)
 
 
 def _sharded_model(world: int, dead: bool = False) -> torch.nn.Module:
@@ -309,7 +314,7 @@ def _run_mode(rank: int, world: int, name: str, config: dict, extra: dict, dead:
     with _reduce_scatters(log):  # the last step's, long after selection
         _train(model, opt, rank, world, 1, config["micro"], first=STEPS - 1)
     out = {"snapshot": _snapshot(model, opt), "reduce-scatters": log,
-           "plans-final": getattr(opt, "_sharded_plans_final", None)}
+           "plans-final": opt.grads.sharded_plans_final}
     base = _model(dead).state_dict() if name in LEAN else None
     if name in ("plain", "hook", "hook-lean", "sparse-backward"):
         out["snapshot"]["delta"] = _delta_dict(SparseDelta.from_optimizer(opt, model, base=base))

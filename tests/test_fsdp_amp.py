@@ -50,7 +50,7 @@ def _poison(model, opt) -> None:
     """Write an inf into this rank's gradient of a weight: its dense shard gradient while it has one, else the
     compact buffer the step reads (the global selection may leave a rank no entries of a weight)."""
     for weight in (model[2].weight, model[0].weight):
-        target = weight.grad.to_local() if weight.grad is not None else opt._compact.get(weight)
+        target = weight.grad.to_local() if weight.grad is not None else opt.grads.compact.get(weight)
         if target is not None and target.numel():
             target.view(-1)[0] = float("inf")
             return

@@ -110,7 +110,7 @@ def _refusals() -> dict:
         deltas = []
         try:
             opt = build(model)
-            deltas = [(p, p.detach().clone()) for p in opt._quantized]
+            deltas = [(p, p.detach().clone()) for p in opt.grads.quantized]
             _train(model, opt, torch.distributed.get_rank(), WORLD, 1, 1)
             error = None
         except ValueError as exc:
@@ -131,7 +131,7 @@ def _refusals() -> dict:
 
     def not_averaged(model):
         opt = _for_model(model)
-        _shard(model, set(opt._quantized))
+        _shard(model, set(opt.grads.quantized))
         return opt
 
     def trains_more(model):
@@ -172,13 +172,13 @@ def _worker(rank: int, world: int, out: str) -> None:
     results["ddp"] = {"trained": _snapshot(model, opt)}
     model = _model()
     opt = _for_model(model, update_in_backward=True)
-    before = [p.detach().clone() for p in opt._quantized]
+    before = [p.detach().clone() for p in opt.grads.quantized]
     try:
         _train(nn.parallel.DistributedDataParallel(model), opt, rank, world, 1, 1)
         results["ddp-uib"] = {"error": None}
     except RuntimeError as exc:
         results["ddp-uib"] = {"error": str(exc), "moved": any(not torch.equal(p.detach(), b)
-                                                              for p, b in zip(opt._quantized, before))}
+                                                              for p, b in zip(opt.grads.quantized, before))}
     torch.save(results, f"{out}.{rank}")
 
 

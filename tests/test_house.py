@@ -30,12 +30,13 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST):
-    """Every Import/ImportFrom anywhere in the tree (function bodies too), but not under `if TYPE_CHECKING:`."""
+def _imports(tree: ast.AST, type_checking: bool = False):
+    """Every Import/ImportFrom anywhere in the tree (function bodies too), but not under `if TYPE_CHECKING:`
+    unless `type_checking`."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if isinstance(node, ast.If) and _type_checking_only(node) and not type_checking:
             stack.extend(node.orelse)
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -43,13 +44,13 @@ def _imports(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     """module -> the sift modules it imports, relative imports and `from pkg import submodule` resolved."""
     modules = module_files()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path)), type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -108,6 +109,45 @@ def test_the_graph_sees_function_level_and_relative_imports():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# The optimizer, the deltas, the target planning and the routes, as floors: each may import the floors
+# below it only, so none is a circle with another even through a function-level or TYPE_CHECKING import.
+FLOORS = {"sift.optim": "sift.optim", "sift.delta": "sift.delta", "sift.targets": "sift.targets",
+          "sift.sparse_backward": "sift.sparse_backward", "sift.quantized": "sift.quantized",
+          "sift._params": "sift._params"}
+
+
+def _floor(module: str) -> str | None:
+    return next((floor for prefix, floor in FLOORS.items() if module == prefix or module.startswith(prefix + ".")),
+                None)
+
+
+def test_the_optimizer_deltas_targets_and_routes_import_one_way():
+    graph: dict[str, set[str]] = {floor: set() for floor in FLOORS.values()}
+    for module, targets in import_graph(type_checking=True).items():
+        if (floor := _floor(module)) is None:
+            continue
+        graph[floor] |= {t for t in map(_floor, targets) if t is not None and t != floor}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle between floors: " + " -> ".join(cycle)
+
+
+def test_no_module_reads_the_optimizers_private_attributes():
+    """The optimizer's parts are public members of named parts; a module that reaches into another's private
+    attribute of the optimizer (as the seven mixins did) is a shared private."""
+    import re
+
+    optimizer = r"(?:opt|optimizer|self\.opt|self\.optimizer|self\._sparse_optimizer\(\))"
+    reach = re.compile(rf"\b{optimizer}\.(_[a-z]\w*)|getattr\({optimizer}, \"(_[a-z]\w*)\"")
+    torch_own = {"_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks", "_is_overflow",
+                 "_trainer_checked"}  # torch's and accelerate's, and trainer_check.py's mark (written there alone)
+    found = [f"{path.relative_to(REPO)}: {name}" for path in (REPO / "sift").rglob("*.py")
+             for names in reach.findall(path.read_text()) for name in names if name and name not in torch_own]
+    assert not found, found
+    from sift.optim import SparseAdamW
+
+    assert SparseAdamW.__bases__ == (__import__("torch").optim.Optimizer,)
 
 
 def test_no_module_over_600_lines():

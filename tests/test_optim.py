@@ -754,7 +754,7 @@ def test_hook_mode_group_added_later_gets_its_hooks_once():
     w = torch.nn.Parameter(torch.randn(6, 5))
     opt = SparseAdamW([{"params": [head], "density": 1.0}], lr=1e-2, compact_grads=True)
     opt.add_param_group({"params": [w], "density": 0.2})
-    assert len(opt._hook_handles) == 1
+    assert len(opt.grads.hook_handles) == 1
     (w.sum() * 3 + head.sum()).backward()
     assert w.grad is not None and head.grad is not None  # selecting: the dense grad is kept until step()
     opt.step()
@@ -852,7 +852,7 @@ def test_load_state_dict_follows_the_saved_density(compact):
     opt2 = SparseAdamW([w2], lr=1e-2, density=1.0, compact_grads=compact)
     opt2.load_state_dict(opt.state_dict())
     assert opt2.param_groups[0]["density"] == 0.1
-    assert len(opt2._hook_handles) == (1 if compact else 0)
+    assert len(opt2.grads.hook_handles) == (1 if compact else 0)
     for _ in range(3):
         for p, o in ((w, opt), (w2, opt2)):
             p.pow(3).sum().backward()
@@ -1490,8 +1490,8 @@ def test_process_group_sync_skips_frozen_dense_params():
     opt = SparseAdamW([{"params": [frozen, live], "density": 1.0}], compact_grads=True)
     averaged = []
     opt.process_group = object()  # stands for a real group: only the averaging is watched
-    opt._average_across_ranks = lambda t: averaged.append(t) or t
-    opt._agree = lambda found_inf: False  # the ranks' agreement is a collective over the group: nothing to agree
+    opt.grads.average_across_ranks = lambda t: averaged.append(t) or t
+    opt.amp.agree = lambda found_inf: False  # the ranks' agreement is a collective over the group: nothing to agree
     frozen.grad, live.grad = torch.ones(4), torch.ones(4)
     frozen.requires_grad_(False)
     opt.step()

@@ -278,3 +278,30 @@ def test_a_zero_gradient_before_selection_does_not_count_an_adam_step():
         assert all(int(opt.state[layer.sift_delta]["step"]) == 2 for layer in (quantized[0], quantized[2]))
     for plain, zeros in zip(*runs):
         assert torch.equal(plain, zeros)
+
+
+@pytest.mark.parametrize("select_steps", [1, 2])
+def test_a_score_that_ranks_nothing_leaves_a_4_bit_layer_pending_as_its_16_bit_twin(select_steps):
+    """A 4-bit layer whose selection score was zero everywhere chose the flat positions 0..k-1, silently, where
+    its dequantized 16-bit twin warned and stayed pending: the two rules had drifted apart."""
+    quantized, dense = _pair()
+    opt_q, opt_d = _optimizers(quantized, dense, select_steps=select_steps)
+
+    def step(model, opt, i, zero):
+        x, y = _batch(i)
+        loss = (model(x).float() - y).square().mean()
+        backward_and_step(opt, loss * 0.0 if zero else loss)
+        opt.zero_grad()
+
+    for model, opt in ((quantized, opt_q), (dense, opt_d)):
+        with pytest.warns(UserWarning, match="'0.weight' is zero everywhere"):
+            step(model, opt, 0, zero=True)
+    assert not quantized[0]._sift_quantized.selected and "indices" not in opt_d.state[dense[0].weight]
+    assert "selection_calls" not in opt_q.state[quantized[0].sift_delta], "a step that ranked nothing was counted"
+    for i in range(1, 1 + select_steps):
+        step(quantized, opt_q, i, zero=False)
+        step(dense, opt_d, i, zero=False)
+    for i in (0, 2):
+        got = quantized[i]._sift_quantized.indices.long()
+        assert torch.equal(got, opt_d.indices_of(dense[i].weight).long())
+        assert not torch.equal(got, torch.arange(got.numel()))

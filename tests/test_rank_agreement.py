@@ -56,7 +56,7 @@ def _poison(model, opt, where: str) -> None:
     elif where == "head":
         model[4].weight.grad[0, 0] = float("inf")
     else:
-        opt._compact[model[2].weight][0] = float("inf")
+        opt.grads.compact[model[2].weight][0] = float("inf")
 
 
 def _train(net, model, opt, rank: int, world: int, steps, scaler=None, poison=None, clip=None) -> list[bool]:
@@ -222,7 +222,7 @@ def test_plain_4_bit_selection_steps_report_a_check_to_the_scaler():
     (model, opt), (ref_model, ref_opt) = runs
     for (name, p), ref in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    assert any(route.selected for route in opt._quantized.values())
+    assert any(route.selected for route in opt.grads.quantized.values())
 
 
 def test_ranks_selecting_different_weights_refuse_together(ranks):

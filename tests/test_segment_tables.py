@@ -47,7 +47,7 @@ def _set_grads(params, seed: int) -> None:
 
 def _segment_tables(opt: SparseAdamW) -> list[torch.Tensor]:
     km = _kernel_module()
-    return [t for t in km.owner_tables(opt._kernel_cache) if t.shape[1] == km.N_COLS]
+    return [t for t in km.owner_tables(opt.steps.kernel_cache) if t.shape[1] == km.N_COLS]
 
 
 def _assert_same_steps(opt: SparseAdamW, ref: SparseAdamW) -> None:
@@ -79,7 +79,7 @@ def test_tables_live_as_long_as_their_optimizer(device):
     """A global 32-entry LRU freed the table a captured graph reads once 32 other tables were built."""
     opt, ref = _pair(0, SHAPES, device)
     _step_both(opt, ref, seed=1)
-    tables = _kernel_module().owner_tables(opt._kernel_cache)
+    tables = _kernel_module().owner_tables(opt.steps.kernel_cache)
     assert len(tables) == 2  # one segment table, one block table
     alive = [weakref.ref(t) for t in tables]
     del tables
@@ -92,7 +92,7 @@ def test_tables_live_as_long_as_their_optimizer(device):
         others.append(other)
     assert all(r() is not None for r in alive), "another optimizer's tables freed this one's"
     _step_both(opt, ref, seed=2)  # gradients written in place: the same tables serve the step
-    assert [id(t) for t in _kernel_module().owner_tables(opt._kernel_cache)] == [id(r()) for r in alive]
+    assert [id(t) for t in _kernel_module().owner_tables(opt.steps.kernel_cache)] == [id(r()) for r in alive]
     _assert_same_steps(opt, ref)
     del opt
     gc.collect()
@@ -254,7 +254,7 @@ def test_pickle_and_deepcopy_drop_the_process_group_with_a_warning(copier):
         with pytest.warns(UserWarning, match="no process_group"):
             clone = copier(opt)
         assert clone.process_group is None and opt.process_group is dist.group.WORLD
-        assert clone._kernel_cache == {}
+        assert clone.steps.kernel_cache == {}
         (cw,) = clone.param_groups[0]["params"]
         for key in ("indices", "exp_avg", "exp_avg_sq", "delta", "step"):
             assert torch.equal(clone.state[cw][key], opt.state[w][key]), key
@@ -269,15 +269,15 @@ def test_pickle_and_deepcopy_drop_the_process_group_with_a_warning(copier):
 def test_copy_builds_its_own_tables_and_steps_like_the_original():
     opt, ref = _pair(2, SHAPES, "cpu")
     _step_both(opt, ref, seed=1)
-    assert _kernel_module().owner_tables(opt._kernel_cache)
+    assert _kernel_module().owner_tables(opt.steps.kernel_cache)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no process group: nothing to warn about
         clone = copy.deepcopy(opt)
-    assert clone._kernel_cache == {}
+    assert clone.steps.kernel_cache == {}
     _step_both(clone, ref, seed=2)
     _assert_same_steps(clone, ref)
-    own = {id(t) for t in _kernel_module().owner_tables(clone._kernel_cache)}
-    assert own and own.isdisjoint(id(t) for t in _kernel_module().owner_tables(opt._kernel_cache))
+    own = {id(t) for t in _kernel_module().owner_tables(clone.steps.kernel_cache)}
+    assert own and own.isdisjoint(id(t) for t in _kernel_module().owner_tables(opt.steps.kernel_cache))
 
 
 @pytest.mark.parametrize("copier", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
@@ -289,5 +289,7 @@ def test_copies_keep_every_setting_of_the_original(copier):
     clone = copier(opt)
     assert (clone.sharded_selection, clone.select_steps, clone.selection, clone.seed, clone.max_grad_norm) == \
         ("per_shard", 2, "saliency", 7, 0.5)
-    for name in type(opt)._PICKLED:
+    from sift.optim.checkpoint import PICKLED
+
+    for name in PICKLED:
         assert getattr(clone, name) == getattr(opt, name), name

@@ -77,7 +77,7 @@ def test_clip_before_a_skipped_step_changes_nothing():
     # Sparse weights' dense gradients are neither written nor replaced (dense groups: none here).
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     opt.zero_grad()  # what a loop does after a skipped step
-    assert not opt._clipped and not opt._tentative
+    assert not opt.selector.clipped and not opt.selector.tentative
 
 
 # ---------------------------------------------------------- hook == plain

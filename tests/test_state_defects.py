@@ -75,7 +75,7 @@ def test_a_copy_has_every_attribute_the_constructor_sets(make_copy):
         assert set(vars(dup)) <= set(vars(opt)), flags
         assert dup.last_step_skipped is False
         dup.remove_hooks()
-        assert not dup._hook_handles and not dup._quantized_handles
+        assert not dup.grads.hook_handles and not dup.grads.quantized_handles
 
 
 @pytest.mark.parametrize("make_copy", COPIES)
@@ -372,3 +372,19 @@ def test_a_resume_on_the_trained_model_or_its_reloaded_copy_is_accepted(layout, 
             o.zero_grad()
     assert torch.equal(model.weight, fresh.weight)
     assert _sd_equal(opt.state_dict(), resumed.state_dict())
+
+
+def test_the_sharded_selection_rule_travels_in_state_dict():
+    """`sharded_selection` decides which entries a pending FSDP2 weight takes, and was not in state_dict: a resume
+    with the default chose the whole weight's top-k where the saved run chose per shard."""
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    saved = SparseAdamW([w], density=0.2, sharded_selection="per_shard", select_steps=2).state_dict()
+    assert saved["sift"]["sharded_selection"] == "per_shard" and saved["sift"]["compact_grads"] is False
+    resumed = SparseAdamW([w], density=0.2, select_steps=2)
+    resumed.load_state_dict(saved)
+    assert resumed.sharded_selection == "per_shard"
+    bad = {**saved, "sift": {**saved["sift"], "sharded_selection": "rows"}}
+    other = SparseAdamW([w], density=0.2)
+    with pytest.raises(ValueError, match="sharded_selection"):
+        other.load_state_dict(bad)
+    assert other.sharded_selection == "global" and other.select_steps == 1

@@ -150,9 +150,9 @@ def test_weights_change_inside_backward_and_no_compact_buffer_survives():
     # Stepped during backward: changed before step(), no dense grad, no per-weight compact buffer.
     assert all(not torch.equal(b, p) for b, p in zip(before, sparse))
     assert all(p.grad is None and opt.compact_grad(p) is None for p in sparse)
-    assert opt._compact == {}
+    assert opt.grads.compact == {}
     ks = [opt.indices_of(p).numel() for p in sparse]
-    assert [t.numel() for t in opt._scratch.values()] == [max(ks)]
+    assert [t.numel() for t in opt.grads.scratch.values()] == [max(ks)]
     assert opt.state_bytes()["compact_grad_bytes"] == 4 * max(ks) < 4 * sum(ks)
     after_backward = [p.detach().clone() for p in sparse]
     opt.step()  # only the dense groups: the sparse weights are not stepped twice
@@ -214,7 +214,7 @@ def test_state_dict_round_trip(state):
     opt_b = SparseAdamW.for_model(model_b, density=0.1, lr=1e-2, sparse_backward=True, state=state,
                                   update_in_backward=True)
     opt_b.load_state_dict(opt.state_dict())
-    assert opt_b._compact == {}
+    assert opt_b.grads.compact == {}
     for step in range(2, 4):
         for m, o in ((model, opt), (model_b, opt_b)):
             _llama_backward(m, step)
@@ -297,4 +297,4 @@ def test_a_weight_used_twice_steps_once_on_its_whole_gradient(pattern, sparse_ba
     _step_side_by_side(model, opt, ref_model, ref, backward, 4, None, dict(rtol=0, atol=1e-6))
     sparse = opt.param_groups[0]["params"]
     assert all(float(opt.state[p]["step"]) == 4 for p in sparse)
-    assert opt._open == {}
+    assert opt.grads.open == {}

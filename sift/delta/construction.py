@@ -15,10 +15,11 @@ from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
-from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of,
-                                    logical_state)
+from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of, logical_state,
+                                    sharded_fingerprint)
 from sift.delta.packing import HALF_DTYPES, shortest_increments
-from sift.optim.state import increments, is_dense_stepped, is_dtensor
+from sift._params import (full_tensor, gather_entries, increments, is_dense_stepped, is_dtensor, local_shard_of,
+                          quantized_routes)
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -78,11 +79,9 @@ class DeltaConstructionMixin:
         if lean and base is None:
             raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
                              "needs base= (the model's state before training); or use SparseDelta.from_diff")
-        from sift.optim import sharded
-
         def fingerprint_of(tensors: Mapping[str, torch.Tensor]) -> BaseFingerprint:
             if any(is_dtensor(t) for t in tensors.values() if isinstance(t, torch.Tensor)):
-                return sharded.sharded_fingerprint(tensors, BaseFingerprint)
+                return sharded_fingerprint(tensors)
             return BaseFingerprint.of(tensors)
 
         names = {p: n for n, p in model.named_parameters()}
@@ -94,7 +93,7 @@ class DeltaConstructionMixin:
         entries, problems = {}, []
         dense: dict[str, torch.Tensor] = {}
         # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
-        quantized = getattr(optimizer, "_quantized", {})
+        quantized = quantized_routes(optimizer)
         for values, route in quantized.items():
             indices = route.indices
             if indices is not None:
@@ -117,8 +116,8 @@ class DeltaConstructionMixin:
                     # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
                     # gathered (collective: every rank walks the same params), never the weight itself.
                     local = p.to_local()
-                    exact = sharded.gather_entries(p, _short(local, increments(st, local.numel()) if not lean else
-                                                             _lean_increments(local, st, sharded.local_shard_of(
+                    exact = gather_entries(p, _short(local, increments(st, local.numel()) if not lean else
+                                                             _lean_increments(local, st, local_shard_of(
                                                                  p, base_state.get(name)))))
                 else:
                     exact = _short(p, increments(st, numel) if not lean else
@@ -131,7 +130,7 @@ class DeltaConstructionMixin:
                     else:
                         unknown[name] = idx
                 elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
-                    dense[name] = sharded.full_tensor(p)
+                    dense[name] = full_tensor(p)
                     unknown[name] = None
                 # else: never stepped, or sparse selection still accumulating: nothing changed.
         if problems:
@@ -308,4 +307,4 @@ def _optimizer_info(optimizer: torch.optim.Optimizer) -> dict:
                        "params": len(group["params"])})
     return {"selection": getattr(optimizer, "selection", None), "state": getattr(optimizer, "state_layout", None),
             "select_steps": getattr(optimizer, "select_steps", None), "groups": groups,
-            "quantized": bool(getattr(optimizer, "_quantized", {}))}
+            "quantized": bool(quantized_routes(optimizer))}

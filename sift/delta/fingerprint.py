@@ -14,10 +14,12 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from sift._params import is_dtensor, local_tensor, shard_group, shard_offset
 from sift.delta.entry import _dtype_name
 
 
@@ -188,3 +190,32 @@ def _find(sorted_positions: torch.Tensor, pos: int) -> int | None:
     """Where `pos` sits in a sorted 1-D tensor, or None."""
     j = int(torch.searchsorted(sorted_positions, torch.tensor([pos], dtype=sorted_positions.dtype)))
     return j if j < sorted_positions.numel() and int(sorted_positions[j]) == pos else None
+
+
+def sharded_fingerprint(state: Mapping[str, torch.Tensor]) -> BaseFingerprint:
+    """`BaseFingerprint.of(state)` for a state dict holding DTensors: each sampled base value is read on the
+    rank whose shard holds it and gathered (a few floats a tensor, never a whole weight). Collective."""
+    import torch.distributed as dist
+
+    plain = BaseFingerprint.of({n: t for n, t in state.items() if not is_dtensor(t)})
+    tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    samples = {name: dict(values) for name, values in plain.samples.items()}
+    mine: dict[str, dict[int, str]] = {}
+    sharded = sorted(n for n, t in tensors.items() if is_dtensor(t))
+    group = None
+    for name in sharded:
+        t = tensors[name]
+        group = shard_group(t)
+        local = local_tensor(t).detach().reshape(-1)
+        start = shard_offset(t)
+        here = [pos for pos in _sample_positions(t.numel()) if start <= pos < start + local.numel()]
+        if here:
+            values = local[torch.tensor([pos - start for pos in here], device=local.device)].tolist()
+            mine[name] = {pos: float(v).hex() for pos, v in zip(here, values)}
+    if group is not None:
+        parts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+        for part in parts:
+            for name, values in part.items():
+                samples.setdefault(name, {}).update(values)
+    return BaseFingerprint(_structure_hash(tensors), len(tensors), samples)

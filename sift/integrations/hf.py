@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
-from sift.optim.state import first_shard, increments
+from sift.optim.state import first_shard, increments, quantized_routes
 from sift.quantized import DELTA, is_quantized_linear
 from sift.targets import model_family, plan_targets, trainable_summary
 
@@ -252,7 +252,7 @@ class SparseTrainerMixin:
             selection=self.sift_selection,
             **flags,
         )
-        optimizer._update_in_backward_auto = auto
+        optimizer.memory.auto = auto
         for p, idx in given.items():
             optimizer.set_indices(p, idx)
         if sparse_backward:
@@ -286,7 +286,7 @@ class SparseTrainerMixin:
             select_steps=self.sift_select_steps,
             **flags,
         )
-        optimizer._update_in_backward_auto = auto
+        optimizer.memory.auto = auto
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():
             optimizer.set_indices(params[name], idx)
@@ -326,7 +326,7 @@ class SparseTrainerMixin:
             for p, state in optimizer.state.items():
                 if "indices" in state and p in names:
                     exact[f"{names[p]}.values"] = p.detach().reshape(-1)[state["indices"].long()].cpu().contiguous()
-            for values, route in getattr(optimizer, "_quantized", {}).items():  # a packed layer's [k] delta, whole
+            for values, route in quantized_routes(optimizer).items():  # a packed layer's [k] delta, whole
                 exact[f"{route.name}.{DELTA}"] = values.detach().float().cpu().contiguous()
             save_file(exact, os.path.join(output_dir, TRAINED_VALUES))
         if self.processing_class is not None:
@@ -393,7 +393,7 @@ class SparseTrainerMixin:
         resume loads them before the optimizer exists, so `create_optimizer` calls this once it has built it."""
         pending = getattr(self, "_sift_pending_deltas", None) or {}
         routes = {route.name: (values, route) for values, route in
-                  getattr(self._sparse_optimizer(), "_quantized", {}).items()}
+                  quantized_routes(self._sparse_optimizer()).items()}
         problems = []
         for layer, (indices, values) in pending.items():
             if layer not in routes:

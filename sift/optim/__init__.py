@@ -50,11 +50,13 @@ Groups with `density=1.0` are plain dense AdamW (torch's math), for a classifier
 LayerNorms. The fused step runs through `sift._ops` (Triton on CUDA, C++ on CPU, the torch
 reference anywhere).
 
-The package, by responsibility: `core` (the class and `step()`), `selection` (the rules that
-choose the entries), `state` (the layouts above, `set_indices`, `indices_of`, `increments`),
-`hooks` (`compact_grads`, `update_in_backward`, process groups), `amp` (GradScaler's scale and
-inf flag in the step), `checkpoint` (`state_dict` validation, pickling) and `clip`
-(`clip_grad_norm_`).
+The class is `torch.optim.Optimizer` plus named parts, each owned by one module (docs/modes.md,
+"How a mode is put together"): `entries` (`state`: the layouts above, `set_indices`, `indices_of`),
+`grads` (`hooks`: `compact_grads`, `update_in_backward`, process groups), `selector` (`selection`:
+the rules that choose the entries), `amp` (GradScaler's scale and inf flag, the ranks' one
+agreement), `steps` (the fused kernels and dense AdamW) and `memory` (the presets' first-step
+decision); `core` builds them and runs `step()`, `checkpoint` validates `state_dict` and makes
+copies, `clip` is `clip_grad_norm_`.
 """
 
 from sift.optim.clip import clip_grad_norm_

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -60,33 +61,43 @@ def _unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor,
         torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], inv_scale.to(device))
 
 
-class AmpMixin:
-    """`SparseAdamW`'s side of GradScaler's protocol (`grad_scale`, `found_inf`)."""
+class ScalerLink:
+    """`SparseAdamW`'s side of GradScaler's protocol (`grad_scale`, `found_inf`), and the step's one
+    agreement across ranks (`agree`)."""
 
-    _step_supports_amp_scaling = True
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.new_step()
 
-    def _scaler_inverse_scale(self) -> torch.Tensor | None:
-        """The inverse scale `scaler.unscale_(self)` applied to `.grad` this step, if it was called."""
-        scaler = self.grad_scaler
+    def new_step(self) -> None:
+        """For one step: the compact buffers still holding scaled gradients, the inf/NaN flags of those
+        unscaled so far (per device), and the inverse `grad_scale` of the running step."""
+        self.scaled_compact: set[torch.Tensor] = set()
+        self.compact_found_inf: dict[torch.device, torch.Tensor] = {}
+        self.grad_inv_scale: torch.Tensor | None = None
+
+    def scaler_inverse_scale(self) -> torch.Tensor | None:
+        """The inverse scale `scaler.unscale_(optimizer)` applied to `.grad` this step, if it was called."""
+        scaler = self.opt.grad_scaler
         if scaler is None or not scaler.is_enabled():
             return None
-        per_optimizer = scaler._per_optimizer_states.get(id(self))
+        per_optimizer = scaler._per_optimizer_states.get(id(self.opt))
         if per_optimizer is None or per_optimizer["stage"] is not OptState.UNSCALED:
             return None
         return _reciprocal(scaler._scale)
 
-    def _dense_grads_unscaled(self) -> bool:
+    def dense_grads_unscaled(self) -> bool:
         """Whether GradScaler already unscaled this step's `.grad` tensors (`scaler.unscale_`)."""
-        protocol = getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None
-        return protocol or self._scaler_inverse_scale() is not None
+        protocol = getattr(self.opt, "found_inf", None) is not None and getattr(self.opt, "grad_scale", None) is None
+        return protocol or self.scaler_inverse_scale() is not None
 
-    def _unscale_compact(self, inv_scale: torch.Tensor) -> None:
+    def unscale_compact(self, inv_scale: torch.Tensor) -> None:
         """Unscale (and check for inf/NaN) the compact buffers still holding scaled gradients."""
-        buffers = [self._compact[p] for p in self._scaled_compact if p in self._grad_ready]
-        _unscale_(buffers, inv_scale, self._compact_found_inf)
-        self._scaled_compact.clear()
+        buffers = [self.opt.grads.compact[p] for p in self.scaled_compact if p in self.opt.grads.ready]
+        _unscale_(buffers, inv_scale, self.compact_found_inf)
+        self.scaled_compact.clear()
 
-    def _amp_begin(self) -> list[torch.Tensor] | None:
+    def begin(self) -> list[torch.Tensor] | None:
         """Start of a step under GradScaler: refuse what cannot run under it, and unscale (checking for
         inf/NaN) the compact buffers written in backward. Nothing is averaged or decided here.
 
@@ -98,43 +109,45 @@ class AmpMixin:
             RuntimeError: `scaler.unscale_` ran, compact buffers are scaled, and the optimizer
                 does not know the scaler (`grad_scaler` unset).
         """
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self.opt, "grad_scale", None)
+        found_inf = getattr(self.opt, "found_inf", None)
         under_scaler = grad_scale is not None or found_inf is not None
         if under_scaler:
-            self.loss_scaled = True
-        if self.update_in_backward and under_scaler:
+            self.opt.loss_scaled = True
+        if self.opt.update_in_backward and under_scaler:
             raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
                                "inside backward, before the scaler's inf/NaN check could skip the step")
-        if under_scaler and self.compact_grads and self.grad_scaler is None:
-            self.grad_scaler = self._calling_scaler()
-            if self.grad_scaler is None:
+        if under_scaler and self.opt.compact_grads and self.opt.grad_scaler is None:
+            self.opt.grad_scaler = self.calling_scaler()
+            if self.opt.grad_scaler is None:
                 raise RuntimeError("SparseAdamW was stepped by a GradScaler it cannot find, and compact_grads mode "
                                    "(or the sparse backward) must report its own inf/NaN checks to it: set "
                                    "`optimizer.grad_scaler = scaler`")
         if not isinstance(found_inf, torch.Tensor):
             # GradScaler hands sum([]) == 0 when no param kept a dense `.grad`: nothing was checked.
             found_inf = None
-        self._grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
-        compact_inv = self._grad_inv_scale if grad_scale is not None else self._scaler_inverse_scale()
-        if compact_inv is None and found_inf is not None and any(p in self._grad_ready for p in self._scaled_compact):
+        self.grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
+        compact_inv = self.grad_inv_scale if grad_scale is not None else self.scaler_inverse_scale()
+        ready = self.opt.grads.ready
+        if compact_inv is None and found_inf is not None and any(p in ready for p in self.scaled_compact):
             raise RuntimeError("scaler.unscale_(optimizer) cannot see the compact gradients of compact_grads mode "
                                "(or the sparse backward): set `optimizer.grad_scaler = scaler` so that "
                                "clip_grad_norm_ and step() unscale them")
         if compact_inv is not None:
-            self._unscale_compact(compact_inv)
+            self.unscale_compact(compact_inv)
         # The 4-bit layers' selection scores (sift.quantized) are formed in backward, where no `.grad` shows them.
-        scored = [flag for flag in (route.found_inf() for route in self._quantized.values()) if flag is not None]
+        routes = self.opt.grads.quantized.values()
+        scored = [flag for flag in (route.found_inf() for route in routes) if flag is not None]
         if under_scaler and scored:
             for flag in scored:
-                held = self._compact_found_inf.get(flag.device)
-                self._compact_found_inf[flag.device] = flag if held is None else held + flag
-            if self.grad_scaler is None:  # kept: a later selecting backward unscales its score by it
-                self.grad_scaler = self._calling_scaler()
-        flags = [t for t in (found_inf, *self._compact_found_inf.values()) if t is not None]
+                held = self.compact_found_inf.get(flag.device)
+                self.compact_found_inf[flag.device] = flag if held is None else held + flag
+            if self.opt.grad_scaler is None:  # kept: a later selecting backward unscales its score by it
+                self.opt.grad_scaler = self.calling_scaler()
+        flags = [t for t in (found_inf, *self.compact_found_inf.values()) if t is not None]
         return flags if under_scaler or flags else None
 
-    def _agree(self, found_inf: list[torch.Tensor] | None) -> bool:
+    def agree(self, found_inf: list[torch.Tensor] | None) -> bool:
         """The step's one agreement across ranks, reached by every rank on every path before anything
         branches (skip, select, average): whether any rank found inf/NaN, and that every rank takes the
         same number of weights into this step's cross-rank selection. Tells the scaler the agreed flag.
@@ -152,24 +165,24 @@ class AmpMixin:
             RuntimeError: the ranks would select different weights together (a backward that did not reach
                 a trained weight on some rank); raised on every rank, before anything changes.
         """
-        group, device = self._agreement_group()
-        if group is None or (found_inf is None and self._pending == []):
+        group, device = self.opt.grads.agreement_group()
+        if group is None or (found_inf is None and self.opt.selector.pending == []):
             if found_inf is None:
                 return False
             flag = sum(t.to(found_inf[0].device) for t in found_inf) if found_inf else None
-            self._report_found_inf(flag)
+            self.report_found_inf(flag)
             # The one host read of the step: whether it runs decides what selection commits.
             return flag is not None and bool(flag.item())
         import torch.distributed as dist
 
-        selecting = float(self._selecting_together())
+        selecting = float(self.selecting_together())
         votes = torch.tensor([0.0, selecting, -selecting], dtype=torch.float32, device=device)
         for t in found_inf or ():
             votes[0] += t.to(device).sum()  # FSDP2's check is a [1] tensor
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         flag = votes[0]
         if found_inf is not None:
-            self._report_found_inf(flag)
+            self.report_found_inf(flag)
         inf, most, least = votes.tolist()  # the step's one host read
         if most != -least:
             raise RuntimeError(f"the ranks of this SparseAdamW disagree on the sparse weights that choose their "
@@ -177,32 +190,32 @@ class AmpMixin:
                                "run backward over the same trained weights, as DDP requires")
         return inf > 0
 
-    def _selecting_together(self) -> int:
+    def selecting_together(self) -> int:
         """How many weights this rank takes into a cross-rank selection this step: every pending one under a
         process group (averaged before it selects), the FSDP2 weights choosing the whole weight's top-k."""
-        pending = self._pending_with_grad()
-        if self.process_group is not None:
+        pending = self.opt.selector.pending_with_grad()
+        if self.opt.process_group is not None:
             return len(pending)
-        return sum(1 for _, p in pending if self._selects_globally(p))
+        return sum(1 for _, p in pending if self.opt.selector.selects_globally(p))
 
-    def _calling_scaler(self) -> torch.amp.GradScaler | None:
-        """The GradScaler whose `scaler.step(self)` is running (found on the call stack), or None."""
+    def calling_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler whose `scaler.step(optimizer)` is running (found on the call stack), or None."""
         frame = sys._getframe(1)
         for _ in range(32):
             if frame is None:
                 break
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, torch.amp.GradScaler) and id(self) in candidate._per_optimizer_states:
+            if isinstance(candidate, torch.amp.GradScaler) and id(self.opt) in candidate._per_optimizer_states:
                 return candidate
             frame = frame.f_back
         return None
 
-    def _report_found_inf(self, flag: torch.Tensor | None) -> None:
+    def report_found_inf(self, flag: torch.Tensor | None) -> None:
         """Make `flag` (this step's agreed inf/NaN flag; None: nothing was checked, a clean check) the scaler's
         whole check of this optimizer, so that `scaler.update()` backs off for the compact buffers too (its
         own check saw only `.grad`), alike on every rank, and always finds a check."""
-        scaler = self.grad_scaler if self.grad_scaler is not None else self._calling_scaler()
-        per_optimizer = scaler._per_optimizer_states.get(id(self)) if scaler is not None else None
+        scaler = self.opt.grad_scaler if self.opt.grad_scaler is not None else self.calling_scaler()
+        per_optimizer = scaler._per_optimizer_states.get(id(self.opt)) if scaler is not None else None
         if per_optimizer is None:  # a linked scaler that is not the one stepping: nothing to report to
             return
         if flag is None:
@@ -211,25 +224,25 @@ class AmpMixin:
         per_device.clear()
         per_device[flag.device] = flag
 
-    def _amp_unscale_after_selection(self) -> None:
+    def unscale_after_selection(self) -> None:
         """With `grad_scale`: unscale what the step reads from `.grad`, now that selection is done.
 
         Compact buffers gathered at selection are unscaled in place; a sparse weight in plain mode
         gets its [k] entries gathered in fp32 and unscaled there (its `.grad` is not written);
         dense groups' `.grad` are unscaled in place as GradScaler would have.
         """
-        inv_scale = self._grad_inv_scale
+        inv_scale = self.grad_inv_scale
         if inv_scale is None:
             return
-        self._unscale_compact(inv_scale)
+        self.unscale_compact(inv_scale)
         gathered, dense = [], []
-        for group in self.param_groups:
+        for group in self.opt.param_groups:
             for p in group["params"]:
                 if not uses_grad(p):
                     continue
                 if group["density"] >= 1.0:
                     dense.append(local_tensor(p.grad))
-                elif not self.compact_grads and is_selected(self.state.get(p, {})):
-                    gathered.append(self._gathered_grad(p))
+                elif not self.opt.compact_grads and is_selected(self.opt.state.get(p, {})):
+                    gathered.append(self.opt.selector.gathered_grad(p))
         # The scaler already checked these `.grad` values.
         _unscale_(gathered + dense, inv_scale, None)

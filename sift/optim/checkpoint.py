@@ -37,135 +37,149 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 
 
 
-class CheckpointMixin:
-    """`SparseAdamW`'s `state_dict`, `load_state_dict`, pickling and deep copies."""
+# What a copy carries besides torch's own state: the settings, and the gradients gathered this step.
+PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
+            "update_in_backward", "sharded_selection", "loss_scaled")
 
-    _PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-                "_compact", "_grad_ready", "update_in_backward", "_update_in_backward_auto", "sharded_selection",
-                "loss_scaled")
 
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's pickled state plus this optimizer's settings (copy.deepcopy and pickle use it).
+def getstate(opt: Any) -> dict[str, Any]:
+    """torch's pickled state plus the optimizer's settings (copy.deepcopy and pickle use it).
 
-        Not carried: the process group (a handle to this process's communicator, which cannot
-        be pickled; the copy has none and warns), the grad scaler (the copy has none), the grad
-        hooks (the copy hooks its own params) and the kernels' launch tables (built again for the
-        copy's tensors).
-        """
-        state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in self._PICKLED})
-        state["had_process_group"] = self.process_group is not None
-        return state
+    Not carried: the process group (a handle to this process's communicator, which cannot
+    be pickled; the copy has none and warns), the grad scaler (the copy has none), the grad
+    hooks (the copy hooks its own params) and the kernels' launch tables (built again for the
+    copy's tensors). Carried: the compact gradients gathered this step and `memory="lowest"`'s decision.
+    """
+    state = torch.optim.Optimizer.__getstate__(opt)
+    for name in ("entries", "grads", "selector", "amp", "steps", "memory", "last_step_skipped"):
+        state.pop(name, None)
+    state.update({name: getattr(opt, name) for name in PICKLED})
+    state["compact"] = opt.grads.compact
+    state["grad_ready"] = opt.grads.ready
+    state["update_in_backward_auto"] = opt.memory.auto
+    state["had_process_group"] = opt.process_group is not None
+    return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        had_process_group = state.pop("had_process_group", False)
-        state.pop("process_group", None)  # pickled by earlier versions (always None there)
-        # Everything transient from the constructor's own list, then the pickled settings over it.
-        self._init_runtime()
-        super().__setstate__(state)
-        self.__dict__.pop("keep_base", None)  # pickled by versions that had the option
-        self.__dict__.setdefault("state_layout", "exact")
-        self.__dict__.setdefault("update_in_backward", False)
-        self.__dict__.setdefault("_update_in_backward_auto", False)
-        self.__dict__.setdefault("sharded_selection", "global")
-        self.__dict__.setdefault("loss_scaled", False)
-        self.process_group = None
-        self.grad_scaler = None
-        if had_process_group:
-            warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
-                          "pickled); set `optimizer.process_group` to average gradients across ranks again",
-                          stacklevel=2)
-        # Hooks are not copied with the params: the copy hooks its own.
-        self._hooks_ready = self.compact_grads
-        if self.compact_grads:
-            self._sync_hooks()
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout, plus this optimizer's selection settings under "sift"."""
-        sd = super().state_dict()
-        # Each param's shape, so that a load can tell a state meant for another weight of equal size.
-        shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], self.param_groups)
-                  for pid, p in zip(saved["params"], group["params"])}
-        sd["sift"] = {"select_steps": self.select_steps, "selection": self.selection, "seed": self.seed,
-                      "state": self.state_layout, "format": 1, "param_shapes": shapes,
-                      "loss_scaled": self.loss_scaled, **self._memory_mode()}
-        return sd
+def setstate(opt: Any, state: dict[str, Any]) -> None:
+    """Rebuild a copy whose parts were just built (`SparseAdamW._build_parts`): the pickled settings over them."""
+    state = dict(state)
+    had_process_group = state.pop("had_process_group", False)
+    state.pop("process_group", None)  # pickled by earlier versions (always None there)
+    # Pickled by earlier versions under the mixins' attribute names.
+    compact = state.pop("compact", state.pop("_compact", {}))
+    ready = state.pop("grad_ready", state.pop("_grad_ready", set()))
+    auto = state.pop("update_in_backward_auto", state.pop("_update_in_backward_auto", False))
+    torch.optim.Optimizer.__setstate__(opt, state)
+    opt.grads.compact, opt.grads.ready, opt.memory.auto = compact, ready, auto
+    opt.__dict__.pop("keep_base", None)  # pickled by versions that had the option
+    opt.__dict__.setdefault("state_layout", "exact")
+    opt.__dict__.setdefault("update_in_backward", False)
+    opt.__dict__.setdefault("sharded_selection", "global")
+    opt.__dict__.setdefault("loss_scaled", False)
+    opt.process_group = None
+    opt.grad_scaler = None
+    if had_process_group:
+        warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
+                      "pickled); set `optimizer.process_group` to average gradients across ranks again",
+                      stacklevel=3)
+    # Hooks are not copied with the params: the copy hooks its own.
+    opt.grads.hooks_ready = opt.compact_grads
+    if opt.compact_grads:
+        opt.grads.sync_hooks()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by `state_dict()`; validates everything before changing anything.
 
-        Raises:
-            ValueError: groups, param counts, or any sparse state do not fit the params.
-        """
-        state_dict = state_dict.copy()  # torch's order: a shallow copy, then the pre-hooks
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        # A deep copy, as torch takes: a saved lr tensor must not be shared with the source
-        # optimizer, whose scheduler would otherwise drive this one too.
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(saved_groups) != len(self.param_groups):
+def state_dict(opt: Any) -> dict[str, Any]:
+    """torch's layout, plus the optimizer's selection settings under "sift"."""
+    sd = torch.optim.Optimizer.state_dict(opt)
+    # Each param's shape, so that a load can tell a state meant for another weight of equal size.
+    shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], opt.param_groups)
+              for pid, p in zip(saved["params"], group["params"])}
+    sd["sift"] = {"select_steps": opt.select_steps, "selection": opt.selection, "seed": opt.seed,
+                  "state": opt.state_layout, "format": 1, "param_shapes": shapes,
+                  "loss_scaled": opt.loss_scaled, "sharded_selection": opt.sharded_selection,
+                  "compact_grads": opt.compact_grads, **opt.memory.saved_mode()}
+    return sd
+
+
+def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Load a state saved by `state_dict()`; validates everything before changing anything.
+
+    Raises:
+        ValueError: groups, param counts, or any sparse state do not fit the params.
+    """
+    state_dict = state_dict.copy()  # torch's order: a shallow copy, then the pre-hooks
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    # A deep copy, as torch takes: a saved lr tensor must not be shared with the source
+    # optimizer, whose scheduler would otherwise drive this one too.
+    saved_groups = copy.deepcopy(state_dict["param_groups"])
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"state_dict has {len(saved_groups)} param groups, the optimizer {len(opt.param_groups)}"
+        )
+    id_map: dict[int, tuple[torch.Tensor, float]] = {}  # saved id -> (param, its density once loaded)
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if len(saved["params"]) != len(group["params"]):
             raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
+                f"param group {gi}: state_dict has {len(saved['params'])} params, the optimizer "
+                f"{len(group['params'])}"
             )
-        id_map: dict[int, tuple[torch.Tensor, float]] = {}  # saved id -> (param, its density once loaded)
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {gi}: state_dict has {len(saved['params'])} params, the optimizer "
-                    f"{len(group['params'])}"
-                )
-            # The saved hyper-parameters replace the group's (as in torch), so they are checked
-            # and the state is validated against the saved density, not the constructed one.
-            merged = {**group, **saved}
-            try:
-                check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
-            except ValueError as exc:
-                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
-            id_map.update((pid, (p, float(merged["density"]))) for pid, p in _match_params(gi, saved, group))
-        meta = state_dict.get("sift", {})
-        _check_shapes(meta.get("param_shapes"), id_map, saved_groups, self.param_groups)
-        layout = meta.get("state", "exact")  # states saved before the option are exact
-        if layout not in ("exact", "lean"):
-            raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
-        new_state: dict[torch.Tensor, dict[str, Any]] = {}
-        for pid, saved_state in state_dict["state"].items():
-            if pid not in id_map:
-                raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
-            p, density = id_map[pid]
-            route = self._quantized.get(p)
-            new_state[p] = _load_param_state(p, saved_state, density, f"state of param {pid}", lean=layout == "lean",
-                                             delta_numel=route.numel if route is not None else None)
-        _check_entry_values(new_state, id_map, saved_groups, self.param_groups)
-        # Everything validated: install.
-        self.state = defaultdict(dict, new_state)
-        self._pending = None
-        for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-            group["betas"] = tuple(group["betas"])
-            group["density"] = float(group["density"])
-        self.state_layout = layout
-        self.select_steps = meta.get("select_steps", self.select_steps)
-        self.selection = meta.get("selection", self.selection)
-        self.seed = meta.get("seed", self.seed)
-        self._resume_memory_mode(meta)
-        self.loss_scaled = bool(meta.get("loss_scaled", self.loss_scaled))
-        self._compact.clear()
-        self._grad_ready.clear()
-        self._backward_seen.clear()
-        self._clear_open_buffers()
-        if self.compact_grads and not self.update_in_backward:
-            for p, state in self.state.items():
-                if is_selected(state):
-                    self._compact[p] = torch.zeros(num_entries(state), dtype=torch.float32, device=p.device)
-        if self._hooks_ready:  # a group may have turned sparse or dense
-            self._sync_hooks()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        # The saved hyper-parameters replace the group's (as in torch), so they are checked
+        # and the state is validated against the saved density, not the constructed one.
+        merged = {**group, **saved}
+        try:
+            check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], merged["density"])
+        except ValueError as exc:
+            raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
+        id_map.update((pid, (p, float(merged["density"]))) for pid, p in _match_params(gi, saved, group))
+    meta = state_dict.get("sift", {})
+    _check_shapes(meta.get("param_shapes"), id_map, saved_groups, opt.param_groups)
+    layout = meta.get("state", "exact")  # states saved before the option are exact
+    if meta.get("sharded_selection", "global") not in ("global", "per_shard"):
+        raise ValueError(f"state_dict['sift']['sharded_selection'] must be 'global' or 'per_shard', got "
+                         f"{meta['sharded_selection']!r}")
+    if layout not in ("exact", "lean"):
+        raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    for pid, saved_state in state_dict["state"].items():
+        if pid not in id_map:
+            raise ValueError(f"state_dict has state for param id {pid}, which no group lists")
+        p, density = id_map[pid]
+        route = opt.grads.quantized.get(p)
+        new_state[p] = _load_param_state(p, saved_state, density, f"state of param {pid}", lean=layout == "lean",
+                                         delta_numel=route.numel if route is not None else None)
+    _check_entry_values(new_state, id_map, saved_groups, opt.param_groups)
+    # Everything validated: install.
+    opt.state = defaultdict(dict, new_state)
+    opt.selector.pending = None
+    for saved, group in zip(saved_groups, opt.param_groups):
+        for key, value in saved.items():
+            if key not in ("params", "param_names"):
+                group[key] = value
+        group["betas"] = tuple(group["betas"])
+        group["density"] = float(group["density"])
+    opt.state_layout = layout
+    opt.select_steps = meta.get("select_steps", opt.select_steps)
+    opt.selection = meta.get("selection", opt.selection)
+    opt.seed = meta.get("seed", opt.seed)
+    opt.sharded_selection = meta.get("sharded_selection", opt.sharded_selection)
+    opt.memory.resume(meta)
+    opt.loss_scaled = bool(meta.get("loss_scaled", opt.loss_scaled))
+    opt.grads.compact.clear()
+    opt.grads.ready.clear()
+    opt.grads.backward_seen.clear()
+    opt.grads.clear_open_buffers()
+    if opt.compact_grads and not opt.update_in_backward:
+        for p, state in opt.state.items():
+            if is_selected(state):
+                opt.grads.compact[p] = torch.zeros(num_entries(state), dtype=torch.float32, device=p.device)
+    if opt.grads.hooks_ready:  # a group may have turned sparse or dense
+        opt.grads.sync_hooks()
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
 
 def _match_params(gi: int, saved: dict[str, Any], group: dict[str, Any]) -> list[tuple[Any, torch.Tensor]]:

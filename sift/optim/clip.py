@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sift.optim.state import SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.state import SparseOptimizer, is_dtensor, is_selected, local_tensor, uses_grad
 
 if TYPE_CHECKING:
     from sift.optim.core import SparseAdamW
@@ -61,15 +61,15 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
         >>> model(torch.randn(4, 8)).sum().backward()
         >>> norm = clip_grad_norm_(opt, max_norm=1.0)
     """
-    # SparseAdamW's own base: core, which defines SparseAdamW, imports this module.
-    if not isinstance(optimizer, SparseStateMixin):
+    # Checked by its protocol: core, which defines SparseAdamW, imports this module.
+    if not isinstance(optimizer, SparseOptimizer):
         raise TypeError(f"optimizer must be a sift.SparseAdamW, got {type(optimizer).__name__}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
     # memory="lowest" before its first selection: nothing was stepped in backward yet, so the preset's update
     # in backward gives way to the global norm, as it does to accumulation and GradScaler.
-    optimizer._settle_update_in_backward(global_clip=True)
-    if optimizer.compact_grads and optimizer.loss_scaled and optimizer.grad_scaler is None and optimizer._grad_ready:
+    optimizer.memory.settle(global_clip=True)
+    if optimizer.compact_grads and optimizer.loss_scaled and optimizer.grad_scaler is None and optimizer.grads.ready:
         # The compact buffers hold the scaled loss's gradients, and only the scaler knows its scale: clipping them
         # as they are would clip by a norm `scale` times too large (a resumed optimizer has lost the link).
         raise RuntimeError("clip_grad_norm_: this optimizer's compact gradients are scaled by a GradScaler it is not "
@@ -80,13 +80,13 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                            "gradients were applied and freed during backward; pass max_grad_norm to the optimizer "
                            "(it clips each tensor on its own)")
     # Nothing here commits a selection: GradScaler may still skip the step this clip precedes.
-    optimizer._hook_new_params()
-    optimizer._sync_grads()
-    optimizer._average_pending()
-    inv_scale = optimizer._scaler_inverse_scale()
+    optimizer.grads.hook_new_params()
+    optimizer.grads.sync_grads()
+    optimizer.selector.average_pending()
+    inv_scale = optimizer.amp.scaler_inverse_scale()
     if inv_scale is not None:
         # `scaler.unscale_` could not see the compact buffers: unscale them here, once.
-        optimizer._unscale_compact(inv_scale)
+        optimizer.amp.unscale_compact(inv_scale)
     mesh_group = None
     used: list[torch.Tensor] = []  # what the step reads, scaled in place below
     for group in optimizer.param_groups:
@@ -101,23 +101,23 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                 continue
             state = optimizer.state.get(p, {})
             if optimizer.compact_grads and is_selected(state):
-                if p in optimizer._grad_ready:
-                    used.append(optimizer._compact[p])
+                if p in optimizer.grads.ready:
+                    used.append(optimizer.grads.compact[p])
                 continue
             if not uses_grad(p):
                 continue
             if is_selected(state):
                 indices = optimizer.indices_of(p)
-            elif local_tensor(p).numel() > 0 and optimizer._is_final_selection(p):
+            elif local_tensor(p).numel() > 0 and optimizer.selector.is_final_selection(p):
                 # This step will choose its entries: clip what it will read from them.
-                indices = optimizer._tentative_indices(group, p)
+                indices = optimizer.selector.tentative_indices(group, p)
                 if indices is None:
                     continue  # its score ranks nothing: it stays pending, the step updates nothing
             else:
                 continue  # an earlier selection step: the step updates nothing
             # The entries the step uses, gathered once in fp32: the step then reads these
             # instead of the dense gradient, which is neither read again nor written.
-            used.append(optimizer._gathered_grad(p, indices))
+            used.append(optimizer.selector.gathered_grad(p, indices))
     if not used and mesh_group is None:
         return torch.zeros(())
     device = used[0].device if used else torch.device("cpu")

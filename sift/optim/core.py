@@ -1,35 +1,36 @@
-"""`SparseAdamW`: the optimizer class, its param groups, and `step()` (the fused sparse step
-and torch's functional AdamW for dense groups). Selection, the state layout, the gradient
-hooks and checkpoints live in the sibling modules it mixes in."""
+"""`SparseAdamW`: the optimizer class, its param groups, and `step()`, composed of named parts
+(`_build_parts`), each owned by one sibling module: `entries` (state.py), `grads` (hooks.py),
+`selector` (selection.py), `amp` (amp.py), `steps` (steps.py), `memory` (memory.py); checkpoints
+and copies are checkpoint.py's functions. A part reads the optimizer's settings and its sibling
+parts' public members, never another module's private attribute."""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from sift import _ops
-from sift.optim.amp import AmpMixin
-from sift.optim.checkpoint import CheckpointMixin, check_hyper
+from sift.optim import checkpoint
+from sift.optim.amp import ScalerLink
+from sift.optim.checkpoint import check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
-from sift.optim.dense import DenseStepMixin
-from sift.optim.hooks import HooksMixin
-from sift.optim.memory import MemoryPresetMixin, resolve_memory
+from sift.optim.hooks import GradRoutes
+from sift.optim.memory import MemoryPolicy, resolve_memory
 from sift.optim.reselection import check_reselect_modes, reselect_, reselect_memory, reselect_settings
-from sift.optim.selection import SelectionMixin
+from sift.optim.selection import Selector
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
-from sift.optim.state import SPARSE_DTYPES, SparseStateMixin, is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.state import SPARSE_DTYPES, EntryState, is_dtensor, local_tensor, uses_grad
+from sift.optim.steps import Steps
 from sift.optim.trainer_check import check_trainer
 
 
 logger = logging.getLogger(__name__)
 
 
-class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, CheckpointMixin, DenseStepMixin,
-                  MemoryPresetMixin, torch.optim.Optimizer):
+class SparseAdamW(torch.optim.Optimizer):
     """AdamW over a fixed sparse subset of each weight's entries (SIFT).
 
     Args:
@@ -123,6 +124,13 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         torch.Size([103])
     """
 
+    # GradScaler hands `step()` its scale and inf flag (`sift.optim.amp`) instead of unscaling `.grad` itself.
+    _step_supports_amp_scaling = True
+    # The parts every optimizer is composed of, by name (see `_build_parts`); a subclass may swap one for its own
+    # subclass (another selection rule, say).
+    PARTS = (("entries", EntryState), ("grads", GradRoutes), ("selector", Selector), ("amp", ScalerLink),
+             ("steps", Steps), ("memory", MemoryPolicy))
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -200,65 +208,36 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         # Whether a GradScaler has driven a step: its compact buffers then hold loss-scaled gradients that only
         # a linked scaler can unscale before a clip. Saved in state_dict, since a resumed optimizer has no link.
         self.loss_scaled = False
-        # memory="lowest" chose the update in backward: the first step may still drop it (see sift.optim.memory).
-        self._update_in_backward_auto = False
-        self._init_runtime()
+        self._build_parts()
         super().__init__(params, defaults)
-        self._hooks_ready = compact_grads
+        self.grads.hooks_ready = compact_grads
         if compact_grads:
-            self._sync_hooks()
+            self.grads.sync_hooks()
 
-    def _init_runtime(self) -> None:
-        """What lives with this process alone: bookkeeping, hooks, caches. The constructor and every copy
-        (`__setstate__`) build it here, so a copy never lacks an attribute the original has."""
+    def _build_parts(self) -> None:
+        """The parts a mode is composed of (`PARTS`), each owned by one module, and what lives with this process
+        alone. The constructor and every copy (`__setstate__`) build them here, so a copy never lacks one.
+
+        `entries` (sift.optim.state): the sparse params, their state layout, `set_indices`, `indices_of`.
+        `grads` (sift.optim.hooks): where each weight's gradient comes from and waits: hooks, compact buffers,
+            the update in backward, 4-bit deltas, averaging over a process group.
+        `selector` (sift.optim.selection): scores and the entries they choose.
+        `amp` (sift.optim.amp): GradScaler's scale and inf flag, and the step's one agreement across ranks.
+        `steps` (sift.optim.steps): the fused sparse kernels and torch's AdamW for dense groups.
+        `memory` (sift.optim.memory): `memory="lowest"`'s first-step decision.
+        """
         # Whether the last step() was skipped for GradScaler's inf/NaN: `scaler.step` calls a
         # step that takes the scale itself even when it skips, so wrappers that count skipped
         # steps by "step() was not called" (accelerate) read this instead.
         self.last_step_skipped = False
-        self._compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
-        # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
-        # the sparse params a backward reached since the last step() (a second backward raises).
-        self._scratch: dict[torch.device, torch.Tensor] = {}
-        self._backward_seen: set[torch.Tensor] = set()
-        # update_in_backward: the [k] gradients still receiving parts from a weight's uses (param ->
-        # buffer), which weight holds each device's scratch, and each hooked param's AccumulateGrad.
-        self._open: dict[torch.Tensor, torch.Tensor] = {}
-        self._scratch_owner: dict[torch.device, torch.Tensor | None] = {}
-        self._grad_accumulators: dict[torch.Tensor, Any] = {}
-        # 4-bit layers' sparse deltas (sift.quantized): values param -> its route, set by for_model.
-        self._quantized: dict[torch.Tensor, Any] = {}
-        # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
-        # as long as this optimizer (never in state_dict, pickles or copies).
-        self._kernel_cache: dict = {}
-        self._grad_ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
-        self._init_step_caches()
-        # Sparse params still waiting for their selection (None: scan all of them). Frozen
-        # and gradless params stay on it, so a layer unfrozen later is still selected.
-        self._pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
-        self._hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
-        self._quantized_handles: dict[torch.Tensor, Any] = {}  # update_in_backward: 4-bit values -> pre-hook
-        self._accumulation_seen = False
-        self._unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
-        self._hooks_ready = False  # until the groups exist: add_param_group then hooks a group added later
-        self._warned_unscored: set[torch.Tensor] = set()  # weights whose score ranked nothing, said once
-        # The default group when adopted because DDP leaves the sparse weights to this optimizer: DDP
-        # averages the other params' `.grad` then, and the optimizer must not again. A copy has no process
-        # group, so it has none adopted either.
-        self._ddp_process_group: Any = None
+        for name, part in self.PARTS:
+            setattr(self, name, part(self))
 
-    def _init_step_caches(self) -> None:
-        """What lives for one step only: the entries a selecting step will choose (computed by
-        `clip_grad_norm_` or the step, committed only by the step), the clipped [k] gradients
-        `clip_grad_norm_` (or the unscale) gathered for the step, and which pending dense grads were
-        averaged across ranks. Keyed by the gradient they came from, so a stale entry is never used.
-        For GradScaler: the compact buffers still holding scaled gradients, the inf/NaN flags of
-        those unscaled so far (per device), and the inverse `grad_scale` of the running step."""
-        self._tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
-        self._clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
-        self._averaged: set[torch.Tensor] = set()
-        self._scaled_compact: set[torch.Tensor] = set()
-        self._compact_found_inf: dict[torch.device, torch.Tensor] = {}
-        self._grad_inv_scale: torch.Tensor | None = None
+    def _forget_step_caches(self) -> None:
+        """What lived for one step only, in each part (see their `new_step`)."""
+        self.selector.new_step()
+        self.amp.new_step()
+        self.grads.new_step()
 
     @classmethod
     def for_model(
@@ -311,7 +290,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
                         selection=selection, optimizer_cls=cls, sparse_backward=bool(sparse_backward),
                         **optimizer_kwargs)
-        opt._update_in_backward_auto = auto
+        opt.memory.auto = auto
         return opt
 
     # ------------------------------------------------------------------ groups
@@ -354,7 +333,7 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
                 raise ValueError(f"sparse groups need contiguous params; {label} is not contiguous")
             if is_dtensor(p):
                 check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
-        self._pending = None
+        self.selector.pending = None
         group = dict(param_group)
         group["params"] = params
         if "betas" in group:
@@ -362,29 +341,114 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if "density" in group:
             group["density"] = float(group["density"])
         super().add_param_group(group)
-        if self._hooks_ready:  # a group added after construction
-            self._sync_hooks()
-
-    def _sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
-        for group in self.param_groups:
-            if group["density"] < 1.0:
-                for p in group["params"]:
-                    yield group, p
-
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(param is p for p in group["params"]):
-                return group
-        raise ValueError("param is not managed by this optimizer")
+        if self.grads.hooks_ready:  # a group added after construction
+            self.grads.sync_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero dense grads as torch does, and drop gathered compact grads (and what a clip or a
         skipped step left for the next step)."""
         super().zero_grad(set_to_none)
-        self._grad_ready.clear()
-        self._init_step_caches()
-        for route in self._quantized.values():
+        self.grads.ready.clear()
+        self._forget_step_caches()
+        for route in self.grads.quantized.values():
             route.discard()  # a 4-bit layer's tentative entries came with the gradients just dropped
+
+    # ------------------------------------------------------ entries and gradients
+
+    def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
+        """Choose the trainable entries of `param` yourself.
+
+        Entries kept from an earlier selection keep their moments, increment and base;
+        new entries start from zero moments. No increment is lost: an entry dropped with a
+        nonzero `delta` moves to the param's retired record (`retired_indices`,
+        `retired_delta`, and `retired_base` for weights with a base), and if a later call re-adds it,
+        it takes its `delta` and `base` back from there (its moments still start at zero).
+        The step count is kept. In `compact_grads` mode, a gradient already gathered this
+        step is kept for the kept entries; the new ones get zero (their dense gradient is gone).
+
+        Args:
+            param: a param of a sparse group (density < 1) of this optimizer.
+            indices: [k] sorted unique flat positions (int32 or int64), or a bool mask of
+                `param`'s shape.
+
+        Example:
+            >>> from sift import SparseAdamW
+            >>> w = torch.nn.Parameter(torch.randn(4, 4))
+            >>> opt = SparseAdamW([w], density=0.5)
+            >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
+        """
+        self.entries.set_indices(param, indices)
+
+    def indices_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The chosen entries of `param`: [k] sorted flat positions (int32, int64 past 2**31 elements).
+
+        The stored tensor for the exact state; decoded (a new [k] tensor) for the lean one.
+
+        Raises:
+            ValueError: `param`'s entries are not chosen yet.
+
+        Example:
+            >>> from sift import SparseAdamW
+            >>> w = torch.nn.Parameter(torch.randn(4, 4))
+            >>> opt = SparseAdamW([w], density=0.5, state="lean")
+            >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
+            >>> opt.indices_of(w).tolist()
+            [0, 5, 10, 15]
+        """
+        return self.entries.indices_of(param)
+
+    def state_bytes(self) -> dict[str, float]:
+        """Optimizer-state memory: total bytes, trainable entries, and bytes per entry.
+
+        Counts the sparse state (indices, moments, delta, base, step, and the retired record
+        that `set_indices` may leave; for the lean state its index halves, window table,
+        moments, residual and step) and the dense state of dense groups; compact gradient
+        buffers (with `update_in_backward`, the shared scratch) are reported separately.
+        `trainable_entries` counts active entries only.
+        """
+        return self.entries.state_bytes()
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
+        self.grads.remove_hooks()
+
+    def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a sparse backward adds this step's gradient of `param`: ([k] indices, [k] fp32
+        buffer), or None while its entries are not chosen (the dense gradient is needed then).
+
+        The first call of a step zeroes the buffer; later ones (micro-batches) add to it.
+        """
+        return self.grads.compact_grad_target(param)
+
+    def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this step will use for a selected sparse param, as [k] values.
+
+        In `compact_grads` mode, the gathered buffer (None before any backward); otherwise
+        `param.grad.view(-1)[indices]` (a new tensor).
+        """
+        return self.grads.compact_grad(param)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, plus this optimizer's selection settings under "sift"."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by `state_dict()`; validates everything before changing anything.
+
+        Raises:
+            ValueError: groups, param counts, or any sparse state do not fit the params, or the state comes
+                from another model (`sift.optim.checkpoint`).
+        """
+        checkpoint.load_state_dict(self, state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return checkpoint.getstate(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._build_parts()  # every part from the constructor's own list, then the pickled settings over them
+        checkpoint.setstate(self, state)
 
     # -------------------------------------------------------------------- step
 
@@ -404,19 +468,19 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
-        if self.update_in_backward and any(route.process_group is None for route in self._quantized.values()):
+        if self.update_in_backward and any(route.process_group is None for route in self.grads.quantized.values()):
             # DDP reduces a 4-bit layer's delta gradient after its accumulator ran: stepped before that, each
             # replica would train on its own gradient.
             raise RuntimeError(f"update_in_backward=True in a job of {world} processes: the 4-bit layers' deltas would "
                                "be stepped inside backward on each rank's own gradient, before DDP averages it; use "
                                "update_in_backward=False")
-        if all(is_dtensor(p) for _, p in self._sparse_params()):
+        if all(is_dtensor(p) for _, p in self.entries.sparse_params()):
             return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
-        excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self._sparse_params())
+        excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self.entries.sparse_params())
         if excluded and not self.update_in_backward:
             logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
                         "(the sparse weights are excluded from DDP)", world)
-            self.process_group = self._ddp_process_group = dist.group.WORLD
+            self.process_group = self.grads.ddp_process_group = dist.group.WORLD
             return
         reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
                   "across ranks: use update_in_backward=False" if self.update_in_backward else
@@ -468,25 +532,25 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._settle_update_in_backward()
+        self.memory.settle()
         self._validate_grads()
-        self._hook_new_params()
+        self.grads.hook_new_params()
         if self.compact_grads and not self.state:
             self._check_params_not_replaced()
         # Every rank agrees, once, before anything is averaged, selected or skipped.
-        self.last_step_skipped = self._agree(self._amp_begin())
+        self.last_step_skipped = self.amp.agree(self.amp.begin())
         if self.last_step_skipped:
             # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
             # step's gradients are used up as by a step that ran.
             self._end_step()
             return loss
-        self._sync_grads()
+        self.grads.sync_grads()
         # The only place entries are chosen: a step GradScaler skips never gets here.
         reselect_(self)
-        self._select()
-        for route in self._quantized.values():
+        self.selector.select()
+        for route in self.grads.quantized.values():
             route.commit()
-        self._amp_unscale_after_selection()
+        self.amp.unscale_after_selection()
         if self.max_grad_norm is not None and self.update_in_backward:
             # No global norm exists once layers were stepped in backward: each dense grad on its own.
             clip_each_([local_tensor(p.grad) for group in self.param_groups if group["density"] >= 1.0
@@ -496,9 +560,9 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
         try:
             for group in self.param_groups:
                 if group["density"] >= 1.0:
-                    self._dense_step(group)
+                    self.steps.dense_step(group)
                 else:
-                    self._sparse_step(group)
+                    self.steps.sparse_step(group)
         finally:
             self._end_step()
         return loss
@@ -506,8 +570,8 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
     def _check_params_not_replaced(self) -> None:
         """Refuse params swapped into the groups after construction (accelerate's FSDP2 `prepare` does so): the
         compact modes' hooks and sparse backward hold the old ones, and the new ones would train wrongly."""
-        for _, p in self._sparse_params():
-            if p.requires_grad and p not in self._hook_handles and not any(p is q for q in self._unhooked):
+        for _, p in self.entries.sparse_params():
+            if p.requires_grad and p not in self.grads.hook_handles and not any(p is q for q in self.grads.unhooked):
                 raise RuntimeError("a param of this SparseAdamW was replaced after it was built (accelerate's FSDP2 "
                                    "prepare swaps an optimizer's params for the sharded ones): compact_grads and the "
                                    "sparse backward hooked the old params. Build the optimizer after fully_shard, or "
@@ -515,70 +579,5 @@ class SparseAdamW(SelectionMixin, SparseStateMixin, HooksMixin, AmpMixin, Checkp
 
     def _end_step(self) -> None:
         """Drop what lived for this step: caches, gathered compact gradients, the backward marks."""
-        self._init_step_caches()
-        self._grad_ready.clear()
-        self._backward_seen.clear()
-        self._clear_open_buffers()
-        for route in self._quantized.values():
-            route.discard()
-
-    def _sparse_step(self, group: dict[str, Any]) -> None:
-        buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-        for p in group["params"]:
-            state = self.state.get(p)
-            if not state or not is_selected(state):
-                continue
-            if self.compact_grads:
-                # The hook gathered a gradient this step (and freed .grad).
-                if not (p.requires_grad and p in self._grad_ready):
-                    continue
-                grad, compact = self._compact[p], True
-            else:
-                if not uses_grad(p):
-                    continue
-                # clip_grad_norm_ gathered and scaled the chosen entries: the dense grad stays as it was.
-                grad = self._clipped_grad(p)
-                compact = grad is not None
-                if grad is None:
-                    grad = local_tensor(p.grad).contiguous()
-            layout = state["indices"].dtype if "indices" in state else "lean"
-            buckets[(p.device, p.dtype, layout, compact)].append((p, grad))
-        for (device, dtype, layout, compact), members in buckets.items():
-            self._fused_step(group, device, dtype, layout, compact, members)
-
-    def _fused_step(self, group: dict[str, Any], device: torch.device, dtype: torch.dtype, layout: Any,
-                    compact: bool, members: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One fused sparse step over `members` [(param, grad)], all on `device` in `dtype`, one layout."""
-        params = [p for p, _ in members]
-        grads = [g for _, g in members]
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        lean = layout == "lean"
-        _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.backend)
-        if lean:
-            state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
-                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                          [s["residual"] for s in states] if dtype != torch.float32 else [])
-        else:
-            state_args = ([s["indices"] for s in states], [s["exp_avg"] for s in states],
-                          [s["exp_avg_sq"] for s in states], [s["delta"] for s in states],
-                          [s["base"] for s in states] if "base" in states[0] else [])
-        self._launch_step(fn, group, device, [local_tensor(p.detach()) for p in params], grads, state_args, steps,
-                          compact)
-
-    def _launch_step(self, fn, group: dict[str, Any], device: torch.device, params: list[torch.Tensor],
-                     grads: list[torch.Tensor], state_args: tuple, steps: list[torch.Tensor], compact: bool) -> None:
-        """Run one step kernel with the group's hyper-parameters; the step counts it reads are
-        incremented first and taken back if the kernel raises."""
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device != device:
-            lr = lr.to(device)
-        torch._foreach_add_(steps, 1.0)
-        try:
-            fn(params, grads, *state_args, steps, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-               weight_decay=group["weight_decay"], maximize=group["maximize"], compact_grads=compact,
-               table_cache=self._kernel_cache)
-        except BaseException:
-            torch._foreach_sub_(steps, 1.0)
-            raise
+        self._forget_step_caches()
+        self.grads.end_step()

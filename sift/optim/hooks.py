@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from sift.optim.clip import clip_each_
-from sift.optim.sharded import sharded_update_hook
+from sift.optim.sharded import attach_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 
@@ -41,313 +41,355 @@ def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor
         buffer.copy_(torch.index_select(flat, 0, indices))
 
 
-class HooksMixin:
-    """`SparseAdamW`'s gradient hooks, compact gradient buffers and cross-rank averaging."""
+class GradRoutes:
+    """Where each trained weight's gradient comes from and where it waits for `step()`: the hooks of
+    `compact_grads` mode, the [k] fp32 compact buffers (and the shared scratch of the update in backward),
+    the 4-bit layers' delta values, and the averaging across a process group's ranks."""
 
-    def _average_pending(self) -> None:
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
+        self.ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
+        # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
+        # the sparse params a backward reached since the last step() (a second backward raises).
+        self.scratch: dict[torch.device, torch.Tensor] = {}
+        self.backward_seen: set[torch.Tensor] = set()
+        # update_in_backward: the [k] gradients still receiving parts from a weight's uses (param ->
+        # buffer), which weight holds each device's scratch, and each hooked param's AccumulateGrad.
+        self.open: dict[torch.Tensor, torch.Tensor] = {}
+        self.scratch_owner: dict[torch.device, torch.Tensor | None] = {}
+        self.accumulators: dict[torch.Tensor, Any] = {}
+        # 4-bit layers' sparse deltas (sift.quantized): values param -> its route, set by for_model.
+        self.quantized: dict[torch.Tensor, Any] = {}
+        self.hook_handles: dict[torch.Tensor, Any] = {}  # compact_grads: param -> its grad hook
+        self.quantized_handles: dict[torch.Tensor, Any] = {}  # update_in_backward: 4-bit values -> pre-hook
+        self.unhooked: list[torch.Tensor] = []  # compact_grads: frozen sparse params (no hook possible yet)
+        self.hooks_ready = False  # until the groups exist: add_param_group then hooks a group added later
+        # The default group when adopted because DDP leaves the sparse weights to this optimizer: DDP
+        # averages the other params' `.grad` then, and the optimizer must not again. A copy has no process
+        # group, so it has none adopted either.
+        self.ddp_process_group: Any = None
+        # FSDP2 with the sparse backward (`sift.optim.sharded`): each weight's plan and hooks, and whether
+        # every plan is final (all entries chosen).
+        self.sharded_plans: list[Any] = []
+        self.sharded_hooks: list[Any] = []
+        self.sharded_plans_final = False
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Forget what lived for one step: which pending dense grads were averaged across ranks."""
+        self.averaged: set[torch.Tensor] = set()
+
+    def attach_sparse_backward(self, routes: list[Any]) -> None:
+        """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
+        their cross-rank plans (`sift.optim.sharded`)."""
+        attach_sparse_backward(self.opt, routes)
+
+    def end_step(self) -> None:
+        """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers."""
+        self.new_step()
+        self.ready.clear()
+        self.backward_seen.clear()
+        self.clear_open_buffers()
+        for route in self.quantized.values():
+            route.discard()
+
+    def average_pending(self) -> None:
         """With a process group: average the pending params' dense grads across ranks (once a
         step) before anything selects from them, so every rank chooses the same entries."""
-        if self.process_group is None:
+        if self.opt.process_group is None:
             return
-        for _, p in self._pending_with_grad():
-            if p not in self._averaged:
-                self._average_across_ranks(p.grad)
-                self._averaged.add(p)
+        for _, p in self.opt.selector.pending_with_grad():
+            if p not in self.averaged:
+                self.average_across_ranks(p.grad)
+                self.averaged.add(p)
 
     # ---------------------------------------------------------- gradient hooks
 
-    def _sync_hooks(self) -> None:
+    def sync_hooks(self) -> None:
         """Give every sparse param one grad hook, and dense ones none (groups may change)."""
-        sparse = [p for _, p in self._sparse_params()]
+        sparse = [p for _, p in self.opt.entries.sparse_params()]
         sparse_ids = {id(p) for p in sparse}
-        for p in [q for q in self._hook_handles if id(q) not in sparse_ids]:
-            self._hook_handles.pop(p).remove()
-            self._grad_accumulators.pop(p, None)
+        for p in [q for q in self.hook_handles if id(q) not in sparse_ids]:
+            self.hook_handles.pop(p).remove()
+            self.accumulators.pop(p, None)
         # torch refuses hooks on tensors that do not require grad: those get theirs when unfrozen.
-        self._unhooked = []
+        self.unhooked = []
         for p in sparse:
-            if p in self._hook_handles:
+            if p in self.hook_handles:
                 continue
             if p.requires_grad:
-                self._hook_handles[p] = self._register_grad_hook(p)
+                self.hook_handles[p] = self.register_grad_hook(p)
             else:
-                self._unhooked.append(p)
+                self.unhooked.append(p)
 
-    def _register_grad_hook(self, p: torch.Tensor):
+    def register_grad_hook(self, p: torch.Tensor):
         """compact_grads: a post-accumulate-grad hook on p. update_in_backward: a pre-hook on p's
         AccumulateGrad node, which autograd runs once per backward after all of p's uses."""
-        if not self.update_in_backward:
-            return p.register_post_accumulate_grad_hook(self._grad_hook)
+        if not self.opt.update_in_backward:
+            return p.register_post_accumulate_grad_hook(self.grad_hook)
         if is_dtensor(p):  # an FSDP2 shard: FSDP2 runs this hook once its gradient is reduce-scattered
-            return p.register_post_accumulate_grad_hook(functools.partial(sharded_update_hook, self))
-        return self._accumulator_of(p).register_prehook(functools.partial(self._accumulator_prehook, p))
+            return p.register_post_accumulate_grad_hook(functools.partial(sharded_update_hook, self.opt))
+        return self.accumulator_of(p).register_prehook(functools.partial(self.accumulator_prehook, p))
 
-    def _accumulator_of(self, p: torch.Tensor):
+    def accumulator_of(self, p: torch.Tensor):
         with torch.enable_grad():
             accumulator = p.view_as(p).grad_fn.next_functions[0][0]
         # A tensor holds its accumulator weakly: this reference keeps the node (and its hook) the
         # one autograd uses for p in every later forward.
-        self._grad_accumulators[p] = accumulator
+        self.accumulators[p] = accumulator
         return accumulator
 
-    def _hook_quantized(self) -> None:
+    def hook_quantized(self) -> None:
         """update_in_backward: each 4-bit layer's [k] delta values are stepped from a pre-hook on
         their AccumulateGrad node, so at most one layer's [k] gradient is alive at a time."""
-        if not self.update_in_backward:
+        if not self.opt.update_in_backward:
             return
-        for values in self._quantized:
-            if values not in self._quantized_handles:
-                self._quantized_handles[values] = self._accumulator_of(values).register_prehook(
-                    functools.partial(self._quantized_prehook, values))
+        for values in self.quantized:
+            if values not in self.quantized_handles:
+                self.quantized_handles[values] = self.accumulator_of(values).register_prehook(
+                    functools.partial(self.quantized_prehook, values))
 
     # The gradient hooks run from the eager backward, also when a training step is compiled whole
     # (`.backward()` breaks the graph there): dynamo tracing their Python state would only add graphs.
     @torch.compiler.disable
     @torch.no_grad()
-    def _quantized_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
+    def quantized_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
         """update_in_backward: a 4-bit layer's delta values have their whole gradient (every use has
         sent its part); once the layer's entries are chosen, step them now and keep no `.grad`.
         Before that the gradient accumulates as in plain mode and `step()` commits the selection."""
         grad = grad_inputs[0]
         if grad is None:
             return None
-        selected = self._quantized[p].selected
-        self._mark_backward(p, selected)
+        selected = self.quantized[p].selected
+        self.mark_backward(p, selected)
         if not selected or not p.requires_grad:
             return None
-        if self.max_grad_norm is not None:
+        if self.opt.max_grad_norm is not None:
             grad = grad.clone()  # clipped on its own, as every weight stepped in backward
-            clip_each_([grad], self.max_grad_norm)
-        self._dense_update(self._group_of(p), [p], [grad])
+            clip_each_([grad], self.opt.max_grad_norm)
+        self.opt.steps.dense_update(self.opt.entries.group_of(p), [p], [grad])
         return (None,)
 
-    def _hook_unfrozen(self) -> None:
+    def hook_unfrozen(self) -> None:
         """compact_grads: hook the sparse params unfrozen since the last step."""
-        for p in [q for q in self._unhooked if q.requires_grad]:
-            self._unhooked.remove(p)
-            self._hook_handles[p] = self._register_grad_hook(p)
-            if self.update_in_backward:
+        for p in [q for q in self.unhooked if q.requires_grad]:
+            self.unhooked.remove(p)
+            self.hook_handles[p] = self.register_grad_hook(p)
+            if self.opt.update_in_backward:
                 continue  # a gradient that arrived before the hook is dense: step() selects from it
             # This step's gradient arrived before the hook existed: gather (and free) it now.
-            self._grad_hook(p)
-            if self._dense_grads_unscaled():  # scaler.unscale_ saw it as a `.grad`
-                self._scaled_compact.discard(p)
+            self.grad_hook(p)
+            if self.opt.amp.dense_grads_unscaled():  # scaler.unscale_ saw it as a `.grad`
+                self.opt.amp.scaled_compact.discard(p)
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks of `compact_grads` mode (groups added later get none)."""
-        for handle in self._hook_handles.values():
+        """See `SparseAdamW.remove_hooks`."""
+        for handle in self.hook_handles.values():
             handle.remove()
-        self._hook_handles.clear()
-        for handle in self._quantized_handles.values():
+        self.hook_handles.clear()
+        for handle in self.quantized_handles.values():
             handle.remove()
-        self._quantized_handles.clear()
-        self._grad_accumulators.clear()
-        self._unhooked = []
-        self._hooks_ready = False
+        self.quantized_handles.clear()
+        self.accumulators.clear()
+        self.unhooked = []
+        self.hooks_ready = False
 
     @torch.compiler.disable
     @torch.no_grad()
-    def _grad_hook(self, p: torch.Tensor) -> None:
+    def grad_hook(self, p: torch.Tensor) -> None:
         grad = p.grad
         if grad is None:
             return
         if grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        state = self.state[p]
+        state = self.opt.state[p]
         if not is_selected(state):
             # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
             # selects from it, so micro-batches and skipped steps count exactly as there.
             return
-        _gather_into(self._compact[p], grad, self.indices_of(p), accumulate=p in self._grad_ready)
-        self._grad_ready.add(p)
-        self._scaled_compact.add(p)  # as GradScaler scaled the loss; unscaled once, before the step
+        _gather_into(self.compact[p], grad, self.opt.indices_of(p), accumulate=p in self.ready)
+        self.ready.add(p)
+        self.opt.amp.scaled_compact.add(p)  # as GradScaler scaled the loss; unscaled once, before the step
         p.grad = None
 
-    def _average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+    def average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        world = dist.get_world_size(self.process_group)
+        world = dist.get_world_size(self.opt.process_group)
         if world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.opt.process_group)
             tensor.div_(world)
         return tensor
 
-    def _reduced_by_ddp(self, p: torch.Tensor) -> bool:
+    def reduced_by_ddp(self, p: torch.Tensor) -> bool:
         """Whether DDP already averaged p's `.grad`: the optimizer adopted the default group because DDP
         ignores the sparse weights, and DDP does not ignore p (a dense head, a 4-bit layer's delta)."""
-        adopted = getattr(self, "_ddp_process_group", None)
-        return adopted is not None and self.process_group is adopted and not getattr(p, "_ddp_ignored", False)
+        adopted = self.ddp_process_group
+        return adopted is not None and self.opt.process_group is adopted and not getattr(p, "_ddp_ignored", False)
 
-    def _sync_grads(self) -> None:
+    def sync_grads(self) -> None:
         """compact_grads + process_group: average what this step uses across ranks, once a step.
 
         Every rank must have run backward over the same params (as with DDP).
         """
-        if self.process_group is None:
+        if self.opt.process_group is None:
             return
-        for group in self.param_groups:
+        for group in self.opt.param_groups:
             for p in group["params"]:
-                if p in self._averaged:
+                if p in self.averaged:
                     continue
                 if group["density"] >= 1.0:
-                    if uses_grad(p) and not self._reduced_by_ddp(p):
-                        self._average_across_ranks(p.grad)
-                        self._averaged.add(p)
-                elif p in self._grad_ready:
-                    self._average_across_ranks(self._compact[p])
-                    self._averaged.add(p)
+                    if uses_grad(p) and not self.reduced_by_ddp(p):
+                        self.average_across_ranks(p.grad)
+                        self.averaged.add(p)
+                elif p in self.ready:
+                    self.average_across_ranks(self.compact[p])
+                    self.averaged.add(p)
 
-    def _agreement_group(self) -> tuple[Any, torch.device | None]:
+    def agreement_group(self) -> tuple[Any, torch.device | None]:
         """The ranks that take each step's decisions together, and the device of their agreement: the process
         group (given, or adopted under DDP), else an FSDP2 mesh's; (None, None) for one process."""
-        if self.process_group is not None:
-            first = next((p for group in self.param_groups for p in group["params"]), None)
-            return self.process_group, local_tensor(first).device if first is not None else torch.device("cpu")
-        sharded = first_shard(self)
+        if self.opt.process_group is not None:
+            first = next((p for group in self.opt.param_groups for p in group["params"]), None)
+            return self.opt.process_group, local_tensor(first).device if first is not None else torch.device("cpu")
+        sharded = first_shard(self.opt)
         if sharded is None:
             return None, None
         return sharded.device_mesh.get_group(), local_tensor(sharded).device
 
-    def _hook_new_params(self) -> None:
+    def hook_new_params(self) -> None:
         """compact_grads: hook sparse params unfrozen since the last step."""
-        if self._unhooked:
-            self._hook_unfrozen()
+        if self.unhooked:
+            self.hook_unfrozen()
 
     def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where a sparse backward adds this step's gradient of `param`: ([k] indices, [k] fp32
-        buffer), or None while its entries are not chosen (the dense gradient is needed then).
-
-        The first call of a step zeroes the buffer; later ones (micro-batches) add to it.
-        """
-        state = self.state.get(param, {})
-        if not self.compact_grads or not is_selected(state):
+        """See `SparseAdamW.compact_grad_target`."""
+        state = self.opt.state.get(param, {})
+        if not self.opt.compact_grads or not is_selected(state):
             return None
-        if self.update_in_backward:
+        if self.opt.update_in_backward:
             # Each use adds its part; the accumulator's pre-hook steps once all uses have.
-            indices = self.indices_of(param)
-            return indices, self._open_buffer(param, indices.numel())
-        buffer = self._compact[param]
-        if param not in self._grad_ready:
+            indices = self.opt.indices_of(param)
+            return indices, self.open_buffer(param, indices.numel())
+        buffer = self.compact[param]
+        if param not in self.ready:
             buffer.zero_()
-            self._grad_ready.add(param)
-        self._scaled_compact.add(param)
-        return self.indices_of(param), buffer
+            self.ready.add(param)
+        self.opt.amp.scaled_compact.add(param)
+        return self.opt.indices_of(param), buffer
 
     # ----------------------------------------------------- update in backward
 
     @torch.compiler.disable
     @torch.no_grad()
-    def _accumulator_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
+    def accumulator_prehook(self, p: torch.Tensor, grad_inputs: tuple[torch.Tensor | None, ...]):
         """update_in_backward: p's AccumulateGrad node is about to run, so every use of p in this
         backward has contributed (its dense part is `grad_inputs[0]`, a sparse backward's part is in
         p's open buffer). Step p on the whole gradient and let no dense gradient accumulate."""
         grad = grad_inputs[0]
-        buffer = self._open.get(p)
+        buffer = self.open.get(p)
         if grad is None and buffer is None:
             return None
         if grad is not None and grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        selected = is_selected(self.state[p])
-        self._mark_backward(p, selected)
+        selected = is_selected(self.opt.state[p])
+        self.mark_backward(p, selected)
         if not selected:
             return None  # accumulated as in plain mode: the selection in step() reads it
         if grad is not None:
-            indices = self.indices_of(p)
+            indices = self.opt.indices_of(p)
             accumulate = buffer is not None  # a sparse backward's part is already there
             if buffer is None:
-                buffer = self._open_buffer(p, indices.numel(), zero=False)
+                buffer = self.open_buffer(p, indices.numel(), zero=False)
             _gather_into(buffer, grad, indices, accumulate)
         try:
-            self._update_now(p, buffer)
+            self.update_now(p, buffer)
         finally:
-            self._close_buffer(p)
+            self.close_buffer(p)
         return (None,)
 
-    def _open_buffer(self, p: torch.Tensor, k: int, zero: bool = True) -> torch.Tensor:
+    def open_buffer(self, p: torch.Tensor, k: int, zero: bool = True) -> torch.Tensor:
         """p's [k] fp32 gradient for this backward, open until its accumulator's pre-hook steps it.
 
         The device's scratch when no other weight holds it (a weight used once is stepped right after
         its layer's backward, so one buffer serves every such weight); a buffer of its own while
         another weight's uses are still arriving (shared layers).
         """
-        buffer = self._open.get(p)
+        buffer = self.open.get(p)
         if buffer is not None:
             return buffer
-        if self._scratch_owner.get(p.device) is None:
-            buffer = self._scratch_for(p, k)
-            self._scratch_owner[p.device] = p
+        if self.scratch_owner.get(p.device) is None:
+            buffer = self.scratch_for(p, k)
+            self.scratch_owner[p.device] = p
         else:
             buffer = torch.empty(k, dtype=torch.float32, device=p.device)
         if zero:
             buffer.zero_()
-        self._open[p] = buffer
+        self.open[p] = buffer
         return buffer
 
-    def _close_buffer(self, p: torch.Tensor) -> None:
-        self._open.pop(p, None)
-        if self._scratch_owner.get(p.device) is p:
-            self._scratch_owner[p.device] = None
+    def close_buffer(self, p: torch.Tensor) -> None:
+        self.open.pop(p, None)
+        if self.scratch_owner.get(p.device) is p:
+            self.scratch_owner[p.device] = None
 
-    def _clear_open_buffers(self) -> None:
+    def clear_open_buffers(self) -> None:
         """Forget open gradients (end of a step, a load, a copy)."""
-        self._open = {}
-        self._scratch_owner = {}
+        self.open = {}
+        self.scratch_owner = {}
 
-    def _mark_backward(self, p: torch.Tensor, selected: bool = True) -> None:
+    def mark_backward(self, p: torch.Tensor, selected: bool = True) -> None:
         """update_in_backward: record that a backward reached `p`; a second one before step() raises,
         unless the update in backward came from `memory="lowest"` and nothing is stepped in backward yet:
         then the first step drops it (micro-batches accumulate) instead."""
-        if p in self._backward_seen:
-            if self._update_in_backward_auto and not selected:
-                self._accumulation_seen = True
+        if p in self.backward_seen:
+            if self.opt.memory.auto and not selected:
+                self.opt.memory.accumulation_seen = True
                 return
             raise RuntimeError("update_in_backward=True takes one backward per step(): a second backward reached a "
                                "weight before step() (gradient accumulation is not supported in this mode; use "
                                "update_in_backward=False to accumulate micro-batches)")
-        self._backward_seen.add(p)
+        self.backward_seen.add(p)
 
-    def _scratch_for(self, p: torch.Tensor, k: int) -> torch.Tensor:
+    def scratch_for(self, p: torch.Tensor, k: int) -> torch.Tensor:
         """A [k] fp32 view of p's device's scratch gradient, grown to the largest k selected there."""
-        buffer = self._scratch.get(p.device)
+        buffer = self.scratch.get(p.device)
         if buffer is None or buffer.numel() < k:
-            largest = max((num_entries(s) for q, s in self.state.items() if q.device == p.device and is_selected(s)),
-                          default=k)
+            states = self.opt.state.items()
+            largest = max((num_entries(s) for q, s in states if q.device == p.device and is_selected(s)), default=k)
             buffer = torch.empty(max(k, largest), dtype=torch.float32, device=p.device)
-            self._scratch[p.device] = buffer
+            self.scratch[p.device] = buffer
         return buffer[:k]
 
-    def _gather_scratch(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def gather_scratch(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """grad[indices] of selected p, in fp32, into the scratch buffer."""
-        indices = self.indices_of(p)
-        compact = self._scratch_for(p, indices.numel())
+        indices = self.opt.indices_of(p)
+        compact = self.scratch_for(p, indices.numel())
         _gather_into(compact, grad, indices, accumulate=False)
         return compact
 
-    def _update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
+    def update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
         """Clip p's [k] compact gradient on its own (max_grad_norm) and run p's fused step at once."""
         if not p.requires_grad:
             return
-        if self.max_grad_norm is not None:
-            clip_each_([compact], self.max_grad_norm)
-        layout = "lean" if "indices_low" in self.state[p] else self.state[p]["indices"].dtype
-        self._fused_step(self._group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
+        if self.opt.max_grad_norm is not None:
+            clip_each_([compact], self.opt.max_grad_norm)
+        layout = "lean" if "indices_low" in self.opt.state[p] else self.opt.state[p]["indices"].dtype
+        self.opt.steps.fused_step(self.opt.entries.group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The gradient this step will use for a selected sparse param, as [k] values.
-
-        In `compact_grads` mode, the gathered buffer (None before any backward); otherwise
-        `param.grad.view(-1)[indices]` (a new tensor).
-        """
-        state = self.state.get(param, {})
+        """The gradient this step will use for a selected sparse param, as [k] values. (`SparseAdamW.compact_grad`)."""
+        state = self.opt.state.get(param, {})
         if not is_selected(state):
             return None
-        if self.compact_grads:
-            return self._compact[param] if param in self._grad_ready else None
+        if self.opt.compact_grads:
+            return self.compact[param] if param in self.ready else None
         if param.grad is None:
             return None
-        clipped = self._clipped_grad(param)
+        clipped = self.opt.selector.clipped_grad(param)
         if clipped is not None:
             return clipped
         # index_select takes the int32 indices as they are: no int64 copy on every clip.
-        return torch.index_select(local_tensor(param.grad).reshape(-1), 0, self.indices_of(param))
+        return torch.index_select(local_tensor(param.grad).reshape(-1), 0, self.opt.indices_of(param))
 

@@ -104,57 +104,63 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
     return chosen, auto
 
 
-class MemoryPresetMixin:
+class MemoryPolicy:
     """`SparseAdamW`'s side of `memory="lowest"`: the first step may still drop the update in backward."""
 
-    def _settle_update_in_backward(self, global_clip: bool = False) -> None:
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        # memory="lowest" chose the update in backward: the first step may still drop it. Saved in state_dict.
+        self.auto = False
+        self.accumulation_seen = False  # a second backward before the first step (micro-batches)
+
+    def settle(self, global_clip: bool = False) -> None:
         """memory="lowest": on the steps before anything is selected (nothing was stepped in backward yet),
         drop the update in backward with one log line if micro-batches accumulated, a GradScaler drives
         the step or `sift.clip_grad_norm_` clips by the global norm (`global_clip`); once entries are chosen,
         the choice is final (a later misuse raises)."""
-        if not self._update_in_backward_auto:
+        if not self.auto:
             return
-        if any(is_selected(self.state.get(p, {})) for _, p in self._sparse_params()) or any(
-                route.selected for route in self._quantized.values()):
-            self._update_in_backward_auto = False
+        if any(is_selected(self.opt.state.get(p, {})) for _, p in self.opt.entries.sparse_params()) or any(
+                route.selected for route in self.opt.grads.quantized.values()):
+            self.auto = False
             return
         why = None
         if global_clip:
             why = "sift.clip_grad_norm_ needs every gradient before any is applied"
-        elif self._accumulation_seen:
+        elif self.accumulation_seen:
             why = "micro-batches accumulate before each step"
-        elif getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None or \
-                self.grad_scaler is not None:
+        elif getattr(self.opt, "grad_scale", None) is not None or getattr(self.opt, "found_inf", None) is not None or \
+                self.opt.grad_scaler is not None:
             why = "a GradScaler may skip a step that backward would already have applied"
-        self._accumulation_seen = False
+        self.accumulation_seen = False
         if why is None:
             return
-        self._drop_update_in_backward(why)
+        self.drop_update_in_backward(why)
 
-    def _drop_update_in_backward(self, why: str) -> None:
+    def drop_update_in_backward(self, why: str) -> None:
         """Leave the update in backward for compact_grads' hooks, with one log line saying why."""
         logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
-        self._update_in_backward_auto = False
-        self.update_in_backward = False
-        self._backward_seen.clear()
-        self.remove_hooks()
-        self._hooks_ready = True
-        self._sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
+        self.auto = False
+        self.opt.update_in_backward = False
+        self.opt.grads.backward_seen.clear()
+        self.opt.grads.remove_hooks()
+        self.opt.grads.hooks_ready = True
+        self.opt.grads.sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
 
-    def _memory_mode(self) -> dict[str, bool]:
+    def saved_mode(self) -> dict[str, bool]:
         """What `state_dict` records of the mode: whether the update in backward is on, and whether that is
         still undecided (memory="lowest" before its first step)."""
-        return {"update_in_backward": self.update_in_backward,
-                "update_in_backward_auto": self._update_in_backward_auto}
+        return {"update_in_backward": self.opt.update_in_backward,
+                "update_in_backward_auto": self.auto}
 
-    def _resume_memory_mode(self, saved: dict[str, Any]) -> None:
+    def resume(self, saved: dict[str, Any]) -> None:
         """load_state_dict: where memory="lowest" chose this optimizer's update in backward, continue as the
         saved run had decided (it may have dropped it at its first step); explicit flags stay as given."""
-        if not self._update_in_backward_auto or "update_in_backward" not in saved:
+        if not self.auto or "update_in_backward" not in saved:
             return
         if saved.get("update_in_backward_auto", False):
             return  # saved before its first step: undecided there too
         if saved["update_in_backward"]:
-            self._update_in_backward_auto = False  # kept by the saved run: final here too
+            self.auto = False  # kept by the saved run: final here too
         else:
-            self._drop_update_in_backward("the state_dict comes from a run that dropped it")
+            self.drop_update_in_backward("the state_dict comes from a run that dropped it")

@@ -148,9 +148,9 @@ def _refusal(opt: Any, p: torch.Tensor, state: dict[str, Any]) -> str | None:
         return "the compact modes keep no dense gradient to grow from (use plain mode)"
     if "indices" not in state:
         return "the lean state keeps no delta to drop by (use state='exact')"
-    if p in opt._quantized or is_dtensor(p):
+    if p in opt.grads.quantized or is_dtensor(p):
         return "4-bit bases and FSDP2 shards are not supported yet"
-    if opt._clipped_grad(p) is not None:
+    if opt.selector.clipped_grad(p) is not None:
         return ("clip_grad_norm_ gathered this step's gradient at the former entries; "
                 "re-selection steps need an unclipped step() (max_grad_norm=None, no clip before it)")
     return None
@@ -206,7 +206,7 @@ def _reselect_param(opt: Any, group: dict[str, Any], p: torch.Tensor, settings: 
     if n <= 0:
         return
     grad = local_tensor(p.grad).reshape(-1).float()
-    inv_scale = getattr(opt, "_grad_inv_scale", None)
+    inv_scale = opt.amp.grad_inv_scale
     if inv_scale is not None:  # scaler.step: .grad still holds the loss-scaled gradient
         grad = grad * inv_scale.to(grad.device)
     if group["maximize"]:

@@ -28,8 +28,7 @@ import torch
 
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
-from sift._index import random_generator as _random_generator
-from sift._index import top_k_positions
+from sift._rules import random_entries, ranks_nothing, score_flags, step_score, top_k, total_score, warn_unscored
 from sift.optim.sharded import shard_group, shard_offset
 from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
 
@@ -110,78 +109,81 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     return out
 
 
-def _score_flags(score: torch.Tensor) -> torch.Tensor:
-    """[2] fp32: whether `score` holds a non-finite value, and whether it holds a nonzero one (on the device,
-    so that ranks can take the maximum of both in one all-reduce)."""
-    return torch.stack([torch.isfinite(score).logical_not().any(), score.ne(0).any()]).float()
+class Selector:
+    """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps: one engine for
+    every 16-bit weight (scores unscaled, ties to the lower index, inf/NaN and all-zero scores left
+    pending, the random stream keyed by the weight's name). 4-bit layers score through the same rules
+    in `sift.quantized`."""
 
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        # Sparse params still waiting for their selection (None: scan all of them). Frozen
+        # and gradless params stay on it, so a layer unfrozen later is still selected.
+        self.pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
+        self.warned_unscored: set[torch.Tensor] = set()  # weights whose score ranked nothing, said once
+        self.new_step()
 
-def _ranks_nothing(score: torch.Tensor | None) -> bool:
-    """Whether a weight's selection score cannot rank its entries: zero everywhere (a zero-initialised layer,
-    a batch whose labels are all ignored) or not finite. "random" (no score) always ranks."""
-    if score is None:
-        return False
-    bad, nonzero = _score_flags(score).tolist()
-    return bool(bad) or not nonzero
+    def new_step(self) -> None:
+        """For one step: the entries a selecting step will choose (computed by `clip_grad_norm_` or the
+        step, committed only by the step) and the clipped [k] gradients `clip_grad_norm_` (or the
+        unscale) gathered for the step. Keyed by the gradient they came from, so a stale entry is never
+        used."""
+        self.tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self.clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
 
-
-class SelectionMixin:
-    """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps."""
-
-    def _selects_globally(self, p: torch.Tensor) -> bool:
+    def selects_globally(self, p: torch.Tensor) -> bool:
         """Whether p is an FSDP2 shard whose entries are the whole weight's top-k (`sharded_selection`)."""
-        return is_dtensor(p) and getattr(self, "sharded_selection", "global") == "global"
+        return is_dtensor(p) and getattr(self.opt, "sharded_selection", "global") == "global"
 
-    def _num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
+    def num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
         """k: of the whole weight when selecting globally (`p.numel()` of a DTensor is the full one)."""
-        numel = p.numel() if self._selects_globally(p) else local_tensor(p).numel()
+        numel = p.numel() if self.selects_globally(p) else local_tensor(p).numel()
         return max(1, _entries_for(group["density"], numel))
 
-    def _choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
-        k = self._num_selected(group, p)
+    def choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
+        k = self.num_selected(group, p)
         local = local_tensor(p).numel()
-        if self.selection == "random":
+        if self.opt.selection == "random":
             # Drawn by the weight's name (the group's param_names); a param given without one by its position.
-            position = next(i for i, q in enumerate(q for _, q in self._sparse_params()) if q is p)
+            position = next(i for i, q in enumerate(q for _, q in self.opt.entries.sparse_params()) if q is p)
             names = group.get("param_names") or ()
             name = next((n for n, q in zip(names, group["params"]) if q is p), None)
-            gen = _random_generator(self.seed, name, position, p.device)
-            if self._selects_globally(p):
-                # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
-                start = shard_offset(p)
-                chosen = top_k_positions(torch.rand(p.numel(), generator=gen, device=p.device), k)
-                chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
-                return chosen.to(_index_dtype(local))
-            score = torch.rand(local, generator=gen, device=p.device)
+            if not self.selects_globally(p):
+                return random_entries(self.opt.seed, name, position, local, k, p.device)
+            # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
+            start = shard_offset(p)
+            chosen = random_entries(self.opt.seed, name, position, p.numel(), k, p.device).long()
+            chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
+            return chosen.to(_index_dtype(local))
         assert score is not None
-        return top_k_positions(score, k).to(_index_dtype(local))
+        return top_k(score, k)
 
-    def _average_pending(self) -> None:
+    def average_pending(self) -> None:
         """The cross-rank work before anything selects (`step()` and `clip_grad_norm_` call it): the
         process group's averaging, then the global search of FSDP2 weights on their selecting step."""
-        super()._average_pending()
-        self._search_globally()
+        self.opt.grads.average_pending()
+        self.search_globally()
 
-    def _search_globally(self) -> None:
+    def search_globally(self) -> None:
         """Choose, by `sharded_top_k`, the entries of every FSDP2 weight selecting globally this step, and
         cache them as the tentative indices. Collective over each weight's mesh; a no-op once every weight
         is selected. The weights considered are the same on every rank (empty shards included)."""
         import torch.distributed as dist
 
-        if self.selection == "random":
+        if self.opt.selection == "random":
             return  # drawn locally, from the seed (see _choose)
-        pending = [(group, p) for group, p in self._pending_with_grad()
-                   if self._selects_globally(p) and p.numel() > 0 and self._is_final_selection(p)]
+        pending = [(group, p) for group, p in self.pending_with_grad()
+                   if self.selects_globally(p) and p.numel() > 0 and self.is_final_selection(p)]
         by_group: dict[Any, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         for group, p in pending:
             by_group.setdefault(shard_group(p), []).append((group, p))
         for mesh_group, members in by_group.items():
             # A clip before the step searched already: search again only if any rank's gradient changed. The
-            # same all-reduce agrees on the weights whose whole score ranks nothing (see `_score_flags`).
+            # same all-reduce agrees on the weights whose whole score ranks nothing (see `score_flags`).
             device = local_tensor(members[0][1]).device
-            changed = float(any(self._tentative.get(p, (None,))[0] != self._grad_key(p) for _, p in members))
+            changed = float(any(self.tentative.get(p, (None,))[0] != self.grad_key(p) for _, p in members))
             flags = torch.cat([torch.tensor([changed], device=device)] +
-                              [_score_flags(self._final_score(p)).to(device) for _, p in members])
+                              [score_flags(self.final_score(p)).to(device) for _, p in members])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh_group)
             flags = flags.tolist()
             if not flags[0]:
@@ -189,171 +191,154 @@ class SelectionMixin:
             unscored = [bool(bad) or not nonzero for bad, nonzero in zip(flags[1::2], flags[2::2])]
             for (_, p), skip in zip(members, unscored):
                 if skip:  # pending on every rank alike
-                    self._tentative[p] = (self._grad_key(p), None)
+                    self.tentative[p] = (self.grad_key(p), None)
             members = [member for member, skip in zip(members, unscored) if not skip]
             chunk: list[tuple[dict[str, Any], torch.Tensor]] = []
             for i, (group, p) in enumerate(members):
                 chunk.append((group, p))
                 size = sum(q.numel() for _, q in chunk)
                 if i + 1 == len(members) or size + members[i + 1][1].numel() > SEARCH_BUDGET:
-                    keys = [self._grad_key(q) for _, q in chunk]
-                    chosen = sharded_top_k([self._final_score(q) for _, q in chunk],
-                                           [self._num_selected(g, q) for g, q in chunk], mesh_group)
+                    keys = [self.grad_key(q) for _, q in chunk]
+                    chosen = sharded_top_k([self.final_score(q) for _, q in chunk],
+                                           [self.num_selected(g, q) for g, q in chunk], mesh_group)
                     for (_, q), key, idx in zip(chunk, keys, chosen):
-                        self._tentative[q] = (key, idx.to(_index_dtype(local_tensor(q).numel())))
+                        self.tentative[q] = (key, idx.to(_index_dtype(local_tensor(q).numel())))
                     chunk = []
 
-    def _score_now(self, p: torch.Tensor) -> torch.Tensor | None:
-        """This step's contribution to p's selection score (fp32, p's local shape); None for "random"."""
-        grad = local_tensor(p.grad.detach())
-        if self.selection == "magnitude":
-            score = grad.abs().float()
-        elif self.selection == "saliency":
-            # First-order saliency: the loss change predicted for zeroing the entry. Summed
-            # signed over the selection steps; the magnitude of the sum ranks (the average's order).
-            score = -(local_tensor(p.detach()).float() * grad.float())
-        else:
-            return None
-        if self._grad_inv_scale is not None:
-            # GradScaler's scale may change between selection steps: scores add unscaled.
-            score.mul_(self._grad_inv_scale.to(score.device))
-        return score
+    def score_now(self, p: torch.Tensor) -> torch.Tensor | None:
+        """This step's contribution to p's selection score (fp32, p's local shape; `sift._rules.step_score`), unscaled
+        by GradScaler's scale, whose value may change between selection steps; None for "random"."""
+        return step_score(self.opt.selection, local_tensor(p.grad.detach()), local_tensor(p.detach()),
+                          self.opt.amp.grad_inv_scale)
 
     @staticmethod
-    def _grad_key(p: torch.Tensor) -> tuple:
+    def grad_key(p: torch.Tensor) -> tuple:
         """Identifies the gradient a cached result came from (a new or modified grad misses)."""
         g = p.grad
         return (id(g), g._version, g.data_ptr()) if g is not None else ()
 
-    def _is_final_selection(self, p: torch.Tensor) -> bool:
-        return self.state.get(p, {}).get("selection_calls", 0) + 1 >= self.select_steps
+    def is_final_selection(self, p: torch.Tensor) -> bool:
+        return self.opt.state.get(p, {}).get("selection_calls", 0) + 1 >= self.opt.select_steps
 
-    def _has_entries_to_choose(self, p: torch.Tensor) -> bool:
+    def has_entries_to_choose(self, p: torch.Tensor) -> bool:
         """An empty shard (FSDP2 pads dim 0) chooses nothing per shard; selecting globally it takes part
         in the search like every rank, and gets 0 entries."""
-        return local_tensor(p).numel() > 0 or (self._selects_globally(p) and p.numel() > 0)
+        return local_tensor(p).numel() > 0 or (self.selects_globally(p) and p.numel() > 0)
 
-    def _pending_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    def pending_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
         """Sparse params whose entries are not chosen yet, that this step would select for."""
-        if self._pending == []:
+        if self.pending == []:
             return []
-        candidates = self._pending if self._pending is not None else list(self._sparse_params())
+        candidates = self.pending if self.pending is not None else list(self.opt.entries.sparse_params())
         return [(group, p) for group, p in candidates
-                if not is_selected(self.state.get(p, {})) and self._has_entries_to_choose(p) and uses_grad(p)]
+                if not is_selected(self.opt.state.get(p, {})) and self.has_entries_to_choose(p) and uses_grad(p)]
 
-    def _final_score(self, p: torch.Tensor) -> torch.Tensor | None:
+    def final_score(self, p: torch.Tensor) -> torch.Tensor | None:
         """The score p's entries are chosen by on its last selection step (fp32, p's local shape; a new
         tensor): this step's plus the earlier steps'; None for "random"."""
-        score = self._score_now(p)
-        previous = self.state.get(p, {}).get("score")
-        if score is not None and previous is not None:
-            score = score.add_(previous)
-        if score is not None and self.selection == "saliency":
-            score = score.abs_()
-        return score
+        score = self.score_now(p)
+        return None if score is None else total_score(self.opt.selection, score, self.opt.state.get(p, {}).get("score"))
 
-    def _tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor | None:
+    def tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor | None:
         """The entries this step would choose for pending p (its final selection step); not committed. None
-        when p's score ranks nothing (`_ranks_nothing`): p then stays pending. FSDP2 shards selecting per
+        when p's score ranks nothing (`sift._rules.ranks_nothing`): p then stays pending. FSDP2 shards selecting per
         shard choose as before, since their ranks could not agree on it without a collective."""
-        key = self._grad_key(p)
-        hit = self._tentative.get(p)
+        key = self.grad_key(p)
+        hit = self.tentative.get(p)
         if hit is not None and hit[0] == key:
             return hit[1]
-        if self._selects_globally(p) and self.selection != "random":
+        if self.selects_globally(p) and self.opt.selection != "random":
             # Chosen together with the other ranks: computing it here alone would leave them waiting.
             raise RuntimeError("the gradient of an FSDP2 weight changed after its entries were searched across "
                                "the ranks in this step; change gradients before clip_grad_norm_ and step()")
-        score = self._final_score(p)
+        score = self.final_score(p)
         per_shard = is_dtensor(p)  # per_shard selection: every rank chooses on its own, so all of them do
-        indices = None if not per_shard and _ranks_nothing(score) else self._choose(group, p, score)
-        self._tentative[p] = (key, indices)
+        indices = None if not per_shard and ranks_nothing(score) else self.choose(group, p, score)
+        self.tentative[p] = (key, indices)
         return indices
 
-    def _select(self) -> None:
+    def select(self) -> None:
         """Commit this step's selection: called by `step()` alone, after it knows it updates."""
-        self._average_pending()
-        for group, p in self._pending_with_grad():
-            calls = self.state.get(p, {}).get("selection_calls", 0) + 1
-            if calls >= self.select_steps:
-                indices = self._tentative_indices(group, p)
+        self.average_pending()
+        for group, p in self.pending_with_grad():
+            calls = self.opt.state.get(p, {}).get("selection_calls", 0) + 1
+            if calls >= self.opt.select_steps:
+                indices = self.tentative_indices(group, p)
                 if indices is None:  # nothing to rank the entries by
-                    self._leave_pending(group, p)
+                    self.leave_pending(group, p)
                     continue
-                state = self.state[p]
-                self._init_sparse_state(p, indices)
-                if self.update_in_backward:
+                state = self.opt.state[p]
+                self.opt.entries.allocate(p, indices)
+                if self.opt.update_in_backward:
                     # The first update, here since the gradient was dense in backward.
-                    self._update_now(p, self._gather_scratch(p, p.grad))
-                elif self.compact_grads:
-                    self._gather_compact(p, self._clipped_grad(p))
+                    self.opt.grads.update_now(p, self.opt.grads.gather_scratch(p, p.grad))
+                elif self.opt.compact_grads:
+                    self.gather_compact(p, self.clipped_grad(p))
             else:
-                score = self._score_now(p)
-                if not is_dtensor(p) and _ranks_nothing(score):
+                score = self.score_now(p)
+                if not is_dtensor(p) and ranks_nothing(score):
                     # Not counted (as a step that did not reach p): a NaN would stay in the sum for good. FSDP2
                     # shards add theirs: their ranks agree on the whole weight's score at the final step alone.
-                    self._leave_pending(group, p)
+                    self.leave_pending(group, p)
                     continue
-                state = self.state[p]
+                state = self.opt.state[p]
                 if score is not None:
                     state["score"] = score if "score" not in state else state["score"].add_(score)
             state["selection_calls"] = calls
-            if self.compact_grads:
+            if self.opt.compact_grads:
                 p.grad = None  # as the hook does once the entries are known
         # Only params still pending are scanned next time: after selection the per-step cost is nil.
-        candidates = self._pending if self._pending is not None else list(self._sparse_params())
-        self._pending = [(g, p) for g, p in candidates if not is_selected(self.state.get(p, {}))
-                         and self._has_entries_to_choose(p)]
+        candidates = self.pending if self.pending is not None else list(self.opt.entries.sparse_params())
+        self.pending = [(g, p) for g, p in candidates if not is_selected(self.opt.state.get(p, {}))
+                         and self.has_entries_to_choose(p)]
 
-    def _leave_pending(self, group: dict[str, Any], p: torch.Tensor) -> None:
+    def leave_pending(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """p's score ranked nothing this step: its state stays as it was (the step is not counted), its
         gradient is used up as on any selection step, and it is said once per weight."""
-        if self.compact_grads:
+        if self.opt.compact_grads:
             p.grad = None
-        if p in self._warned_unscored:
+        if p in self.warned_unscored:
             return
-        self._warned_unscored.add(p)
+        self.warned_unscored.add(p)
         names = group.get("param_names") or ()
         position = next(j for j, q in enumerate(group["params"]) if q is p)
         label = (repr(names[position]) if position < len(names) else
-                 f"group {next(i for i, g in enumerate(self.param_groups) if g is group)}, param {position}")
-        warnings.warn(f"SparseAdamW: the selection score of {label} is zero everywhere or not finite (a zero-"
-                      "initialised layer, a batch whose labels are all ignored, a NaN gradient): its entries are not "
-                      "chosen, and it stays pending until a step whose gradient ranks them", stacklevel=4)
+                 f"group {next(i for i, g in enumerate(self.opt.param_groups) if g is group)}, param {position}")
+        warn_unscored(label, stacklevel=4)
 
-    def _clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+    def clipped_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The [k] gradient gathered for this step (by `clip_grad_norm_` or the unscale), if still current."""
-        hit = self._clipped.get(p)
-        return hit[1] if hit is not None and hit[0] == self._grad_key(p) else None
+        hit = self.clipped.get(p)
+        return hit[1] if hit is not None and hit[0] == self.grad_key(p) else None
 
-    def _forget_gathered(self, p: torch.Tensor) -> None:
+    def forget_gathered(self, p: torch.Tensor) -> None:
         """p's entries change outside `step()` (`set_indices`): what this step gathered and clipped at the
         former entries must not reach the new ones."""
-        self._tentative.pop(p, None)
-        if self._clipped.pop(p, None) is not None:
+        self.tentative.pop(p, None)
+        if self.clipped.pop(p, None) is not None:
             warnings.warn("SparseAdamW.set_indices after clip_grad_norm_: the gradient clipped at the former entries "
                           "is dropped, so the new entries' gradient is not clipped this step; call clip_grad_norm_ "
                           "after set_indices", stacklevel=3)
 
-    def _gathered_grad(self, p: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+    def gathered_grad(self, p: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
         """p's [k] fp32 gradient at `indices` (default: its chosen entries), gathered once a step from
         its dense `.grad`: the step then reads these instead of `.grad`, which is never written."""
-        gathered = self._clipped_grad(p)
+        gathered = self.clipped_grad(p)
         if gathered is None:
-            indices = self.indices_of(p) if indices is None else indices
+            indices = self.opt.indices_of(p) if indices is None else indices
             # index_select takes the int32 indices as they are: no int64 copy on every step.
             gathered = torch.index_select(local_tensor(p.grad).reshape(-1), 0, indices).float()
-            self._clipped[p] = (self._grad_key(p), gathered)
+            self.clipped[p] = (self.grad_key(p), gathered)
         return gathered
 
-    def _gather_compact(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
+    def gather_compact(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
         """compact_grads, at selection: fill p's compact buffer from its dense grad (or the clipped gather)."""
-        compact = self._compact[p]
+        compact = self.opt.grads.compact[p]
         if clipped is not None:
             compact.copy_(clipped)
         else:
-            compact.copy_(torch.index_select(local_tensor(p.grad).reshape(-1), 0, self.indices_of(p)))
-        self._grad_ready.add(p)
-        if self._grad_inv_scale is not None:  # gathered from a `.grad` GradScaler has not unscaled
-            self._scaled_compact.add(p)
+            compact.copy_(torch.index_select(local_tensor(p.grad).reshape(-1), 0, self.opt.indices_of(p)))
+        self.opt.grads.ready.add(p)
+        if self.opt.amp.grad_inv_scale is not None:  # gathered from a `.grad` GradScaler has not unscaled
+            self.opt.amp.scaled_compact.add(p)
 

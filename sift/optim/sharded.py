@@ -27,49 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sift._index import index_dtype as _index_dtype
-from sift.optim.state import is_dtensor, is_selected, local_tensor
+from sift._params import (full_tensor, gather_entries, is_dtensor, is_selected, local_shard_of,  # noqa: F401
+                          is_row_sharded, local_tensor, quantized_routes, shard_group, shard_offset)
+from sift.sparse_backward import check_sparse_backward  # noqa: F401  (its former home)
+
 
 if TYPE_CHECKING:
     from sift.optim.core import SparseAdamW
-
-
-def _is_row_sharded(p: torch.Tensor) -> bool:
-    placements = p.placements
-    return p.device_mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0) and p.dim() > 0
-
-
-def shard_group(p: torch.Tensor):
-    """The process group `p`'s shards are spread over (its 1-D device mesh's)."""
-    return p.device_mesh.get_group()
-
-
-def shard_offset(p: torch.Tensor) -> int:
-    """The flat position, in the full weight, of the first element of this rank's shard of `p`.
-
-    FSDP2 shards dim 0 as `torch.chunk` does: rank r holds rows [r * c, min((r + 1) * c, rows)),
-    c = ceil(rows / world); a row-major shard of rows is one contiguous run of flat positions.
-
-    Raises:
-        ValueError: `p` is not sharded by rows over a 1-D mesh (HSDP, `Shard(dim > 0)`).
-
-    Example:
-        On rank 1 of 2, for a [16, 12] weight (rank 1 holds rows 8 to 15):
-
-        >>> shard_offset(model[0].weight)  # doctest: +SKIP
-        96
-    """
-    if not _is_row_sharded(p):
-        raise ValueError(f"a DTensor param with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh: "
-                         "SparseAdamW supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
-    rows = p.shape[0]
-    world = p.device_mesh.size()
-    chunk = -(-rows // world)
-    first = min(p.device_mesh.get_local_rank() * chunk, rows)
-    local = local_tensor(p)
-    if (local.shape[0] if local.dim() else 0) != max(0, min(chunk, rows - first)):
-        raise ValueError(f"a DTensor param of shape {tuple(p.shape)} holds {tuple(local.shape)} on this rank, not the "
-                         f"torch.chunk rows FSDP2 assigns ({max(0, min(chunk, rows - first))} from row {first})")
-    return first * (p.numel() // rows if rows else 0)
 
 
 def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, sparse: bool) -> None:
@@ -79,11 +43,11 @@ def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, spa
                          "gradient FSDP2 already reduce-scatters (each rank's shard differs): leave process_group unset")
     if not sparse:
         return
-    if getattr(optimizer, "sharded_selection", "global") == "global" and not _is_row_sharded(p):
+    if getattr(optimizer, "sharded_selection", "global") == "global" and not is_row_sharded(p):
         raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                          "mesh: the global selection supports FSDP2's default sharding, Shard(0) over a 1-D mesh; "
                          "pass sharded_selection='per_shard' to select within each shard")
-    if optimizer.compact_grads and not _is_row_sharded(p):
+    if optimizer.compact_grads and not is_row_sharded(p):
         raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                          "mesh: compact_grads mode supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
     if optimizer.update_in_backward and optimizer.max_grad_norm is not None:
@@ -105,25 +69,11 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     if grad is None:
         return
     selected = is_selected(optimizer.state[p])
-    optimizer._mark_backward(p, selected)
+    optimizer.grads.mark_backward(p, selected)
     if not selected or not p.requires_grad:
         return
-    optimizer._update_now(p, optimizer._gather_scratch(p, grad))
+    optimizer.grads.update_now(p, optimizer.grads.gather_scratch(p, grad))
     p.grad = None
-
-
-def check_sparse_backward(params: Iterable[tuple[str, torch.Tensor]], update_in_backward: bool) -> None:
-    """Raise before anything is patched if the sparse backward cannot route these weights.
-
-    With FSDP2 each rank's [k] gradient is reduce-scattered inside the layer's backward, once per use of
-    the weight; update_in_backward would have to step the weight after its last use's reduction, which
-    nothing marks for a weight FSDP2 never gives a gradient.
-    """
-    sharded = [name for name, p in params if is_dtensor(p)]
-    if sharded and update_in_backward:
-        raise ValueError(f"the sparse backward of FSDP2 (fully_shard) params ({sharded[0]!r} is a sharded DTensor) "
-                         "does not support update_in_backward=True: use update_in_backward=False (the step applies "
-                         "the reduced [k] gradients), or update_in_backward without the sparse backward")
 
 
 class ShardedSparseGrad:
@@ -210,16 +160,14 @@ def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> lis
     sharded = [route for route in routes if is_dtensor(route.weight)]
     if not sharded:
         return []
-    plans = getattr(optimizer, "_sharded_sparse_grads", [])
     for route in sharded:
         route.sharded = ShardedSparseGrad(optimizer, route.weight)
-        plans.append(route.sharded)
-    optimizer._sharded_sparse_grads = plans
-    if getattr(optimizer, "_sharded_sparse_hooks", None):
+        optimizer.grads.sharded_plans.append(route.sharded)
+    if optimizer.grads.sharded_hooks:
         return []
     hooks = [optimizer.register_step_post_hook(lambda opt, args, kwargs: _refresh_stale(opt)),
              optimizer.register_load_state_dict_post_hook(lambda opt: refresh_sparse_backward(opt))]
-    optimizer._sharded_sparse_hooks = hooks
+    optimizer.grads.sharded_hooks = hooks
     return hooks
 
 
@@ -229,8 +177,8 @@ def _refresh_stale(optimizer: SparseAdamW) -> None:
     then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once)."""
     import torch.distributed as dist
 
-    plans = getattr(optimizer, "_sharded_sparse_grads", [])
-    if not plans or getattr(optimizer, "_sharded_plans_final", False):
+    plans = optimizer.grads.sharded_plans
+    if not plans or optimizer.grads.sharded_plans_final:
         return
     flags = torch.tensor([float(any(plan.stale() for plan in plans)),
                           # A rank's empty shard (FSDP2 pads dim 0) never chooses entries: nothing pends there.
@@ -241,7 +189,7 @@ def _refresh_stale(optimizer: SparseAdamW) -> None:
     stale, pending = flags.tolist()
     if stale:
         refresh_sparse_backward(optimizer)
-    optimizer._sharded_plans_final = not pending
+    optimizer.grads.sharded_plans_final = not pending
 
 
 def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
@@ -256,90 +204,12 @@ def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
         >>> optimizer.set_indices(weight, indices)  # doctest: +SKIP
         >>> refresh_sparse_backward(optimizer)  # doctest: +SKIP
     """
-    for plan in getattr(optimizer, "_sharded_sparse_grads", []):
+    for plan in optimizer.grads.sharded_plans:
         plan.refresh()
-    optimizer._sharded_plans_final = False  # entries changed outside step(): the next step checks again
+    optimizer.grads.sharded_plans_final = False  # entries changed outside step(): the next step checks again
 
 
 # ----------------------------------------------------------------------------- delta export
-
-
-def local_shard_of(p: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor | None:
-    """The part of `full` (a tensor of `p`'s full shape, or a DTensor sharded like it) that this rank's shard
-    of `p` covers; None if `full` is None or of another shape."""
-    if full is None or tuple(full.shape) != tuple(p.shape):
-        return None
-    if is_dtensor(full):
-        return local_tensor(full)
-    local = local_tensor(p)
-    start = shard_offset(p)
-    return full.detach().reshape(-1)[start:start + local.numel()].view(local.shape)
-
-
-def gather_entries(p: torch.Tensor, local: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """Every rank's entries of sharded `p` as entries of the full weight: ([n] sorted flat positions,
-    [n] fp32 values, [n] base values or None), or None when no rank has any.
-
-    `local` holds this rank's (positions within its shard, values, base values), or None. Collective:
-    every rank of `p`'s mesh calls it for the same params in the same order. Only the entries travel,
-    never the weight.
-    """
-    import torch.distributed as dist
-
-    group = shard_group(p)
-    offset = shard_offset(p)
-    payload = None
-    if local is not None:
-        idx, values, base = local
-        payload = (offset, idx.detach().cpu().long(), values.detach().cpu().float(),
-                   base.detach().cpu() if base is not None else None)
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, payload, group=group)
-    parts = sorted((part for part in parts if part is not None), key=lambda part: part[0])
-    if not parts:
-        return None
-    idx = torch.cat([start + positions for start, positions, _, _ in parts]).to(_index_dtype(p.numel()))
-    values = torch.cat([v for _, _, v, _ in parts])
-    bases = [b for _, _, _, b in parts]
-    base = torch.cat(bases) if all(b is not None for b in bases) else None
-    return idx, values, base
-
-
-def sharded_fingerprint(state: Mapping[str, torch.Tensor], fingerprint_cls: type) -> Any:
-    """`fingerprint_cls.of(state)` for a state dict holding DTensors: each sampled base value is read on the
-    rank whose shard holds it and gathered (a few floats a tensor, never a whole weight). Collective."""
-    import torch.distributed as dist
-
-    from sift.delta.fingerprint import _sample_positions, _structure_hash  # shared with the unsharded fingerprint
-
-    plain = fingerprint_cls.of({n: t for n, t in state.items() if not is_dtensor(t)})
-    tensors = {n: t for n, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    samples = {name: dict(values) for name, values in plain.samples.items()}
-    mine: dict[str, dict[int, str]] = {}
-    sharded = sorted(n for n, t in tensors.items() if is_dtensor(t))
-    group = None
-    for name in sharded:
-        t = tensors[name]
-        group = shard_group(t)
-        local = local_tensor(t).detach().reshape(-1)
-        start = shard_offset(t)
-        here = [pos for pos in _sample_positions(t.numel()) if start <= pos < start + local.numel()]
-        if here:
-            values = local[torch.tensor([pos - start for pos in here], device=local.device)].tolist()
-            mine[name] = {pos: float(v).hex() for pos, v in zip(here, values)}
-    if group is not None:
-        parts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
-        for part in parts:
-            for name, values in part.items():
-                samples.setdefault(name, {}).update(values)
-    return fingerprint_cls(_structure_hash(tensors), len(tensors), samples)
-
-
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """A dense param's full value (gathered from its shards for a DTensor; collective), on the CPU."""
-    return (p.full_tensor() if is_dtensor(p) else p).detach().cpu().clone()
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -424,7 +294,7 @@ def replicated_quantized_deltas(optimizer: SparseAdamW, process_group: Any = Non
     """
     import torch.distributed as dist
 
-    routes = getattr(optimizer, "_quantized", {})
+    routes = quantized_routes(optimizer)
     if not routes:
         raise ValueError("the optimizer trains no 4-bit layer's delta: build it with SparseAdamW.for_model on a "
                          "bitsandbytes 4-bit model")
