@@ -178,6 +178,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 opt.grads.compact[p] = torch.zeros(num_entries(state), dtype=torch.float32, device=p.device)
     if opt.grads.hooks_ready:  # a group may have turned sparse or dense
         opt.grads.sync_hooks()
+    opt.grads.after_load()
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
 

@@ -543,6 +543,7 @@ class SparseAdamW(torch.optim.Optimizer):
             # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
             # step's gradients are used up as by a step that ran.
             self._end_step()
+            self.grads.after_step()
             return loss
         self.grads.sync_grads()
         # The only place entries are chosen: a step GradScaler skips never gets here.
@@ -565,6 +566,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     self.steps.sparse_step(group)
         finally:
             self._end_step()
+        self.grads.after_step()  # FSDP2's sparse backward: whether any rank's entries changed (a collective)
         return loss
 
     def _check_params_not_replaced(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from sift.optim.clip import clip_each_
-from sift.optim.sharded import attach_sparse_backward, sharded_update_hook
+from sift.optim.sharded import attach_sparse_backward, refresh_if_stale, refresh_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 
@@ -72,7 +72,6 @@ class GradRoutes:
         # FSDP2 with the sparse backward (`sift.optim.sharded`): each weight's plan and hooks, and whether
         # every plan is final (all entries chosen).
         self.sharded_plans: list[Any] = []
-        self.sharded_hooks: list[Any] = []
         self.sharded_plans_final = False
         self.new_step()
 
@@ -84,6 +83,18 @@ class GradRoutes:
         """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
         their cross-rank plans (`sift.optim.sharded`)."""
         attach_sparse_backward(self.opt, routes)
+
+    def after_step(self) -> None:
+        """The end of every step, run or skipped: FSDP2 weights under the sparse backward rebuild their cross-rank
+        plans if any rank's entries changed (one all-reduce a step, until every weight's entries are chosen)."""
+        if self.sharded_plans:
+            refresh_if_stale(self.opt)
+
+    def after_load(self) -> None:
+        """`load_state_dict` installed other entries: FSDP2 weights under the sparse backward rebuild their plans
+        (collective)."""
+        if self.sharded_plans:
+            refresh_sparse_backward(self.opt)
 
     def end_step(self) -> None:
         """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers."""

@@ -153,26 +153,17 @@ class ShardedSparseGrad:
             compact.add_(received[:plan["count"]], alpha=1.0 / world)
 
 
-def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> list[Any]:
-    """Give each route of a sharded weight its `ShardedSparseGrad` (`route.sharded`), and the optimizer the
-    hooks that rebuild the plans after a step that changed entries and after a load. Returns the hook
-    handles ([] when no weight is sharded)."""
-    sharded = [route for route in routes if is_dtensor(route.weight)]
-    if not sharded:
-        return []
-    for route in sharded:
-        route.sharded = ShardedSparseGrad(optimizer, route.weight)
-        optimizer.grads.sharded_plans.append(route.sharded)
-    if optimizer.grads.sharded_hooks:
-        return []
-    hooks = [optimizer.register_step_post_hook(lambda opt, args, kwargs: _refresh_stale(opt)),
-             optimizer.register_load_state_dict_post_hook(lambda opt: refresh_sparse_backward(opt))]
-    optimizer.grads.sharded_hooks = hooks
-    return hooks
+def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> None:
+    """Give each route of a sharded weight its `ShardedSparseGrad` (`route.sharded`); `step()` and
+    `load_state_dict` rebuild the plans (`refresh_if_stale`, `refresh_sparse_backward`)."""
+    for route in routes:
+        if is_dtensor(route.weight):
+            route.sharded = ShardedSparseGrad(optimizer, route.weight)
+            optimizer.grads.sharded_plans.append(route.sharded)
 
 
-def _refresh_stale(optimizer: SparseAdamW) -> None:
-    """After a step: rebuild the plans if any rank's entries changed. One all-reduce of two flags (and its
+def refresh_if_stale(optimizer: SparseAdamW) -> None:
+    """At the end of every step, run or skipped: rebuild the plans if any rank's entries changed. One all-reduce of two flags (and its
     host read) per step, until every rank has chosen every weight's entries and the plans hold them: from
     then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once)."""
     import torch.distributed as dist
