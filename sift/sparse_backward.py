@@ -127,6 +127,7 @@ class _Route:
         self.optimizer = optimizer
         self.transposed = transposed
         self.sharded = None  # an FSDP2 weight's cross-rank plan (sift.optim.sharded.ShardedSparseGrad)
+        self.removed = False  # the layer has its own forward back (`SparseBackwardHandle.remove`)
         self.id = _ops.register_weight_grad_route(self)
 
     def __setstate__(self, state: dict) -> None:
@@ -169,7 +170,9 @@ def _is_routed(module: nn.Module) -> bool:
 def _unroute(module: nn.Module) -> None:
     """Give `module` its own forward back."""
     module.__dict__.pop("forward", None)
-    module.__dict__.pop("_sift_route", None)
+    route = module.__dict__.pop("_sift_route", None)
+    if route is not None:
+        route.removed = True
 
 
 def _sparse_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -189,3 +189,34 @@ def test_trainer_default_matches_for_model_default(tmp_path):
     trainer = SparseTrainer(model=model, args=args, density=0.05)
     opt = trainer.create_optimizer()
     assert opt.compact_grads and opt.sparse_backward_handle is not None and opt.state_layout == "exact"
+
+
+@pytest.mark.parametrize("memory,gradient,state,steps", [("plain", "dense .grad", "exact", "step()"),
+                                                          ("low", "sparse backward", "exact", "step()"),
+                                                          ("lowest", "sparse backward", "lean", "backward")])
+def test_each_weights_plan_says_how_the_preset_trains_it(memory, gradient, state, steps):
+    model, opt = _train("bert", steps=1, memory=memory)
+    plans = opt.plans()
+    sparse = {n: p for n, p in plans.items() if p.trains == "entries"}
+    assert sparse and all(n.endswith(("query.weight", "key.weight", "value.weight", "attention.output.dense.weight"))
+                          for n in sparse)
+    params = dict(model.named_parameters())
+    for name, plan in sparse.items():
+        assert (plan.gradient, plan.state, plan.steps) == (gradient, state, steps), name
+        assert plan.entries == opt.indices_of(params[name]).numel()
+    assert {p.gradient for n, p in plans.items() if p.trains == "dense"} == {"dense .grad"}
+    if memory != "plain":  # the layers get their own forward back: the hooks gather the gradient instead
+        opt.sparse_backward_handle.remove()
+        assert {p.gradient for p in opt.plans().values() if p.trains == "entries"} == {"hook"}
+
+
+def test_a_4_bit_layers_plan_is_its_delta():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(32, 16, compute_dtype=torch.float32), torch.nn.Linear(16, 4))
+    model = model.to("cpu")
+    opt = SparseAdamW.for_model(model, density=0.1, target_modules=["0"], dense_modules=["1"])
+    plan = opt.plans()["0.sift_delta"]
+    assert (plan.trains, plan.gradient, plan.entries) == ("4-bit delta", "4-bit backward", None)
+    model(torch.randn(3, 32)).square().mean().backward()
+    opt.step()
+    assert opt.plans()["0.sift_delta"].entries == model[0]._sift_quantized.k

@@ -19,6 +19,7 @@ from sift.optim.checkpoint import check_hyper
 from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import GradRoutes
 from sift.optim.memory import MemoryPolicy, resolve_memory
+from sift.optim.plan import WeightPlan, plans_of
 from sift.optim.reselection import check_reselect_modes, reselect_, reselect_memory, reselect_settings
 from sift.optim.selection import Selector
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
@@ -427,6 +428,17 @@ class SparseAdamW(torch.optim.Optimizer):
         `param.grad.view(-1)[indices]` (a new tensor).
         """
         return self.grads.compact_grad(param)
+
+    def plans(self) -> dict[str, WeightPlan]:
+        """Each trained weight's `sift.optim.plan.WeightPlan` (what trains, where its gradient comes from, which
+        state keeps it, when it steps, its entries once chosen), by param name (else "group {i}, param {j}").
+
+        Example:
+            >>> opt = SparseAdamW([("weight", torch.nn.Linear(8, 4).weight)], density=0.25, compact_grads=True)
+            >>> opt.plans()["weight"]
+            WeightPlan(trains='entries', gradient='hook', state='exact', steps='step()', entries=None)
+        """
+        return plans_of(self)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -73,6 +73,7 @@ class GradRoutes:
         # every plan is final (all entries chosen).
         self.sharded_plans: list[Any] = []
         self.sharded_plans_final = False
+        self.routes: list[Any] = []  # the sparse backward's routes (`sift.sparse_backward`) to this optimizer
         self.new_step()
 
     def new_step(self) -> None:
@@ -82,7 +83,12 @@ class GradRoutes:
     def attach_sparse_backward(self, routes: list[Any]) -> None:
         """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
         their cross-rank plans (`sift.optim.sharded`)."""
+        self.routes.extend(routes)
         attach_sparse_backward(self.opt, routes)
+
+    def routed(self, p: torch.Tensor) -> bool:
+        """Whether the sparse backward writes p's gradient (a layer routed to this optimizer and not restored)."""
+        return any(route.weight is p and not route.removed for route in self.routes)
 
     def after_step(self) -> None:
         """The end of every step, run or skipped: FSDP2 weights under the sparse backward rebuild their cross-rank
