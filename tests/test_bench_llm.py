@@ -92,6 +92,14 @@ def test_methods_at_one_count_train_equally_many_entries(runs, tiny_folder):
     assert count["full"] == sum(p.numel() for p in full.parameters())
 
 
+def test_each_seed_runs_in_a_fresh_process(tiny_folder):
+    """A method's later seeds ran in its first seed's process, whose freed heap made their peak RSS growth read low."""
+    config = llm.Config(steps=1, batch_size=2, test_words=2, seeds=(0, 1), max_new_tokens=2)
+    runs = llm.run_suite(config, ["sift-1%"], tiny_folder, isolate=True, progress=False)
+    pids = [r["train_info"]["pid"] for r in runs]
+    assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
+
+
 def test_loss_is_on_the_answer_tokens_only(tiny_folder):
     """The prompt's tokens carry no loss: changing the logits before the answer leaves the loss unchanged."""
     from sift.demo.llm import load_smollm2
@@ -116,6 +124,33 @@ def test_answers_are_scored_as_sets():
     assert llm.parse_answer("anger") != llm.parse_answer("anger, fear")
     train, test = llm.load_words(test_words=10)
     assert len(test) == 10 and len(train) == 6468 - 10 and not {w for w, _ in test} & {w for w, _ in train}
+
+
+def test_default_words_evoke_an_emotion_and_the_best_constant_is_the_baseline():
+    """On all words "none" (31%) beat every short run, so the default run keeps words with an emotion."""
+    assert llm.Config().evoking_only
+    train, test = llm.load_words(test_words=100, evoking_only=True)
+    assert len(train) + len(test) == 4463 and all(a != "none" for _, a in train + test)
+    answer, share = llm.best_constant(test)
+    counts = {a: sum(g == a for _, g in test) for _, a in test}
+    assert share == max(counts.values()) / 100 and counts[answer] == max(counts.values())
+    assert llm.best_constant([("a", "none"), ("b", "none"), ("c", "fear")]) == ("none", 2 / 3)
+
+
+def test_targets_report_each_verdict_with_its_figures():
+    def row(method, acc, step_s, mib, size):
+        return {"method": method, "accuracy_mean": acc, "step_s": step_s, "peak_rss_growth_mib": mib,
+                "file_bytes": size}
+    lines = llm.targets([row("sift-1%", 0.30, 4.0, 100, 1100), row("lora", 0.29, 3.0, 120, 1000),
+                         row("full", 0.315, 6.0, 900, 10**6), row("sift-1% nf4", 0.28, 4.0, 130, 1100),
+                         row("qlora", 0.2, 3.0, 125, 1000)])
+    verdicts = {line.split(":")[0]: line.rsplit(": ", 1)[1] for line in lines}
+    assert verdicts == {"sift-1% accuracy >= lora's": "met", "sift-1% s/step <= lora's": "NOT met",
+                        "sift-1% peak RSS growth <= lora's": "met", "sift-1% saved bytes <= 1.1x lora's": "met",
+                        "sift-1% accuracy within 1 point of full": "NOT met",
+                        "sift-1% nf4 accuracy within 1 point of sift-1%": "NOT met",
+                        "sift-1% nf4 peak RSS growth <= qlora's": "NOT met"}
+    assert "30.0 vs 29.0 (+1.0 points)" in lines[0] and "(1.33x)" in lines[1]
 
 
 def _snapshot(folder: pathlib.Path) -> dict[str, float]:
