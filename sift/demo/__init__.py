@@ -65,7 +65,9 @@ __all__ = ["DEFAULT_BATCH", "DEFAULT_SEEDS", "DEFAULT_STEPS", "MAJORITY_NOTE", "
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sift.demo", description=__doc__.split("\n\n")[0])
+    # Measured on the 2-core CPU the committed results come from, under load (load average about 4).
+    parser = argparse.ArgumentParser(prog="python -m sift.demo", description=__doc__.split("\n\n")[0],
+                                     epilog="Time on a shared 2-core CPU: about 9 min (--quick: about 2 min).")
     parser.add_argument("--quick", action="store_true",
                         help="one seed, few steps, all methods in this process; saves demo-cpu-quick.*")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
