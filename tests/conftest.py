@@ -200,3 +200,14 @@ def run_ranks(worker, world: int, directory) -> list:
     out = str(directory / "result")
     mp.spawn(worker, args=(world, f"{out}.init", out), nprocs=world, join=True)
     return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
+
+
+def assert_best_checkpoint_loaded(trainer, model, saved: dict) -> int:
+    """With `load_best_model_at_end`, after 3 steps saved as checkpoints 1-3 (`saved`: step -> the params then): the
+    model holds the best checkpoint's params, which are not the last's. Returns the best step."""
+    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
+    assert best != 3 and sorted(saved) == [1, 2, 3]
+    assert any(not torch.equal(saved[best][n], saved[3][n]) for n in saved[3])
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[best][name]), name
+    return best

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sift
+from conftest import assert_best_checkpoint_loaded
 from sift import SparseAdamW, SparseDelta
 
 transformers = pytest.importorskip("transformers")
@@ -278,11 +279,7 @@ def test_quantized_base_load_best_model_at_end(tmp_path, base_dir):
     trainer = sparse_trainer(transformers.Trainer)(model=model, args=args, train_dataset=data, eval_dataset=data,
                                                    density=DENSITY, callbacks=[Snapshot()])
     trainer.train()
-    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
-    assert best != 3 and sorted(saved) == [1, 2, 3]
-    assert any(not torch.equal(saved[best][n], saved[3][n]) for n in saved[3])
-    for name, p in model.named_parameters():
-        assert torch.equal(p, saved[best][name]), name
+    best = assert_best_checkpoint_loaded(trainer, model, saved)
     trainer.save_model(str(tmp_path / "tune"))
     fresh = _packed(base_dir, 8)
     sift.quantized.attach_delta_(fresh, SparseDelta.from_pretrained(tmp_path / "tune"))

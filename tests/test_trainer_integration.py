@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sift
+from conftest import assert_best_checkpoint_loaded
 from sift import SparseAdamW, SparseDelta
 
 transformers = pytest.importorskip("transformers")
@@ -217,11 +218,7 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     then writes that one."""
     saved = {}
     trainer, model = _best_run(tmp_path / "run", saved)
-    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[1])
-    assert best != 3 and sorted(saved) == [1, 2, 3]
-    assert any(not torch.equal(saved[best][n], saved[3][n]) for n in saved[3])
-    for name, p in model.named_parameters():
-        assert torch.equal(p, saved[best][name]), name
+    best = assert_best_checkpoint_loaded(trainer, model, saved)
     trainer.save_model(str(tmp_path / "tune"))
     fresh = _llama()
     SparseDelta.from_pretrained(tmp_path / "tune").apply_(fresh)
