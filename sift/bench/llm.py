@@ -403,8 +403,7 @@ def run_suite(config: Config = FULL, methods: Sequence[str] | None = None, folde
     runs: list[dict[str, Any]] = []
     context = _context() if isolate else None
     # One process per run: a second run in a process reuses the heap the first freed, so its RSS growth reads low.
-    # Seed-major (every method's seed 0, then seed 1, ...): a shared machine's load drifts over the run, and this
-    # spreads that drift over the methods instead of charging it to whichever ran last.
+    # Seed-major: a shared machine's drifting load falls on every method alike, not on whichever ran last.
     order = [(m, s) for s in dict.fromkeys(s for seeds in plan.values() for s in seeds) for m in plan if s in plan[m]]
     for method, seed in order:
         bar.set_postfix_str(method)
