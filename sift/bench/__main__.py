@@ -40,7 +40,7 @@ DURATIONS = {
     "delta": "not timed here at full size (--quick: under 1 min)",
     "distributed": "about 1 min (--quick: under 1 min)",
     "heads": "not timed here at full size (--quick: under 1 min)",
-    "llm": "about 45 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)",
+    "llm": "about 60 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)",
     "memory": "not timed here at full size (--quick: about 1 min)",
     "quantized": "about 25 min (--quick: about 2 min)",
 }
