@@ -398,7 +398,9 @@ def compare(cell: Cell, got: dict, want: dict) -> list[str]:
     exact = (cell.route == "one-process" and cell.memory in ("plain", "compact_grads", "lean")
              and cell.dtype != "bf16")
     tol = TOL[cell.dtype]
-    if cell.lean and cell.memory != cell.reference().memory:  # the looser of the two, entry by entry
+    # The lean moments' stochastic rounding follows the gradient's last bits, which another mode or the ranks'
+    # averaging change: the looser of the two tolerances, entry by entry.
+    if cell.lean and (cell.memory != cell.reference().memory or cell.route != "one-process"):
         tol = {key: max(LEAN_TOL[key], tol[key]) for key in tol}
     for key, value in want.items():
         mine = got.get(key)

@@ -69,6 +69,9 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     # memory="lowest" before its first selection: nothing was stepped in backward yet, so the preset's update
     # in backward gives way to the global norm, as it does to accumulation and GradScaler.
     optimizer.memory.settle(global_clip=True)
+    # Under DDP the first step adopts the default group for the sparse weights DDP leaves out: a clip before it
+    # must average with it too, or each rank would clip by its own local norm.
+    optimizer.grads.check_data_parallel()
     if optimizer.compact_grads and optimizer.loss_scaled and optimizer.grad_scaler is None and optimizer.grads.ready:
         # The compact buffers hold the scaled loss's gradients, and only the scaler knows its scale: clipping them
         # as they are would clip by a norm `scale` times too large (a resumed optimizer has lost the link).

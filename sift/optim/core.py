@@ -6,7 +6,6 @@ parts' public members, never another module's private attribute."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,8 +26,6 @@ from sift.optim.state import SPARSE_DTYPES, EntryState, is_dtensor, local_tensor
 from sift.optim.steps import Steps
 from sift.optim.trainer_check import check_trainer
 
-
-logger = logging.getLogger(__name__)
 
 
 class SparseAdamW(torch.optim.Optimizer):
@@ -464,47 +461,9 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------- step
 
-    def _check_data_parallel(self) -> None:
-        """compact_grads in a job of several processes: its compact gradients must be averaged by this
-        optimizer, since DDP averages `.grad`, which this mode frees or never forms.
-
-        When every sparse weight is excluded from DDP (`for_model` and `enable_sparse_backward` mark
-        them before the model is wrapped), the optimizer averages over the default process group
-        itself; otherwise (or with update_in_backward, which cannot average inside backward) it
-        refuses before anything changes, since unaveraged replicas would silently drift apart.
-        """
-        if not self.compact_grads or self.process_group is not None:
-            return
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        world = dist.get_world_size()
-        if self.update_in_backward and any(route.process_group is None for route in self.grads.quantized.values()):
-            # DDP reduces a 4-bit layer's delta gradient after its accumulator ran: stepped before that, each
-            # replica would train on its own gradient.
-            raise RuntimeError(f"update_in_backward=True in a job of {world} processes: the 4-bit layers' deltas would "
-                               "be stepped inside backward on each rank's own gradient, before DDP averages it; use "
-                               "update_in_backward=False")
-        if all(is_dtensor(p) for _, p in self.entries.sparse_params()):
-            return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
-        excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self.entries.sparse_params())
-        if excluded and not self.update_in_backward:
-            logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
-                        "(the sparse weights are excluded from DDP)", world)
-            self.process_group = self.grads.ddp_process_group = dist.group.WORLD
-            return
-        reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
-                  "across ranks: use update_in_backward=False" if self.update_in_backward else
-                  "its compact gradients are not averaged by DistributedDataParallel, which reduces .grad. Build the "
-                  "optimizer with SparseAdamW.for_model (or call sift.enable_sparse_backward) before wrapping the "
-                  "model in DDP, or pass process_group=torch.distributed.group.WORLD and do not wrap the model")
-        raise RuntimeError(f"compact_grads mode (hook mode, the sparse backward, update_in_backward) in a job of "
-                           f"{world} processes: {reason}; or train in plain mode under DDP")
-
     def _validate_grads(self) -> None:
         """Check what this step will read, before anything (selection included) changes."""
-        self._check_data_parallel()
+        self.grads.check_data_parallel()
         devices = set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):

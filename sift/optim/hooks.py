@@ -20,6 +20,7 @@ already in the weight's open [k] buffer.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ import torch
 from sift.optim.clip import clip_each_
 from sift.optim.sharded import attach_sparse_backward, refresh_if_stale, refresh_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
+
+
+logger = logging.getLogger(__name__)
 
 
 def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, accumulate: bool) -> None:
@@ -79,6 +83,44 @@ class GradRoutes:
     def new_step(self) -> None:
         """Forget what lived for one step: which pending dense grads were averaged across ranks."""
         self.averaged: set[torch.Tensor] = set()
+
+    def check_data_parallel(self) -> None:
+        """compact_grads in a job of several processes: its compact gradients must be averaged by this
+        optimizer, since DDP averages `.grad`, which this mode frees or never forms.
+
+        When every sparse weight is excluded from DDP (`for_model` and `enable_sparse_backward` mark
+        them before the model is wrapped), the optimizer averages over the default process group
+        itself; otherwise (or with update_in_backward, which cannot average inside backward) it
+        refuses before anything changes, since unaveraged replicas would silently drift apart.
+        """
+        if not self.opt.compact_grads or self.opt.process_group is not None:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        world = dist.get_world_size()
+        if self.opt.update_in_backward and any(route.process_group is None for route in self.quantized.values()):
+            # DDP reduces a 4-bit layer's delta gradient after its accumulator ran: stepped before that, each
+            # replica would train on its own gradient.
+            raise RuntimeError(f"update_in_backward=True in a job of {world} processes: the 4-bit layers' deltas would "
+                               "be stepped inside backward on each rank's own gradient, before DDP averages it; use "
+                               "update_in_backward=False")
+        if all(is_dtensor(p) for _, p in self.opt.entries.sparse_params()):
+            return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
+        excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self.opt.entries.sparse_params())
+        if excluded and not self.opt.update_in_backward:
+            logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
+                        "(the sparse weights are excluded from DDP)", world)
+            self.opt.process_group = self.ddp_process_group = dist.group.WORLD
+            return
+        reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
+                  "across ranks: use update_in_backward=False" if self.opt.update_in_backward else
+                  "its compact gradients are not averaged by DistributedDataParallel, which reduces .grad. Build the "
+                  "optimizer with SparseAdamW.for_model (or call sift.enable_sparse_backward) before wrapping the "
+                  "model in DDP, or pass process_group=torch.distributed.group.WORLD and do not wrap the model")
+        raise RuntimeError(f"compact_grads mode (hook mode, the sparse backward, update_in_backward) in a job of "
+                           f"{world} processes: {reason}; or train in plain mode under DDP")
 
     def attach_sparse_backward(self, routes: list[Any]) -> None:
         """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
