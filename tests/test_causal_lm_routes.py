@@ -286,3 +286,25 @@ def test_quantized_base_load_best_model_at_end(tmp_path, base_dir):
     model.train(), fresh.train()
     with torch.no_grad():
         assert torch.equal(fresh(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["nf4", "int8"])
+def test_quantized_base_clips_like_a_manual_loop(tmp_path, base_dir, bits):
+    """The Trainer's max_grad_norm over a 4-bit or 8-bit base goes through sift's clip: the packed layers' deltas and
+    the logged grad_norm equal a manual loop's over the same batches, and the clip bites."""
+    model = _packed(base_dir, bits)
+    trainer = _recording(sparse_trainer(transformers.Trainer))(**_kwargs("trainer", model, tmp_path / "run"))
+    trainer.train()
+    reference = _packed(base_dir, bits)
+    opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0)  # TrainingArguments'
+    norms = []
+    reference.train()
+    for inputs, num_items in trainer.batches:
+        opt.zero_grad()
+        # The Trainer's loss: the model's own, over the batch's token count (a plain Trainer refuses this model).
+        reference(**inputs, num_items_in_batch=num_items).loss.backward()
+        norms.append(sift.clip_grad_norm_(opt, 0.05).item())
+        opt.step()
+    assert [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h] == norms
+    assert any(n > 0.05 for n in norms), "the clip must bite for the test to mean anything"
+    _assert_same_params(model, reference)
