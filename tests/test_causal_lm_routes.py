@@ -59,6 +59,18 @@ def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
 IDS = torch.randint(4, 30, (2, 9), generator=torch.Generator().manual_seed(7))
 
 
+def _manual_loop(reference: torch.nn.Module, opt: SparseAdamW, batches: list) -> list[float]:
+    """Replay a recorded Trainer's batches by hand: the model's own loss over each batch's token count (what the
+    Trainer computes; a plain Trainer refuses a quantized model), sift's clip to 0.05, a step. Returns the norms."""
+    norms = []
+    for inputs, num_items in batches:
+        opt.zero_grad()
+        reference(**inputs, num_items_in_batch=num_items).loss.backward()
+        norms.append(sift.clip_grad_norm_(opt, 0.05).item())
+        opt.step()
+    return norms
+
+
 @pytest.mark.parametrize("kind,bits", [("trainer", 4), ("trainer", 8), ("sft", 4)],
                          ids=["trainer-nf4", "trainer-int8", "sft-nf4"])
 def test_quantized_base_trains_saves_and_resumes_through_the_trainer(tmp_path, base_dir, kind, bits):
@@ -244,12 +256,7 @@ def test_gradient_checkpointing_over_bf16_weights_trains_as_a_manual_loop_and_re
     reference.activation_checkpointing_enable()
     reference.train()
     opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0, memory=memory)
-    norms = []
-    for inputs, num_items in trainer.batches:
-        opt.zero_grad()
-        reference(**inputs, num_items_in_batch=num_items).loss.backward()
-        norms.append(sift.clip_grad_norm_(opt, 0.05).item())
-        opt.step()
+    norms = _manual_loop(reference, opt, trainer.batches)
     assert [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h] == norms
     _assert_same_params(model, reference)
     assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight,
@@ -297,14 +304,8 @@ def test_quantized_base_clips_like_a_manual_loop(tmp_path, base_dir, bits):
     trainer.train()
     reference = _packed(base_dir, bits)
     opt = SparseAdamW.for_model(reference, density=DENSITY, lr=1e-2, weight_decay=0.0)  # TrainingArguments'
-    norms = []
     reference.train()
-    for inputs, num_items in trainer.batches:
-        opt.zero_grad()
-        # The Trainer's loss: the model's own, over the batch's token count (a plain Trainer refuses this model).
-        reference(**inputs, num_items_in_batch=num_items).loss.backward()
-        norms.append(sift.clip_grad_norm_(opt, 0.05).item())
-        opt.step()
+    norms = _manual_loop(reference, opt, trainer.batches)
     assert [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h] == norms
     assert any(n > 0.05 for n in norms), "the clip must bite for the test to mean anything"
     _assert_same_params(model, reference)
