@@ -145,8 +145,8 @@ class GradRoutes:
             refresh_sparse_backward(self.opt)
 
     def end_step(self) -> None:
-        """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers."""
-        self.new_step()
+        """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers (the step
+        caches go with every part's `new_step`, `SparseAdamW._forget_step_caches`)."""
         self.ready.clear()
         self.backward_seen.clear()
         self.clear_open_buffers()
