@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift._params import SparseOptimizer, is_dtensor, is_selected
+from sift._params import SparseOptimizer, is_dtensor
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -143,7 +143,7 @@ class _Route:
         if self.sharded is not None:
             return self.sharded.plan is not None
         # The condition under which `compact_grad_target` returns a target.
-        return self.optimizer.compact_grads and is_selected(self.optimizer.state.get(self.weight, {}))
+        return self.optimizer.compact_grads and self.optimizer.grads.gathers_entries(self.weight)
 
     def add_weight_grad(self, grad_output: torch.Tensor, input: torch.Tensor) -> None:
         """Add the gradient at the chosen entries, from dY [T, R] and X [T, C], to where this step

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import io
-import logging
 import math
 
 import pytest
@@ -34,12 +33,14 @@ def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
 class Reference:
     """SIFT with drop-and-grow re-selection, written out in plain torch, one weight at a time."""
 
-    def __init__(self, model: torch.nn.Module, every: int, fraction: float, rule: str, drop: str):
+    def __init__(self, model: torch.nn.Module, every: int, fraction: float, rule: str, drop: str,
+                 max_norm: float | None = None):
         self.params = list(model.parameters())
-        self.every, self.fraction, self.rule, self.drop = every, fraction, rule, drop
+        self.every, self.fraction, self.rule, self.drop, self.max_norm = every, fraction, rule, drop, max_norm
         self.state: dict[int, dict] = {}
 
     def step(self) -> None:
+        grown = {}
         for i, p in enumerate(self.params):
             flat, g = p.data.view(-1), p.grad.reshape(-1).float()
             if i not in self.state:
@@ -49,8 +50,19 @@ class Reference:
                                      base=flat[idx].clone(), t=0, retired={})
             s = self.state[i]
             if s["t"] and s["t"] % self.every == 0:
-                self._reselect(s, flat, g)
-            self._adamw(s, flat, g)
+                grown[i] = self._reselect(s, flat, g)
+        # Clipped by the global norm of the entries this step updates (the new ones on a re-selecting step).
+        coef = 1.0
+        if self.max_norm is not None:
+            total = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1)[self.state[i]["idx"]]
+                                                        for i, p in enumerate(self.params)]))
+            coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        for i, p in enumerate(self.params):
+            s, g = self.state[i], p.grad.reshape(-1).float() * coef
+            c1, c2 = 1 - BETAS[0] ** s["t"], 1 - BETAS[1] ** s["t"]
+            for j, pos in grown.get(i, ()):  # the grown entries' seeds, from the gradient the update applies
+                s["m"][j], s["v"][j] = c1 * g[pos], c2 * g[pos] * g[pos]
+            self._adamw(s, p.data.view(-1), g)
 
     def _reselect(self, s: dict, flat: torch.Tensor, g: torch.Tensor) -> None:
         k = s["idx"].numel()
@@ -69,14 +81,14 @@ class Reference:
                 flat[pos] = s["base"][j]
             elif s["d"][j] != 0:
                 s["retired"][pos] = (s["d"][j].clone(), s["base"][j].clone())
-        c1, c2 = 1 - BETAS[0] ** s["t"], 1 - BETAS[1] ** s["t"]
         for pos in grown:
             d, base = s["retired"].pop(pos, (torch.tensor(0.0), flat[pos].clone()))
-            rows.append((pos, c1 * g[pos], c2 * g[pos] * g[pos], d, base))
+            rows.append((pos, 0.0, 0.0, d, base))  # moments seeded by `step`
         rows.sort(key=lambda r: r[0])
         s["idx"] = torch.tensor([r[0] for r in rows])
         for j, key in enumerate(("m", "v", "d", "base")):
             s[key] = torch.stack([torch.as_tensor(r[j + 1], dtype=torch.float32) for r in rows])
+        return [(j, pos) for j, pos in enumerate(s["idx"].tolist()) if pos in grown]
 
     def _adamw(self, s: dict, flat: torch.Tensor, g: torch.Tensor) -> None:
         s["t"] += 1
@@ -196,44 +208,17 @@ def test_resume_across_a_reselection_is_bit_for_bit(drop):
     (dict(reselect_every=5, reselect_total_steps=0), "reselect_total_steps"),
     (dict(reselect_every=5, reselect_rule="random"), "reselect_rule"),
     (dict(reselect_every=5, reselect_drop="keep"), "reselect_drop"),
-    (dict(reselect_every=5, compact_grads=True), "not supported yet with compact_grads"),
-    (dict(reselect_every=5, update_in_backward=True), "not supported yet with compact_grads"),
     (dict(reselect_every=5, state="lean"), "not supported yet with state='lean'"),
-    (dict(reselect_every=5, max_grad_norm=1.0), "not supported yet with max_grad_norm"),
 ], ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None)
 def test_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _optimizer(_model(), **kwargs)
 
 
-def test_clip_before_a_reselection_step_is_refused_and_changes_nothing():
-    model = _model()
-    opt = _optimizer(model, reselect_every=2)
-    batches = _batches(3)
-    _run(model, opt, batches[:2])
-    model.zero_grad()
-    _backward(model, batches[2])
-    from sift import clip_grad_norm_
-    clip_grad_norm_(opt, 0.1)
-    weights = [p.detach().clone() for p in model.parameters()]
-    states = copy.deepcopy(opt.state_dict()["state"])
-    with pytest.raises(RuntimeError, match="re-selection steps need an unclipped step"):
-        opt.step()
-    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
-    for pid, s in opt.state_dict()["state"].items():
-        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(states[pid][k])) for k, v in s.items())
-
-
-def test_for_model_runs_plain_with_one_log_line_and_refuses_4bit_bases(caplog):
+def test_for_model_refuses_4bit_bases_before_anything_changes():
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                      intermediate_size=48, num_labels=2)
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(config)
-    with caplog.at_level(logging.WARNING, logger="sift"):
-        opt = SparseAdamW.for_model(model, density=0.05, reselect_every=10)
-    assert not opt.compact_grads and opt.param_groups[0]["reselect"]["every"] == 10
-    assert any("reselect_every needs the dense gradients" in r.getMessage() for r in caplog.records)
 
     class Params4bit(torch.nn.Parameter):  # matched by class name, as bitsandbytes' is
         pass

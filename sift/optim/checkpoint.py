@@ -143,6 +143,10 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                          f"{meta['sharded_selection']!r}")
     if layout not in ("exact", "lean"):
         raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
+    if layout == "lean" and any(saved.get("reselect", group.get("reselect"))
+                                for saved, group in zip(saved_groups, opt.param_groups)):
+        raise ValueError("a lean state_dict (state='lean') cannot be loaded into groups that re-select "
+                         "(reselect_every): the lean state keeps no delta to drop by")
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for pid, saved_state in state_dict["state"].items():
         if pid not in id_map:

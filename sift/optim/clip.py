@@ -103,6 +103,11 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                     used.append(local_tensor(p.grad))
                 continue
             state = optimizer.state.get(p, {})
+            if optimizer.reselector.is_due(p):
+                # This step re-selects p's entries from its dense gradient: clip what it will read from the new ones.
+                if uses_grad(p):
+                    used.append(optimizer.selector.gathered_grad(p, optimizer.reselector.plan(group, p)))
+                continue
             if optimizer.compact_grads and is_selected(state):
                 if p in optimizer.grads.ready:
                     used.append(optimizer.grads.compact[p])

@@ -19,7 +19,8 @@ from sift.optim.clip import clip_each_, clip_grad_norm_
 from sift.optim.hooks import GradRoutes
 from sift.optim.memory import MemoryPolicy, resolve_memory
 from sift.optim.plan import WeightPlan, plans_of
-from sift.optim.reselection import check_reselect_modes, reselect_, reselect_memory, reselect_settings
+from sift.optim.reselection import (Reselector, check_reselect_modes, check_reselect_param, reselect_memory,
+                                    reselect_settings)
 from sift.optim.selection import Selector
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, EntryState, is_dtensor, local_tensor, uses_grad
@@ -127,7 +128,7 @@ class SparseAdamW(torch.optim.Optimizer):
     # The parts every optimizer is composed of, by name (see `_build_parts`); a subclass may swap one for its own
     # subclass (another selection rule, say).
     PARTS = (("entries", EntryState), ("grads", GradRoutes), ("selector", Selector), ("amp", ScalerLink),
-             ("steps", Steps), ("memory", MemoryPolicy))
+             ("steps", Steps), ("memory", MemoryPolicy), ("reselector", Reselector))
 
     def __init__(
         self,
@@ -184,8 +185,7 @@ class SparseAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
                         maximize=maximize)
         if reselect is not None:
-            check_reselect_modes(compact_grads=compact_grads, update_in_backward=update_in_backward, state=state,
-                                 max_grad_norm=max_grad_norm)
+            check_reselect_modes(state=state)
             defaults["reselect"] = reselect
         self.select_steps = select_steps
         self.selection = selection
@@ -223,6 +223,7 @@ class SparseAdamW(torch.optim.Optimizer):
         `amp` (sift.optim.amp): GradScaler's scale and inf flag, and the step's one agreement across ranks.
         `steps` (sift.optim.steps): the fused sparse kernels and torch's AdamW for dense groups.
         `memory` (sift.optim.memory): `memory="lowest"`'s first-step decision.
+        `reselector` (sift.optim.reselection): the periodic drop and grow, and which weights re-select next.
         """
         # Whether the last step() was skipped for GradScaler's inf/NaN: `scaler.step` calls a
         # step that takes the scale itself even when it skips, so wrappers that count skipped
@@ -236,6 +237,7 @@ class SparseAdamW(torch.optim.Optimizer):
         self.selector.new_step()
         self.amp.new_step()
         self.grads.new_step()
+        self.reselector.new_step()
 
     @classmethod
     def for_model(
@@ -331,6 +333,8 @@ class SparseAdamW(torch.optim.Optimizer):
                 raise ValueError(f"sparse groups need contiguous params; {label} is not contiguous")
             if is_dtensor(p):
                 check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
+            if merged.get("reselect") and merged["density"] < 1.0:
+                check_reselect_param(p, label)
         self.selector.pending = None
         group = dict(param_group)
         group["params"] = params
@@ -376,6 +380,7 @@ class SparseAdamW(torch.optim.Optimizer):
             >>> opt.set_indices(w, torch.tensor([0, 5, 10, 15]))
         """
         self.entries.set_indices(param, indices)
+        self.reselector.refresh()  # k changed: so may the next re-selection
 
     def indices_of(self, param: torch.Tensor) -> torch.Tensor:
         """The chosen entries of `param`: [k] sorted flat positions (int32, int64 past 2**31 elements).
@@ -451,6 +456,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 from another model (`sift.optim.checkpoint`).
         """
         checkpoint.load_state_dict(self, state_dict)
+        self.reselector.refresh()
 
     def __getstate__(self) -> dict[str, Any]:
         return checkpoint.getstate(self)
@@ -458,6 +464,7 @@ class SparseAdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._build_parts()  # every part from the constructor's own list, then the pickled settings over them
         checkpoint.setstate(self, state)
+        self.reselector.refresh()
 
     # -------------------------------------------------------------------- step
 
@@ -517,8 +524,9 @@ class SparseAdamW(torch.optim.Optimizer):
             self.grads.after_step()
             return loss
         self.grads.sync_grads()
+        self.grads.average_pending()  # the dense gradients both the selection and the re-selection read
         # The only place entries are chosen: a step GradScaler skips never gets here.
-        reselect_(self)
+        self.reselector.reselect()
         self.selector.select()
         for route in self.grads.quantized.values():
             route.commit()
@@ -529,6 +537,7 @@ class SparseAdamW(torch.optim.Optimizer):
                         for p in group["params"] if uses_grad(p)], self.max_grad_norm)
         elif self.max_grad_norm is not None:
             clip_grad_norm_(self, self.max_grad_norm)
+        self.reselector.seed()  # from the gradient the update applies: unscaled and clipped by now
         try:
             for group in self.param_groups:
                 if group["density"] >= 1.0:
@@ -537,6 +546,7 @@ class SparseAdamW(torch.optim.Optimizer):
                     self.steps.sparse_step(group)
         finally:
             self._end_step()
+        self.reselector.refresh()  # which weights re-select at the next step: their backward keeps the dense gradient
         self.grads.after_step()  # FSDP2's sparse backward: whether any rank's entries changed (a collective)
         return loss
 

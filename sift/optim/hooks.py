@@ -158,7 +158,7 @@ class GradRoutes:
         step) before anything selects from them, so every rank chooses the same entries."""
         if self.opt.process_group is None:
             return
-        for _, p in self.opt.selector.pending_with_grad():
+        for _, p in self.opt.selector.pending_with_grad() + self.opt.reselector.due_with_grad():
             if p not in self.averaged:
                 self.average_across_ranks(p.grad)
                 self.averaged.add(p)
@@ -262,10 +262,9 @@ class GradRoutes:
             return
         if grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        state = self.opt.state[p]
-        if not is_selected(state):
-            # Not selected yet: the dense gradient accumulates as in plain mode and `step()`
-            # selects from it, so micro-batches and skipped steps count exactly as there.
+        if not self.gathers_entries(p):
+            # Not selected yet (or re-selecting at the next step): the dense gradient accumulates as in plain
+            # mode and `step()` selects from it, so micro-batches and skipped steps count exactly as there.
             return
         _gather_into(self.compact[p], grad, self.opt.indices_of(p), accumulate=p in self.ready)
         self.ready.add(p)
@@ -324,8 +323,7 @@ class GradRoutes:
 
     def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """See `SparseAdamW.compact_grad_target`."""
-        state = self.opt.state.get(param, {})
-        if not self.opt.compact_grads or not is_selected(state):
+        if not self.opt.compact_grads or not self.gathers_entries(param):
             return None
         if self.opt.update_in_backward:
             # Each use adds its part; the accumulator's pre-hook steps once all uses have.
@@ -352,7 +350,7 @@ class GradRoutes:
             return None
         if grad is not None and grad.is_sparse:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
-        selected = is_selected(self.opt.state[p])
+        selected = self.gathers_entries(p)
         self.mark_backward(p, selected)
         if not selected:
             return None  # accumulated as in plain mode: the selection in step() reads it
@@ -428,14 +426,20 @@ class GradRoutes:
         _gather_into(compact, grad, indices, accumulate=False)
         return compact
 
-    def update_now(self, p: torch.Tensor, compact: torch.Tensor) -> None:
-        """Clip p's [k] compact gradient on its own (max_grad_norm) and run p's fused step at once."""
+    def update_now(self, p: torch.Tensor, compact: torch.Tensor, clip: bool = True) -> None:
+        """Clip p's [k] compact gradient on its own (max_grad_norm, unless `clip` is False: done already) and
+        run p's fused step at once."""
         if not p.requires_grad:
             return
-        if self.opt.max_grad_norm is not None:
+        if clip and self.opt.max_grad_norm is not None:
             clip_each_([compact], self.opt.max_grad_norm)
         layout = "lean" if "indices_low" in self.opt.state[p] else self.opt.state[p]["indices"].dtype
         self.opt.steps.fused_step(self.opt.entries.group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
+
+    def gathers_entries(self, p: torch.Tensor) -> bool:
+        """Whether this backward keeps p's gradient at its chosen entries only, where the mode does: its entries
+        are chosen and its next step does not re-select them (that step reads the dense gradient)."""
+        return is_selected(self.opt.state.get(p, {})) and not self.opt.reselector.is_due(p)
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values. (`SparseAdamW.compact_grad`)."""

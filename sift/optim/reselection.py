@@ -13,7 +13,15 @@ Equal scores go to the lower flat index (dropped first, grown first). `f(s)` is 
 times 1 ("constant"), `1 - t` ("linear") or `(1 + cos(pi t)) / 2` ("cosine"), `t = min(s / T, 1)`
 with `T = reselect_total_steps`.
 
-What each entry keeps (the exact state; indices stay sorted, every [k] tensor follows its index):
+Every gradient route takes part (`Reselector`): after a step, the weights whose next step re-selects are
+known (`Reselector.due`, from the step counts in the state, so a resumed optimizer knows them too), and
+for that one step their backward keeps the dense gradient as a selecting step does (the compact hook, the
+sparse backward and the update in backward let it through); `step()` re-selects from it, gathers the new
+entries' gradient where the mode keeps it and frees the dense one. So every memory mode re-selects
+exactly what plain mode does. A `clip_grad_norm_` before that step clips the entries the step will
+re-select (worked out, not committed, as for a selecting step).
+
+What each entry keeps (indices stay sorted, every [k] tensor follows its index):
 - a kept entry keeps its moments, `delta` and `base`;
 - a dropped entry leaves its increment in the weight and in the retired record (`reselect_drop=
   "merge"`, the default: `SparseDelta.from_optimizer` still holds it), or is written back to its
@@ -31,15 +39,13 @@ keep one step count per weight, so this update runs at the weight's count `s + 1
 
 makes the update's moments `b (1 - b^s) x + (1 - b) x = (1 - b^(s+1)) x` (x = g, g^2): read through
 the weight's correction, exactly a fresh entry's corrected moments `g` and `g^2`, so the grown
-entries' first update is a fresh entry's first update. Their stored moments are then a fresh entry's
-times `(1 - b^(s+1)) / (1 - b)`, which the shared correction reads as an entry whose past gradients
-all equalled `g` (no inflated steps from a correction meant for an old count).
+entries' first update is a fresh entry's first update. `g` is the gradient that update applies: unscaled
+(GradScaler), clipped (`max_grad_norm`, `clip_grad_norm_`), averaged across ranks.
 
-Not supported yet (refused at construction, or at the re-selection step for what only shows there):
-the compact modes (`compact_grads`, the sparse backward, `update_in_backward`: the dense gradient
-the growth ranks is gone), the lean state (it keeps no `delta`), 4-bit bases, FSDP2 shards,
-`max_grad_norm` and a `clip_grad_norm_` before a re-selection step (the seeds would need the clip's
-scale). Every setting lives in the param groups (`group["reselect"]`), so `state_dict` carries it.
+Not supported yet (refused at construction, or by `for_model`, before anything changes): 4-bit and int8
+bases, FSDP2 shards and the lean state (it keeps no `delta` to rank, no `base` to revert to, and no record
+of the dropped entries for `SparseDelta.from_optimizer`). Every setting lives in the param groups
+(`group["reselect"]`), so `state_dict` carries it.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ import torch
 
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
-from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
+from sift.optim.clip import clip_each_
+from sift.optim.state import is_dtensor, local_tensor, uses_grad
 
 logger = logging.getLogger("sift")
 
@@ -96,23 +103,22 @@ def reselect_settings(every: int | None, fraction: float = 0.2, schedule: str = 
                 drop=drop)
 
 
-def check_reselect_modes(*, compact_grads: bool, update_in_backward: bool, state: str,
-                         max_grad_norm: float | None) -> None:
+def check_reselect_modes(*, state: str) -> None:
     """Refuse, before anything is built, the modes re-selection does not support yet."""
-    if compact_grads or update_in_backward:
-        raise ValueError("reselect_every is not supported yet with compact_grads, the sparse backward or "
-                         "update_in_backward: growing entries ranks the dense gradient these modes never keep; "
-                         "use plain mode (memory='plain', compact_grads=False)")
     if state != "exact":
         raise ValueError("reselect_every is not supported yet with state='lean': dropping ranks each entry's "
                          "delta, which the lean state does not keep; use state='exact'")
-    if max_grad_norm is not None:
-        raise ValueError("reselect_every is not supported yet with max_grad_norm: the grown entries' moments are "
-                         "seeded from the unclipped gradient")
+
+
+def check_reselect_param(p: torch.Tensor, label: str) -> None:
+    """Refuse a param re-selection cannot train yet (an FSDP2 shard), before its group is added."""
+    if is_dtensor(p):
+        raise ValueError(f"reselect_every is not supported yet on FSDP2 (fully_shard) params; {label} is one: the "
+                         "drop and grow would need the whole weight's ranking across the shards")
 
 
 def reselect_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
-    """`for_model`'s memory preset with re-selection: "plain", the one mode it supports, with one log line.
+    """`for_model`'s memory preset with re-selection: "lowest" keeps the exact state (one log line).
 
     Raises:
         ValueError: re-selection asked for on a model with 4-bit or int8 (bitsandbytes) layers.
@@ -121,12 +127,13 @@ def reselect_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any])
         return memory
     # By class name, as sift.quantized matches them (importing it here would close an import cycle).
     if any(type(getattr(m, "weight", None)).__name__ in ("Params4bit", "Int8Params") for m in model.modules()):
-        raise ValueError("reselect_every is not supported yet on 4-bit or int8 bases: their sparse deltas are "
-                         "trained through routes that keep no dense gradient")
-    if memory != "plain":
-        logger.warning("sift: memory=%r without its compact modes: reselect_every needs the dense gradients "
-                       "(memory='plain')", memory)
-    return "plain"
+        raise ValueError("reselect_every is not supported yet on 4-bit or int8 bases: their deltas are trained "
+                         "through routes that form no dense gradient to grow from")
+    if memory == "lowest" and kwargs.get("state") is None:
+        logger.warning("sift: memory='lowest' without state='lean': reselect_every ranks each entry's delta, "
+                       "which only the exact state keeps")
+        kwargs["state"] = "exact"
+    return memory
 
 
 def fraction_at(settings: dict[str, Any], step: int) -> float:
@@ -143,90 +150,140 @@ def fraction_at(settings: dict[str, Any], step: int) -> float:
     return settings["fraction"] * decay
 
 
-def _refusal(opt: Any, p: torch.Tensor, state: dict[str, Any]) -> str | None:
-    if opt.compact_grads or opt.update_in_backward:
-        return "the compact modes keep no dense gradient to grow from (use plain mode)"
-    if "indices" not in state:
-        return "the lean state keeps no delta to drop by (use state='exact')"
-    if p in opt.grads.quantized or is_dtensor(p):
-        return "4-bit bases and FSDP2 shards are not supported yet"
-    if opt.selector.clipped_grad(p) is not None:
-        return ("clip_grad_norm_ gathered this step's gradient at the former entries; "
-                "re-selection steps need an unclipped step() (max_grad_norm=None, no clip before it)")
-    return None
+def replaced(settings: dict[str, Any], count: int, k: int, numel: int) -> int:
+    """n: how many of a weight's k entries (of numel) a re-selection at update count `count` replaces; 0 when
+    it is not due then."""
+    if count == 0 or count % settings["every"]:
+        return 0
+    return max(0, min(int(fraction_at(settings, count) * k), numel - k))
 
 
-def reselect_(opt: Any) -> None:
-    """Re-select the entries of every sparse weight due this step (see the module docstring).
+class Reselector:
+    """`SparseAdamW`'s periodic re-selection (see the module docstring): which weights re-select at the next
+    step (`due`, known before its backward so that every gradient route keeps their dense gradient), the
+    drop and grow each one would make (`plan`, also what `clip_grad_norm_` clips by), and the commit in
+    `step()` with the grown entries' moments seeded from the gradient the update applies."""
 
-    Called by `step()` once it knows it updates, before the update. Everything is checked before
-    anything changes.
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.due: dict[torch.Tensor, int] = {}  # weight -> its update count, for the weights the next step re-selects
+        self.new_step()
 
-    Raises:
-        ValueError: a param group's `reselect` settings are invalid.
-        RuntimeError: a weight due for re-selection is in a mode it does not support yet.
-    """
-    candidates = []
-    for group in opt.param_groups:
-        settings = group.get("reselect")
-        if not settings or group["density"] >= 1.0:
-            continue
-        reselect_settings(**settings)
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if state and is_selected(state) and uses_grad(p):
-                candidates.append((group, p, settings, state))
-    # The update counts live on the weights' device: read them in one transfer per device, not one per weight.
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, _, state) in enumerate(candidates):
-        by_device.setdefault(state["step"].device, []).append(i)
-    counts = [0] * len(candidates)
-    for positions in by_device.values():
-        read = torch.stack([candidates[i][3]["step"] for i in positions]).tolist()
-        for i, count in zip(positions, read):
-            counts[i] = int(count)
-    due = []
-    for (group, p, settings, state), count in zip(candidates, counts):
-        if count == 0 or count % settings["every"]:
-            continue
-        why = _refusal(opt, p, state)
-        if why is not None:
-            raise RuntimeError(f"re-selection (reselect_every={settings['every']}) at update {count}: {why}")
-        due.append((group, p, settings, count))
-    for group, p, settings, count in due:
-        _reselect_param(opt, group, p, settings, count)
+    def new_step(self) -> None:
+        """Forget what lived for one step: the plans (keyed by the gradient they came from) and the grown entries
+        still to be seeded."""
+        self.plans: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
+        self.grown: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
 
+    def enabled(self) -> bool:
+        return any(group.get("reselect") for group in self.opt.param_groups)
 
-def _reselect_param(opt: Any, group: dict[str, Any], p: torch.Tensor, settings: dict[str, Any], count: int) -> None:
-    state = opt.state[p]
-    flat = local_tensor(p.detach()).view(-1)
-    old = state["indices"]
-    k = old.numel()
-    n = min(int(fraction_at(settings, count) * k), flat.numel() - k)
-    if n <= 0:
-        return
-    grad = local_tensor(p.grad).reshape(-1).float()
-    inv_scale = opt.amp.grad_inv_scale
-    if inv_scale is not None:  # scaler.step: .grad still holds the loss-scaled gradient
-        grad = grad * inv_scale.to(grad.device)
-    if group["maximize"]:
-        grad = -grad
-    old_long = old.long()
-    moved = state["delta"].abs() if settings["rule"] == "spiel" else grad[old_long].abs()
-    dropped = top_k_positions(-moved, n)  # positions in [k]; equal scores drop the lower index
-    candidates = grad.abs().nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
-    candidates[old_long] = float("-inf")  # only entries not selected before this step grow
-    grown = top_k_positions(candidates, n)
-    keep = torch.ones(k, dtype=torch.bool, device=old.device)
-    keep[dropped] = False
-    if settings["drop"] == "revert":
-        flat[old_long[dropped]] = state["base"][dropped]
-        state["delta"][dropped] = 0.0  # nothing to retire: the entry is back at its base
-    indices = torch.cat([old[keep], grown.to(old.dtype)]).sort().values
-    opt.set_indices(p, indices)
-    state = opt.state[p]
-    fresh = ~_lookup(old, indices)[0]
-    g = grad[indices[fresh].long()]
-    beta1, beta2 = (float(b) for b in group["betas"])
-    state["exp_avg"][fresh] = (1.0 - beta1 ** count) * g
-    state["exp_avg_sq"][fresh] = (1.0 - beta2 ** count) * g * g
+    def refresh(self) -> None:
+        """Work out `due` from the step counts: after each step that updated, a load, `set_indices`. One host read
+        per device, only when some group re-selects."""
+        self.due = {}
+        if not self.enabled():
+            return
+        candidates = []
+        for group in self.opt.param_groups:
+            settings = group.get("reselect")
+            if not settings or group["density"] >= 1.0:
+                continue
+            for p in group["params"]:
+                state = self.opt.state.get(p)
+                if state and "indices" in state:
+                    candidates.append((settings, p, state))
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, _, state) in enumerate(candidates):
+            by_device.setdefault(state["step"].device, []).append(i)
+        counts = [0] * len(candidates)
+        for positions in by_device.values():
+            read = torch.stack([candidates[i][2]["step"] for i in positions]).tolist()
+            for i, count in zip(positions, read):
+                counts[i] = int(count)
+        for (settings, p, state), count in zip(candidates, counts):
+            if replaced(settings, count, state["indices"].numel(), local_tensor(p).numel()):
+                self.due[p] = count
+
+    def is_due(self, p: torch.Tensor) -> bool:
+        """Whether p's next step re-selects its entries (its backward keeps the dense gradient)."""
+        return p in self.due
+
+    def due_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        return [(self.opt.entries.group_of(p), p) for p in self.due if uses_grad(p)]
+
+    def plan(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """The entries p's re-selection this step leaves it with ([k] sorted, the index dtype), from its dense
+        gradient, not committed. Ranks alike whether the gradient is loss-scaled or not."""
+        key = self.opt.selector.grad_key(p)
+        hit = self.plans.get(p)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        settings, state = group["reselect"], self.opt.state[p]
+        old = state["indices"]
+        k = old.numel()
+        grad = local_tensor(p.grad).reshape(-1)
+        n = replaced(settings, self.due[p], k, grad.numel())
+        old_long = old.long()
+        if settings["rule"] == "spiel":
+            moved = state["delta"].abs()
+        else:
+            moved = grad[old_long].float().abs()
+        dropped = top_k_positions(-moved, n)  # positions in [k]; equal scores drop the lower index
+        candidates = grad.float().abs().nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
+        candidates[old_long] = float("-inf")  # only entries not selected before this step grow
+        grown = top_k_positions(candidates, n)
+        keep = torch.ones(k, dtype=torch.bool, device=old.device)
+        keep[dropped] = False
+        indices = torch.cat([old[keep], grown.to(old.dtype)]).sort().values
+        self.plans[p] = (key, indices)
+        return indices
+
+    def reselect(self) -> None:
+        """Commit the re-selection of every due weight that has a gradient this step. Called by `step()` once it
+        knows it updates, after the ranks' gradients are averaged, before anything reads the entries."""
+        due = self.due_with_grad()
+        for _, p in due:
+            if p in self.opt.grads.quantized or is_dtensor(p):
+                raise RuntimeError("re-selection is not supported yet on 4-bit or int8 bases and FSDP2 shards")
+        for group, p in due:
+            indices = self.plan(group, p)
+            state = self.opt.state[p]
+            old = state["indices"]
+            if group["reselect"]["drop"] == "revert":
+                leaving = ~_lookup(indices, old)[0]
+                local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
+                state["delta"][leaving] = 0.0  # back at its base: nothing to retire
+            # What a clip gathered was gathered at these very entries: it outlives the change of entries.
+            held = self.opt.selector.clipped.pop(p, None)
+            self.opt.entries.set_indices(p, indices)
+            if held is not None:
+                self.opt.selector.clipped[p] = held
+            self.grown[p] = (~_lookup(old, indices)[0], self.due.pop(p))
+            if self.opt.compact_grads and not self.opt.update_in_backward:
+                self.opt.selector.gather_compact(p, self.opt.selector.clipped_grad(p))
+                p.grad = None  # as the hook does once the entries are known
+
+    def seed(self) -> None:
+        """Seed the grown entries' moments from the gradient this step's update applies to them (unscaled,
+        clipped), just before it; with the update in backward, apply that update here (as the selecting
+        step does)."""
+        for p, (fresh, count) in self.grown.items():
+            group, state = self.opt.entries.group_of(p), self.opt.state[p]
+            if self.opt.update_in_backward:
+                compact = self.opt.grads.gather_scratch(p, p.grad)
+                if self.opt.max_grad_norm is not None:
+                    clip_each_([compact], self.opt.max_grad_norm)
+            elif self.opt.compact_grads:
+                compact = self.opt.grads.compact[p]
+            else:
+                compact = self.opt.selector.gathered_grad(p)
+            g = compact[fresh]
+            if group["maximize"]:
+                g = -g
+            beta1, beta2 = (float(b) for b in group["betas"])
+            state["exp_avg"][fresh] = (1.0 - beta1 ** count) * g
+            state["exp_avg_sq"][fresh] = (1.0 - beta2 ** count) * g * g
+            if self.opt.update_in_backward:
+                self.opt.grads.update_now(p, compact, clip=False)
+                p.grad = None

@@ -1,0 +1,231 @@
+"""Re-selection (`reselect_every`) in every memory mode and on every route: each re-selects the entries
+plain mode re-selects and trains as it does (bit for bit in one process without the sparse backward, to
+summation order with it or across ranks), the dense gradient lives only on the re-selecting step, a clip
+and an overflow on that step, resuming just before it, and the combinations refused before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+
+from sift import SparseAdamW, clip_grad_norm_, enable_sparse_backward
+from conftest import gloo_rank
+from test_reselection import BETAS, DENSITY, EPS, LR, WD, Reference, _backward, _batches, _model
+
+RESELECT = dict(reselect_every=2, reselect_fraction=0.5)
+MODES = {
+    "compact_grads": dict(compact_grads=True),
+    "sparse_backward": dict(compact_grads=True),
+    "update_in_backward": dict(update_in_backward=True),
+}
+
+
+def _opt(model: torch.nn.Module, mode: str = "plain", **kwargs) -> SparseAdamW:
+    opt = SparseAdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, density=DENSITY,
+                      backend="torch", **MODES.get(mode, {}), **{**RESELECT, **kwargs})
+    if mode == "sparse_backward":
+        enable_sparse_backward(model, opt)
+    return opt
+
+
+def _train(model, opt, batches, accumulation: int = 1, clip: float | None = None, scaler=None, inf_at=None):
+    for step, x in enumerate(batches):
+        for micro in x.chunk(accumulation):
+            loss = model(micro).square().mean() / accumulation
+            if step == inf_at:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None and clip is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            clip_grad_norm_(opt, clip)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+def _assert_same(model, opt, twin, twin_opt, exact: bool = True) -> None:
+    for p, q in zip(model.parameters(), twin.parameters()):
+        a, b = opt.state[p], twin_opt.state[q]
+        assert torch.equal(a["indices"], b["indices"])
+        for key in ("exp_avg", "exp_avg_sq", "delta"):
+            if exact:
+                assert torch.equal(a[key], b[key]), key
+            else:
+                torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-7)
+        if exact:
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_memory_mode_reselects_and_trains_as_plain_mode(mode, accumulation):
+    """The compact modes used to refuse re-selection: their backward dropped the dense gradient the growth ranks."""
+    if mode == "update_in_backward" and accumulation > 1:
+        pytest.skip("the update in backward takes one backward per step")
+    batches = _batches(9)
+    model, twin = _model(), _model()
+    opt, twin_opt = _opt(model, mode), _opt(twin)
+    _train(model, opt, batches, accumulation)
+    _train(twin, twin_opt, batches, accumulation)
+    # Re-selections before updates 3, 5 and 7 each replaced half of the entries.
+    assert "retired_indices" in opt.state[model[0].weight]
+    _assert_same(model, opt, twin, twin_opt, exact=mode != "sparse_backward")
+
+
+@pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward"])
+def test_the_dense_gradient_lives_only_on_the_reselecting_step(mode):
+    model = _model()
+    opt = _opt(model, mode)
+    w = model[0].weight
+    kept = []
+    for step, x in enumerate(_batches(6)):
+        _backward(model, x)
+        kept.append(w.grad is not None)
+        assert opt.reselector.is_due(w) == kept[-1] or step == 0  # the first, selecting step keeps it too
+        opt.step()
+        assert w.grad is None  # freed by step() on the re-selecting step, by the hook or never formed otherwise
+        opt.zero_grad()
+    # Selection at step 0; updates 1..6; re-selections before updates 3 and 5 (steps 2 and 4).
+    assert kept == [True, False, True, False, True, False]
+    weight_sized = [k for k, v in opt.state[w].items() if isinstance(v, torch.Tensor) and v.numel() == w.numel()]
+    assert not weight_sized
+
+
+@pytest.mark.parametrize("mode", ["plain", "compact_grads"])
+@pytest.mark.parametrize("how", ["max_grad_norm", "clip_grad_norm_"])
+def test_a_clip_on_the_reselecting_step_clips_the_new_entries_and_seeds_from_the_clipped_gradient(how, mode):
+    """A clip before a re-selecting step was refused; `max_grad_norm` with re-selection too."""
+    batches = _batches(7)
+    model, ref_model = _model(), _model()
+    kwargs = dict(max_grad_norm=0.05) if how == "max_grad_norm" else {}
+    opt = _opt(model, mode, **kwargs)
+    ref = Reference(ref_model, every=2, fraction=0.5, rule="spiel", drop="merge", max_norm=0.05)
+    _train(model, opt, batches, clip=0.05 if how == "clip_grad_norm_" else None)
+    for x in batches:
+        ref_model.zero_grad()
+        _backward(ref_model, x)
+        ref.step()
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(opt.state[p]["indices"].long(), ref.state[i]["idx"])
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[i]["m"], rtol=1e-5, atol=1e-9)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["plain", "compact_grads", "sparse_backward"])
+def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored(mode):
+    batches = _batches(7)
+    model, twin = _model(), _model()
+    opt, twin_opt = _opt(model, mode), _opt(twin)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    _train(model, opt, batches, scaler=scaler, inf_at=2)  # step 2 would re-select before update 3
+    assert scaler.get_scale() == 2.0 ** 9
+    _train(twin, twin_opt, batches[:2] + batches[3:])
+    _assert_same(model, opt, twin, twin_opt, exact=mode != "sparse_backward")
+
+
+@pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward"])
+def test_resume_just_before_a_reselecting_step_is_bit_for_bit(mode):
+    batches = _batches(8)
+    model = _model()
+    opt = _opt(model, mode)
+    _train(model, opt, batches)
+    half = _model()
+    half_opt = _opt(half, mode)
+    _train(half, half_opt, batches[:4])  # the next step re-selects
+    assert half_opt.reselector.is_due(half[0].weight)
+    buf = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    resumed = _model()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = _opt(resumed, mode, reselect_every=None)  # the settings come back with the param groups
+    resumed_opt.load_state_dict(saved["opt"])
+    assert resumed_opt.reselector.is_due(resumed[0].weight)
+    _train(resumed, resumed_opt, batches[4:])
+    _assert_same(model, opt, resumed, resumed_opt)
+
+
+def test_copies_know_which_weights_reselect_next():
+    model = _model()
+    opt = _opt(model, "compact_grads")
+    _train(model, opt, _batches(4))
+    assert opt.reselector.is_due(model[0].weight)
+    twin = copy.deepcopy((model, opt))
+    assert twin[1].reselector.is_due(twin[0][0].weight)
+
+
+@gloo_rank(timeout_s=60)
+def _ranks_worker(rank: int, world: int, out: str, route: str) -> None:
+    model = _model()
+    batches = [x.chunk(world)[rank] for x in _batches(7)]
+    if route == "ddp":
+        opt = _opt(model)
+        caller = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        opt = _opt(model, "compact_grads", process_group=torch.distributed.group.WORLD)
+        caller = model
+    for x in batches:
+        # The mean over the global batch: each rank's half, averaged across the ranks.
+        caller(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "indices": [opt.state[p]["indices"].clone() for p in model.parameters()]}, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("route", ["ddp", "process_group"])
+def test_two_ranks_reselect_as_one_process_on_the_global_batch(route, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(_ranks_worker, args=(2, f"{out}.init", out, route), nprocs=2, join=True)
+    results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+    model = _model()
+    opt = _opt(model)
+    _train(model, opt, _batches(7))
+    for result in results:
+        for p, q, idx in zip(model.parameters(), result["params"], result["indices"]):
+            assert torch.equal(opt.state[p]["indices"], idx)
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_a_lean_state_dict_is_refused_by_groups_that_reselect_and_nothing_changes():
+    lean_model = _model()
+    lean = SparseAdamW(lean_model.parameters(), lr=LR, density=DENSITY, state="lean")
+    _train(lean_model, lean, _batches(2))
+    model = _model()
+    opt = _opt(model)
+    _train(model, opt, _batches(2))
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="lean state keeps no delta"):
+        opt.load_state_dict(lean.state_dict())
+    after = opt.state_dict()
+    assert after["sift"] == before["sift"]
+    for pid, state in after["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(before["state"][pid][k])) for k, v in state.items())
+
+
+def test_for_model_keeps_the_memory_preset_and_lowest_keeps_the_exact_state(caplog):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=48, num_labels=2)
+    torch.manual_seed(0)
+    low = SparseAdamW.for_model(transformers.BertForSequenceClassification(config), density=0.05, reselect_every=10)
+    assert low.compact_grads and low.sparse_backward_handle is not None and low.state_layout == "exact"
+    with caplog.at_level(logging.WARNING, logger="sift"):
+        lowest = SparseAdamW.for_model(transformers.BertForSequenceClassification(config), density=0.05,
+                                       memory="lowest", reselect_every=10)
+    assert lowest.update_in_backward and lowest.state_layout == "exact"
+    assert any("without state='lean'" in r.getMessage() for r in caplog.records)
