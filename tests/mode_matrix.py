@@ -10,7 +10,8 @@ sparsely, a dense head) for `STEPS` steps and either
   `requires_grad` and the optimizer's `state_dict` equal what they were before the call that raised).
 
 Under fp16 + GradScaler an inf is injected into one rank's loss (the second rank's half of the global
-batch) on the selecting step, so the step is skipped on every rank and the selection stays pending.
+batch) on the selecting step, so the step is skipped on every rank and the selection stays pending (and on
+a re-selecting cell's second re-selecting step, which is then skipped and never scored).
 
 `covering_cells()` is a covering subset (every pair of factor values in at least one cell, found greedily,
 deterministic); `all_cells()` is the full product.
@@ -37,7 +38,10 @@ FACTORS: dict[str, list] = {
     "clip": [False, True],
     "resume": ["none", "during-selection", "after-selection"],
     "route": ["one-process", "ddp", "process-group", "fsdp2"],
+    "reselect": [False, True],
 }
+# A re-selecting cell replaces half of each weight's entries before every update after its first.
+RESELECT = dict(reselect_every=1, reselect_fraction=0.5)
 # memory= presets, and the explicit flags on top of plain mode.
 MEMORY_KWARGS = {
     "plain": dict(memory="plain"),
@@ -70,6 +74,7 @@ class Cell:
     clip: bool
     resume: str
     route: str
+    reselect: bool = False
     # Whether the head trains densely: not over a quantized base under FSDP2, where only the 4-bit deltas can
     # train (docs/distributed.md); not a factor of the matrix.
     head: bool | None = None
@@ -89,13 +94,14 @@ class Cell:
 
     def reference(self) -> Cell:
         """Plain mode in one process, no resume, with this cell's state layout (and head)."""
-        layout = "lean" if self.memory in ("lean", "lowest") else "plain"
+        layout = "lean" if self.lean else "plain"
         return Cell(layout, self.dtype, self.accumulation, self.select_steps, self.clip, "none", "one-process",
-                    self.head)
+                    self.reselect, self.head)
 
     @property
     def lean(self) -> bool:
-        return self.memory in ("lean", "lowest")
+        # memory="lowest" keeps the exact state when it re-selects (the lean state keeps no delta to drop by).
+        return self.memory == "lean" or (self.memory == "lowest" and not self.reselect)
 
 
 def all_cells() -> list[Cell]:
@@ -157,8 +163,10 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def injects_inf(cell: Cell, step: int) -> bool:
-    """The selecting step of a GradScaler cell gets an inf in the second rank's half of the batch."""
-    return cell.dtype == "fp16+scaler" and step == cell.select_steps - 1
+    """The selecting step of a GradScaler cell gets an inf in the second rank's half of the batch, and so does
+    the second re-selecting step of a re-selecting one."""
+    return cell.dtype == "fp16+scaler" and (step == cell.select_steps - 1
+                                            or (cell.reselect and step == cell.select_steps + 1))
 
 
 def resume_after(cell: Cell) -> int | None:
@@ -193,6 +201,8 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
         import torch.distributed as dist
 
         kwargs["process_group"] = dist.group.WORLD
+    if cell.reselect:
+        kwargs.update(RESELECT)
     if not cell.head:
         model.head.requires_grad_(False)
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],

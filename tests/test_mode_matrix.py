@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 import mode_matrix as mm
@@ -52,13 +51,14 @@ def _run_distributed(cells: list[mm.Cell], directory) -> dict[str, list[dict]]:
     return outcomes
 
 
-def test_every_cell_matches_its_reference_or_is_refused_cleanly(tmp_path, capsys):
+def _check(cells: list[mm.Cell], tmp_path) -> tuple[list[str], int, dict[str, str]]:
+    """Run `cells` and their references: (failures, how many ran, {refused cell id: message})."""
     references = {}
-    for ref in {c.reference() for c in CELLS}:
+    for ref in {c.reference() for c in cells}:
         references[ref] = mm.run_cell(ref, directory=str(tmp_path))
-    distributed = _run_distributed([c for c in CELLS if c.route != "one-process"], tmp_path)
+    distributed = _run_distributed([c for c in cells if c.route != "one-process"], tmp_path)
     failures, ran, refused = [], 0, {}
-    for cell in CELLS:
+    for cell in cells:
         outcomes = distributed.get(cell.id) or [mm.run_cell(cell, directory=str(tmp_path))]
         want = references[cell.reference()]
         for rank, got in enumerate(outcomes):
@@ -79,8 +79,21 @@ def test_every_cell_matches_its_reference_or_is_refused_cleanly(tmp_path, capsys
         if len(outcomes) > 1:
             failures.extend(f"{cell.id}: {line}" for line in mm.ranks_agree(outcomes))
         ran += cell.id not in refused
+    return failures, ran, refused
+
+
+def test_every_cell_matches_its_reference_or_is_refused_cleanly(tmp_path, capsys):
+    failures, ran, refused = _check(CELLS, tmp_path)
     with capsys.disabled():
         print(f"\nmode matrix: {len(CELLS)} cells, {ran} run against their reference, {len(refused)} refused")
         for cell_id, message in sorted(refused.items()):
             print(f"  refused {cell_id}: {message[:160]}")
     assert not failures, "\n".join(failures)
+
+
+def test_fsdp2_sparse_backward_resumed_before_selection_still_selects_and_trains(tmp_path):
+    """Under FSDP2 the sparse backward resumed while a selection was pending built an empty cross-rank plan, so the
+    layer never formed the dense gradient to select from: the weights stayed pending and never trained again."""
+    cells = [mm.Cell(memory, "fp32", 1, 2, False, "during-selection", "fsdp2") for memory in ("low", "lowest")]
+    failures, ran, _ = _check(cells, tmp_path)
+    assert ran == len(cells) and not failures, "\n".join(failures)

@@ -114,7 +114,13 @@ class ShardedSparseGrad:
         mine = (self.optimizer.indices_of(self.weight).long().cpu() + self.offset) if source is not None else \
             torch.zeros(0, dtype=torch.long)
         parts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, mine, group=self.group)
+        dist.all_gather_object(parts, (source is not None, mine), group=self.group)
+        if not any(chosen for chosen, _ in parts):
+            # No rank has chosen yet (a resume before selection): no plan, so the backward forms the dense gradient
+            # the selection reads. An empty plan would gather nothing, and the weight would stay pending for good.
+            self.plan = None
+            return
+        parts = [part for _, part in parts]
         counts = [part.numel() for part in parts]
         width = max(counts)
         device = local_tensor(self.weight).device
