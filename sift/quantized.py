@@ -240,6 +240,22 @@ class QuantizedRoute:
         self.tentative = top_k(total, self.k)
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
+    def reselecting(self) -> bool:
+        """Whether this step re-selects the layer's entries (`sift.optim.reselection`)."""
+        return self.optimizer is not None and self.optimizer.reselector.is_due(self.values)
+
+    def reselection_grad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Backward of a re-selecting step: the values' gradient at the entries the re-selection leaves ([k] fp32),
+        chosen on the step's first backward from this layer's dense weight gradient (formed, averaged as the
+        selecting step's, checked for inf/NaN and freed here); later micro-batches add at the same entries."""
+        self.reached = True
+        if self.tentative is None:
+            dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, consumed by the plan
+            self.average(dense, selecting=True)
+            self._check_finite(dense)  # an overflow skips the step: nothing is re-selected
+            self.tentative = self.optimizer.reselector.plan_quantized(self, dense)
+        return _ops.call("sparse_weight_grad", dy, x, self.tentative)
+
     def _check_finite(self, score: torch.Tensor) -> None:
         """Flag inf/NaN in this backward's score into `step_found_inf` (no host read, no weight-sized temporary):
         no `.grad` holds it, so GradScaler's own check cannot see it."""
@@ -380,7 +396,9 @@ class _QuantizedSparseLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = dy.sum(0).to(route.module.bias.dtype)
         if ctx.needs_input_grad[1] and weight_gradient_wanted():
-            if indices is not None:
+            if indices is not None and route.reselecting():
+                grad_values = route.reselection_grad(dy, x2)
+            elif indices is not None:
                 grad_values = _ops.call("sparse_weight_grad", dy, x2, indices, check_values=False)
             else:
                 grad_values = route.selection_grad(dy, x2, weight)

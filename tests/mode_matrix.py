@@ -40,7 +40,8 @@ FACTORS: dict[str, list] = {
     "route": ["one-process", "ddp", "process-group", "fsdp2"],
     "reselect": [False, True],
 }
-# A re-selecting cell replaces half of each weight's entries before every update after its first.
+# A re-selecting cell replaces half of each weight's entries before every update after its first (a packed base
+# cannot take a dropped entry's increment: quantized cells revert them).
 RESELECT = dict(reselect_every=1, reselect_fraction=0.5)
 # memory= presets, and the explicit flags on top of plain mode.
 MEMORY_KWARGS = {
@@ -202,7 +203,7 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
 
         kwargs["process_group"] = dist.group.WORLD
     if cell.reselect:
-        kwargs.update(RESELECT)
+        kwargs.update(RESELECT, reselect_drop="revert" if cell.quantized else "merge")
     if not cell.head:
         model.head.requires_grad_(False)
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],

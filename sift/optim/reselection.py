@@ -42,8 +42,13 @@ the weight's correction, exactly a fresh entry's corrected moments `g` and `g^2`
 entries' first update is a fresh entry's first update. `g` is the gradient that update applies: unscaled
 (GradScaler), clipped (`max_grad_norm`, `clip_grad_norm_`), averaged across ranks.
 
-Not supported yet (refused at construction, or by `for_model`, before anything changes): 4-bit and int8
-bases, FSDP2 shards and the lean state (it keeps no `delta` to rank, no `base` to revert to, and no record
+A 4-bit or int8 layer (`sift.quantized`) re-selects in its backward, where its dense weight gradient lives for
+one layer at a time: its [k] values then take their gradient at the new entries, and `step()` moves the values
+and moments of the kept entries with them. Its packed base never changes, so a dropped entry's increment cannot
+be merged: these layers take `reselect_drop="revert"` only.
+
+Not supported yet (refused at construction, or by `for_model`, before anything changes): FSDP2 shards and the
+lean state (it keeps no `delta` to rank, no `base` to revert to, and no record
 of the dropped entries for `SparseDelta.from_optimizer`). Every setting lives in the param groups
 (`group["reselect"]`), so `state_dict` carries it.
 """
@@ -126,9 +131,10 @@ def reselect_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any])
     if kwargs.get("reselect_every") is None:
         return memory
     # By class name, as sift.quantized matches them (importing it here would close an import cycle).
-    if any(type(getattr(m, "weight", None)).__name__ in ("Params4bit", "Int8Params") for m in model.modules()):
-        raise ValueError("reselect_every is not supported yet on 4-bit or int8 bases: their deltas are trained "
-                         "through routes that form no dense gradient to grow from")
+    quantized = any(type(getattr(m, "weight", None)).__name__ in ("Params4bit", "Int8Params") for m in model.modules())
+    if quantized and kwargs.get("reselect_drop", "merge") != "revert":
+        raise ValueError("reselect_drop='merge' cannot fold a dropped entry's increment into a 4-bit or int8 base "
+                         "(its packed weight never changes): pass reselect_drop='revert' on such a model")
     if memory == "lowest" and kwargs.get("state") is None:
         logger.warning("sift: memory='lowest' without state='lean': reselect_every ranks each entry's delta, "
                        "which only the exact state keeps")
@@ -184,25 +190,30 @@ class Reselector:
         self.due = {}
         if not self.enabled():
             return
-        candidates = []
+        candidates = []  # (settings, weight, its step count, k, numel)
+        routes = self.opt.grads.quantized
         for group in self.opt.param_groups:
             settings = group.get("reselect")
-            if not settings or group["density"] >= 1.0:
+            if not settings:
                 continue
             for p in group["params"]:
                 state = self.opt.state.get(p)
-                if state and "indices" in state:
-                    candidates.append((settings, p, state))
+                if not state or "step" not in state:
+                    continue
+                if group["density"] < 1.0 and "indices" in state:
+                    candidates.append((settings, p, state["step"], state["indices"].numel(), local_tensor(p).numel()))
+                elif p in routes and routes[p].selected:  # a 4-bit or int8 layer's [k] delta values
+                    candidates.append((settings, p, state["step"], routes[p].k, routes[p].numel))
         by_device: dict[torch.device, list[int]] = {}
-        for i, (_, _, state) in enumerate(candidates):
-            by_device.setdefault(state["step"].device, []).append(i)
+        for i, candidate in enumerate(candidates):
+            by_device.setdefault(candidate[2].device, []).append(i)
         counts = [0] * len(candidates)
         for positions in by_device.values():
-            read = torch.stack([candidates[i][2]["step"] for i in positions]).tolist()
+            read = torch.stack([candidates[i][2] for i in positions]).tolist()
             for i, count in zip(positions, read):
                 counts[i] = int(count)
-        for (settings, p, state), count in zip(candidates, counts):
-            if replaced(settings, count, state["indices"].numel(), local_tensor(p).numel()):
+        for (settings, p, _, k, numel), count in zip(candidates, counts):
+            if replaced(settings, count, k, numel):
                 self.due[p] = count
 
     def is_due(self, p: torch.Tensor) -> bool:
@@ -239,14 +250,36 @@ class Reselector:
         self.plans[p] = (key, indices)
         return indices
 
+    def plan_quantized(self, route: Any, dense: torch.Tensor) -> torch.Tensor:
+        """The entries a 4-bit or int8 layer's re-selection leaves it with ([k] sorted), from its dense weight
+        gradient `dense` ([out, in] fp32, consumed: it becomes the growth score). Called in the layer's backward."""
+        values = route.values
+        settings = self.opt.entries.group_of(values)["reselect"]
+        old = route.indices
+        k = old.numel()
+        n = replaced(settings, self.due[values], k, route.numel)
+        flat, old_long = dense.view(-1), old.long()
+        # The delta's values are its increments since selection.
+        moved = values.detach().float().abs() if settings["rule"] == "spiel" else flat[old_long].abs()
+        dropped = top_k_positions(-moved, n)
+        candidates = flat.abs_().nan_to_num_(nan=-1.0)
+        candidates[old_long] = float("-inf")
+        grown = top_k_positions(candidates, n)
+        keep = torch.ones(k, dtype=torch.bool, device=old.device)
+        keep[dropped] = False
+        return torch.cat([old[keep], grown.to(old.dtype)]).sort().values
+
     def reselect(self) -> None:
         """Commit the re-selection of every due weight that has a gradient this step. Called by `step()` once it
         knows it updates, after the ranks' gradients are averaged, before anything reads the entries."""
         due = self.due_with_grad()
         for _, p in due:
-            if p in self.opt.grads.quantized or is_dtensor(p):
-                raise RuntimeError("re-selection is not supported yet on 4-bit or int8 bases and FSDP2 shards")
+            if is_dtensor(p):
+                raise RuntimeError("re-selection is not supported yet on FSDP2 shards")
         for group, p in due:
+            if p in self.opt.grads.quantized:
+                self.commit_quantized(p)
+                continue
             indices = self.plan(group, p)
             state = self.opt.state[p]
             old = state["indices"]
@@ -264,13 +297,32 @@ class Reselector:
                 self.opt.selector.gather_compact(p, self.opt.selector.clipped_grad(p))
                 p.grad = None  # as the hook does once the entries are known
 
+    def commit_quantized(self, values: torch.Tensor) -> None:
+        """A 4-bit or int8 layer: its new entries (chosen in backward, whose gradient is already theirs) in the
+        state; the values and moments of kept entries follow them, dropped ones leave (their increment gone:
+        "revert"), grown ones start at 0."""
+        route = self.opt.grads.quantized[values]
+        new = route.tentative
+        if new is None:  # no backward reached the layer this step
+            return
+        state, old = self.opt.state[values], route.indices
+        kept, pos = _lookup(old, new)
+        for tensor in (values.data, state["exp_avg"], state["exp_avg_sq"]):
+            moved = torch.zeros_like(tensor)
+            moved[kept] = tensor[pos[kept]]
+            tensor.copy_(moved)
+        state["delta_indices"] = new.to(old.dtype)
+        self.grown[values] = (~kept, self.due.pop(values))
+
     def seed(self) -> None:
         """Seed the grown entries' moments from the gradient this step's update applies to them (unscaled,
         clipped), just before it; with the update in backward, apply that update here (as the selecting
         step does)."""
         for p, (fresh, count) in self.grown.items():
             group, state = self.opt.entries.group_of(p), self.opt.state[p]
-            if self.opt.update_in_backward:
+            if p in self.opt.grads.quantized:
+                compact = p.grad  # a dense group's gradient: unscaled and clipped in place by now
+            elif self.opt.update_in_backward:
                 compact = self.opt.grads.gather_scratch(p, p.grad)
                 if self.opt.max_grad_norm is not None:
                     clip_each_([compact], self.opt.max_grad_norm)
@@ -284,6 +336,6 @@ class Reselector:
             beta1, beta2 = (float(b) for b in group["betas"])
             state["exp_avg"][fresh] = (1.0 - beta1 ** count) * g
             state["exp_avg_sq"][fresh] = (1.0 - beta2 ** count) * g * g
-            if self.opt.update_in_backward:
+            if self.opt.update_in_backward and p not in self.opt.grads.quantized:
                 self.opt.grads.update_now(p, compact, clip=False)
                 p.grad = None
