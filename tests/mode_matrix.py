@@ -101,8 +101,7 @@ class Cell:
 
     @property
     def lean(self) -> bool:
-        # memory="lowest" keeps the exact state when it re-selects (the lean state keeps no delta to drop by).
-        return self.memory == "lean" or (self.memory == "lowest" and not self.reselect)
+        return self.memory in ("lean", "lowest")
 
 
 def all_cells() -> list[Cell]:
@@ -203,7 +202,9 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
 
         kwargs["process_group"] = dist.group.WORLD
     if cell.reselect:
-        kwargs.update(RESELECT, reselect_drop="revert" if cell.quantized else "merge")
+        # The lean state keeps no delta to rank: it re-selects by the gradient.
+        kwargs.update(RESELECT, reselect_drop="revert" if cell.quantized else "merge",
+                      reselect_rule="magnitude" if cell.lean else "spiel")
     if not cell.head:
         model.head.requires_grad_(False)
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],

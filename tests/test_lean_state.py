@@ -420,7 +420,10 @@ def test_set_indices_keeps_moments_and_residual_of_kept_entries(dtype):
             want = old[key][pos_old[i]] if i in pos_old else torch.zeros((), dtype=old[key].dtype)
             assert torch.equal(state[key][j], want), (key, i)
     assert torch.equal(state["step"], old["step"])
-    assert "delta" not in state and "retired_indices" not in state  # dropped entries simply leave
+    # Dropped entries leave (no increment to keep in the state); their positions are recorded, so that a delta
+    # built against the base still holds what they changed in the weight.
+    assert "delta" not in state
+    assert torch.equal(state["retired_indices"].long(), old_idx[~torch.isin(old_idx, new_idx)])
     assert torch.equal(w.detach(), weight_before)  # set_indices writes no weight
     w.grad = torch.ones_like(w)
     opt.step()

@@ -208,7 +208,7 @@ def test_resume_across_a_reselection_is_bit_for_bit(drop):
     (dict(reselect_every=5, reselect_total_steps=0), "reselect_total_steps"),
     (dict(reselect_every=5, reselect_rule="random"), "reselect_rule"),
     (dict(reselect_every=5, reselect_drop="keep"), "reselect_drop"),
-    (dict(reselect_every=5, state="lean"), "not supported yet with state='lean'"),
+    (dict(reselect_every=5, state="lean"), "reselect_rule='spiel' ranks each entry's delta"),
 ], ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None)
 def test_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -104,3 +104,32 @@ def test_merge_is_refused_on_a_quantized_base_before_anything_changes():
         SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], reselect_every=2)
     assert flags == [p.requires_grad for p in quantized.parameters()]
     assert not any(hasattr(quantized[i], "sift_delta") for i in (0, 2))
+
+
+def _lean():
+    quantized, _ = _pair()
+    return quantized, SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                                            state="lean", reselect_rule="magnitude", **RESELECT)
+
+
+def test_the_lean_state_reselects_a_quantized_layer_and_resumes_bit_for_bit():
+    quantized, opt_q = _lean()
+    first = quantized[0]._sift_quantized
+    seen = []
+    for step in range(7):
+        _train(quantized, opt_q, 1, start=step)
+        seen.append(first.indices.clone())
+    changed = [int((~torch.isin(b, a)).sum()) for a, b in zip(seen, seen[1:])]
+    assert changed == [0, first.k // 2, 0, first.k // 2, 0, first.k // 2]
+    half, opt_h = _lean()
+    _train(half, opt_h, 4)
+    saved = {"deltas": [half[i].sift_delta.detach().clone() for i in (0, 2)], "opt": opt_h.state_dict()}
+    resumed, opt_r = _lean()
+    with torch.no_grad():
+        for i, values in zip((0, 2), saved["deltas"]):
+            resumed[i].sift_delta.copy_(values)
+    opt_r.load_state_dict(saved["opt"])
+    _train(resumed, opt_r, 3, start=4)
+    for i in (0, 2):
+        assert torch.equal(resumed[i]._sift_quantized.indices, quantized[i]._sift_quantized.indices)
+        assert torch.equal(_effective(resumed, i), _effective(quantized, i))

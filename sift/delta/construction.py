@@ -279,6 +279,8 @@ def _lean_increments(p: torch.Tensor, state: Mapping[str, Any], base: torch.Tens
                          [f"a lean sparse param of shape {tuple(p.shape)} is missing from base or of another shape"])
     numel = p.numel()
     idx = _ops.decode_lean_indices(state["indices_low"].cpu(), state["window_offsets"].cpu(), _index_dtype(numel))
+    if "retired_indices" in state:  # entries a re-selection (or set_indices) dropped keep their increment
+        idx = torch.cat([idx, state["retired_indices"].cpu().to(idx.dtype)]).sort().values
     base_values = base.detach().reshape(-1)[idx.long()].cpu()
     return idx, _tuned(p, idx).float() - base_values.float(), base_values
 

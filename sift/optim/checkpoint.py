@@ -143,10 +143,14 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                          f"{meta['sharded_selection']!r}")
     if layout not in ("exact", "lean"):
         raise ValueError(f"state_dict['sift']['state'] must be 'exact' or 'lean', got {layout!r}")
-    if layout == "lean" and any(saved.get("reselect", group.get("reselect"))
-                                for saved, group in zip(saved_groups, opt.param_groups)):
-        raise ValueError("a lean state_dict (state='lean') cannot be loaded into groups that re-select "
-                         "(reselect_every): the lean state keeps no delta to drop by")
+    if layout == "lean":
+        for saved, group in zip(saved_groups, opt.param_groups):
+            settings = saved.get("reselect", group.get("reselect"))
+            sparse = float(saved.get("density", group["density"])) < 1.0  # a 4-bit delta's group is dense
+            if settings and (settings["rule"] == "spiel" or (sparse and settings["drop"] == "revert")):
+                raise ValueError("a lean state_dict (state='lean') cannot be loaded into groups that re-select by "
+                                 f"reselect_rule={settings['rule']!r}, reselect_drop={settings['drop']!r}: the lean "
+                                 "state keeps no delta to drop by and no base to revert to")
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for pid, saved_state in state_dict["state"].items():
         if pid not in id_map:
@@ -362,7 +366,7 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
     if not lean:
         raise ValueError(f"{what}: a lean state (indices_low), but the state_dict's state is 'exact' (or absent)")
     low_precision = p.dtype != torch.float32
-    stray = [key for key in ("indices", "delta", "base", *RETIRED_KEYS) + (() if low_precision else ("residual",))
+    stray = [key for key in ("indices", "delta", "base", *RETIRED_KEYS[1:]) + (() if low_precision else ("residual",))
              if key in saved]
     if stray:
         raise ValueError(f"{what}: {', '.join(stray)} in a lean state (state='lean' keeps "
@@ -384,6 +388,11 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
     out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
     if "selection_calls" in saved:
         out["selection_calls"] = int(saved["selection_calls"])
+    if "retired_indices" in saved:  # positions dropped by set_indices or a re-selection: the weight keeps them
+        retired = saved["retired_indices"]
+        _check_indices(retired, local_tensor(p).numel(), f"{what}: retired_indices", allow_empty=True)
+        out["retired_indices"] = retired.detach().to(device=p.device,
+                                                     dtype=_index_dtype(local_tensor(p).numel())).clone()
     return out
 
 def _load_retired(p: torch.Tensor, saved: dict[str, Any], indices: torch.Tensor, derive_base: bool,

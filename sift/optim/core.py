@@ -185,7 +185,7 @@ class SparseAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, density=float(density),
                         maximize=maximize)
         if reselect is not None:
-            check_reselect_modes(state=state)
+            check_reselect_modes(state=state, rule=reselect_rule, drop=reselect_drop)
             defaults["reselect"] = reselect
         self.select_steps = select_steps
         self.selection = selection
@@ -334,7 +334,7 @@ class SparseAdamW(torch.optim.Optimizer):
             if is_dtensor(p):
                 check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
             if merged.get("reselect") and merged["density"] < 1.0:
-                check_reselect_param(p, label)
+                check_reselect_param(p, label, merged["reselect"], self.state_layout == "lean")
         self.selector.pending = None
         group = dict(param_group)
         group["params"] = params

@@ -47,10 +47,12 @@ one layer at a time: its [k] values then take their gradient at the new entries,
 and moments of the kept entries with them. Its packed base never changes, so a dropped entry's increment cannot
 be merged: these layers take `reselect_drop="revert"` only.
 
-Not supported yet (refused at construction, or by `for_model`, before anything changes): FSDP2 shards and the
-lean state (it keeps no `delta` to rank, no `base` to revert to, and no record
-of the dropped entries for `SparseDelta.from_optimizer`). Every setting lives in the param groups
-(`group["reselect"]`), so `state_dict` carries it.
+The lean state keeps no `delta` and no `base`: it re-selects by `reselect_rule="magnitude"` with
+`reselect_drop="merge"` (the dropped positions join its `retired_indices`, so `SparseDelta.from_optimizer` with the
+base model still finds their increments); the grown entries' bf16 moments take the seeds rounded to nearest.
+
+Not supported yet (refused at construction before anything changes): FSDP2 shards. Every setting lives in the
+param groups (`group["reselect"]`), so `state_dict` carries it.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ from typing import Any
 
 import torch
 
+from sift import _ops
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
 from sift.optim.clip import clip_each_
-from sift.optim.state import is_dtensor, local_tensor, uses_grad
+from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 logger = logging.getLogger("sift")
 
@@ -108,18 +111,22 @@ def reselect_settings(every: int | None, fraction: float = 0.2, schedule: str = 
                 drop=drop)
 
 
-def check_reselect_modes(*, state: str) -> None:
-    """Refuse, before anything is built, the modes re-selection does not support yet."""
-    if state != "exact":
-        raise ValueError("reselect_every is not supported yet with state='lean': dropping ranks each entry's "
-                         "delta, which the lean state does not keep; use state='exact'")
+def check_reselect_modes(*, state: str, rule: str, drop: str) -> None:
+    """Refuse, before anything is built, what the lean state cannot re-select by."""
+    if state == "lean" and rule == "spiel":
+        raise ValueError("reselect_rule='spiel' ranks each entry's delta, which state='lean' does not keep: use "
+                         "reselect_rule='magnitude' or state='exact'")
 
 
-def check_reselect_param(p: torch.Tensor, label: str) -> None:
-    """Refuse a param re-selection cannot train yet (an FSDP2 shard), before its group is added."""
+def check_reselect_param(p: torch.Tensor, label: str, settings: dict[str, Any], lean: bool) -> None:
+    """Refuse a sparse param re-selection cannot train (an FSDP2 shard; a lean one to revert), before its group is
+    added."""
     if is_dtensor(p):
         raise ValueError(f"reselect_every is not supported yet on FSDP2 (fully_shard) params; {label} is one: the "
                          "drop and grow would need the whole weight's ranking across the shards")
+    if lean and settings["drop"] == "revert":
+        raise ValueError("reselect_drop='revert' writes each dropped entry back to its base, which state='lean' "
+                         f"does not keep ({label}): use reselect_drop='merge' or state='exact'")
 
 
 def reselect_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) -> str:
@@ -135,9 +142,10 @@ def reselect_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any])
     if quantized and kwargs.get("reselect_drop", "merge") != "revert":
         raise ValueError("reselect_drop='merge' cannot fold a dropped entry's increment into a 4-bit or int8 base "
                          "(its packed weight never changes): pass reselect_drop='revert' on such a model")
-    if memory == "lowest" and kwargs.get("state") is None:
-        logger.warning("sift: memory='lowest' without state='lean': reselect_every ranks each entry's delta, "
-                       "which only the exact state keeps")
+    rule, drop = kwargs.get("reselect_rule", "spiel"), kwargs.get("reselect_drop", "merge")
+    if memory == "lowest" and kwargs.get("state") is None and (rule == "spiel" or drop == "revert"):
+        logger.warning("sift: memory='lowest' without state='lean': reselect_rule=%r and reselect_drop=%r need each "
+                       "entry's delta and base, which only the exact state keeps", rule, drop)
         kwargs["state"] = "exact"
     return memory
 
@@ -200,8 +208,8 @@ class Reselector:
                 state = self.opt.state.get(p)
                 if not state or "step" not in state:
                     continue
-                if group["density"] < 1.0 and "indices" in state:
-                    candidates.append((settings, p, state["step"], state["indices"].numel(), local_tensor(p).numel()))
+                if group["density"] < 1.0 and is_selected(state):
+                    candidates.append((settings, p, state["step"], num_entries(state), local_tensor(p).numel()))
                 elif p in routes and routes[p].selected:  # a 4-bit or int8 layer's [k] delta values
                     candidates.append((settings, p, state["step"], routes[p].k, routes[p].numel))
         by_device: dict[torch.device, list[int]] = {}
@@ -231,7 +239,7 @@ class Reselector:
         if hit is not None and hit[0] == key:
             return hit[1]
         settings, state = group["reselect"], self.opt.state[p]
-        old = state["indices"]
+        old = self.opt.indices_of(p)
         k = old.numel()
         grad = local_tensor(p.grad).reshape(-1)
         n = replaced(settings, self.due[p], k, grad.numel())
@@ -282,7 +290,7 @@ class Reselector:
                 continue
             indices = self.plan(group, p)
             state = self.opt.state[p]
-            old = state["indices"]
+            old = self.opt.indices_of(p)
             if group["reselect"]["drop"] == "revert":
                 leaving = ~_lookup(indices, old)[0]
                 local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
@@ -311,7 +319,10 @@ class Reselector:
             moved = torch.zeros_like(tensor)
             moved[kept] = tensor[pos[kept]]
             tensor.copy_(moved)
-        state["delta_indices"] = new.to(old.dtype)
+        if "delta_indices_low" in state:
+            state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(new, route.numel)
+        else:
+            state["delta_indices"] = new.to(old.dtype)
         self.grown[values] = (~kept, self.due.pop(values))
 
     def seed(self) -> None:
@@ -334,8 +345,9 @@ class Reselector:
             if group["maximize"]:
                 g = -g
             beta1, beta2 = (float(b) for b in group["betas"])
-            state["exp_avg"][fresh] = (1.0 - beta1 ** count) * g
-            state["exp_avg_sq"][fresh] = (1.0 - beta2 ** count) * g * g
+            # The lean state's bf16 moments take the seeds rounded to nearest.
+            state["exp_avg"][fresh] = ((1.0 - beta1 ** count) * g).to(state["exp_avg"].dtype)
+            state["exp_avg_sq"][fresh] = ((1.0 - beta2 ** count) * g * g).to(state["exp_avg_sq"].dtype)
             if self.opt.update_in_backward and p not in self.opt.grads.quantized:
                 self.opt.grads.update_now(p, compact, clip=False)
                 p.grad = None

@@ -117,11 +117,19 @@ class EntryState:
 
     def set_lean_indices(self, param: torch.Tensor, indices: torch.Tensor, old: dict[str, Any],
                           old_compact: torch.Tensor | None) -> None:
-        """set_indices on the lean state: kept entries keep their moments and residual; there is
-        no increment to retire, so dropped entries simply leave (the weight keeps its value)."""
+        """set_indices on the lean state: kept entries keep their moments and residual. Dropped entries leave
+        (the weight keeps its value); their positions join `retired_indices`, so that
+        `SparseDelta.from_optimizer` still finds their increments against the base."""
         old_indices = (_ops.decode_lean_indices(old["indices_low"], old["window_offsets"])
                        if "indices_low" in old else None)
-        self.carry_over(param, indices, old, old_compact, old_indices, ("exp_avg", "exp_avg_sq", "residual"))
+        state = self.carry_over(param, indices, old, old_compact, old_indices, ("exp_avg", "exp_avg_sq", "residual"))
+        if state is None:
+            return
+        retired = old.get("retired_indices", indices[:0])
+        leaving = old_indices[~_lookup(indices, old_indices)[0]]
+        record = torch.cat([retired[~_lookup(indices, retired)[0]].to(indices.dtype), leaving.to(indices.dtype)])
+        if record.numel():
+            state["retired_indices"] = record.sort().values
 
     def carry_over(self, param: torch.Tensor, indices: torch.Tensor, old: dict[str, Any],
                     old_compact: torch.Tensor | None, old_indices: torch.Tensor | None,
