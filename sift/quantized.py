@@ -244,7 +244,7 @@ class QuantizedRoute:
         """Whether this step re-selects the layer's entries (`sift.optim.reselection`)."""
         return self.optimizer is not None and self.optimizer.reselector.is_due(self.values)
 
-    def reselection_grad(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def reselection_grad(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """Backward of a re-selecting step: the values' gradient at the entries the re-selection leaves ([k] fp32),
         chosen on the step's first backward from this layer's dense weight gradient (formed, averaged as the
         selecting step's, checked for inf/NaN and freed here); later micro-batches add at the same entries."""
@@ -253,7 +253,7 @@ class QuantizedRoute:
             dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, consumed by the plan
             self.average(dense, selecting=True)
             self._check_finite(dense)  # an overflow skips the step: nothing is re-selected
-            self.tentative = self.optimizer.reselector.plan_quantized(self, dense)
+            self.tentative = self.optimizer.reselector.plan_quantized(self, dense, weight)
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
     def _check_finite(self, score: torch.Tensor) -> None:
@@ -397,7 +397,7 @@ class _QuantizedSparseLinear(torch.autograd.Function):
             grad_b = dy.sum(0).to(route.module.bias.dtype)
         if ctx.needs_input_grad[1] and weight_gradient_wanted():
             if indices is not None and route.reselecting():
-                grad_values = route.reselection_grad(dy, x2)
+                grad_values = route.reselection_grad(dy, x2, weight)
             elif indices is not None:
                 grad_values = _ops.call("sparse_weight_grad", dy, x2, indices, check_values=False)
             else:

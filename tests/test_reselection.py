@@ -67,12 +67,13 @@ class Reference:
     def _reselect(self, s: dict, flat: torch.Tensor, g: torch.Tensor) -> None:
         k = s["idx"].numel()
         n = min(int(self.fraction * k), flat.numel() - k)
-        moved = s["d"].abs() if self.rule == "spiel" else g[s["idx"]].abs()
+        score = g.abs() * flat.abs() if self.rule == "saliency" else g.abs()
+        moved = s["d"].abs() if self.rule == "spiel" else score[s["idx"]]
         dropped = set(torch.argsort(moved, stable=True)[:n].tolist())  # ties: the lower index goes
         outside = torch.ones(flat.numel(), dtype=torch.bool)
         outside[s["idx"]] = False
         candidates = outside.nonzero().view(-1)
-        grown = candidates[torch.argsort(-g[candidates].abs(), stable=True)[:n]].tolist()
+        grown = candidates[torch.argsort(-score[candidates], stable=True)[:n]].tolist()
         rows = []  # (flat index, m, v, delta, base)
         for j, pos in enumerate(s["idx"].tolist()):
             if j not in dropped:
@@ -109,7 +110,7 @@ def _optimizer(model: torch.nn.Module, **kwargs) -> SparseAdamW:
                        backend="torch", **kwargs)
 
 
-@pytest.mark.parametrize("rule", ["spiel", "magnitude"])
+@pytest.mark.parametrize("rule", ["spiel", "magnitude", "saliency"])
 @pytest.mark.parametrize("drop", ["merge", "revert"])
 def test_matches_plain_torch_reference_step_by_step(rule, drop):
     model = _model()

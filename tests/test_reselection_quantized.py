@@ -32,7 +32,7 @@ def _assert_twins(quantized, opt_q, dense, opt_d) -> None:
         torch.testing.assert_close(_effective(quantized, i), dense[i].weight.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", ["spiel", "magnitude"])
+@pytest.mark.parametrize("rule", ["spiel", "magnitude", "saliency"])
 @pytest.mark.parametrize("memory", ["plain", "low"])
 @pytest.mark.parametrize("quant_type", ["nf4", "int8"])
 def test_a_quantized_layer_reselects_as_its_dequantized_16_bit_twin(quant_type, memory, rule):

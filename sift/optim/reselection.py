@@ -6,8 +6,8 @@ of `reselect_every` is re-selected at the start of the `step()` that applies its
 before that update, on that step's dense gradient `g`:
 
     n = floor(f(s) * k)                  (k: the weight's entries; at most numel - k)
-    drop  the n kept entries of smallest |delta| ("spiel") or smallest |g| ("magnitude")
-    grow  the n entries not selected before this step of largest |g|
+    drop  the n kept entries of smallest |delta| ("spiel"), |g| ("magnitude") or |theta * g| ("saliency")
+    grow  the n entries not selected before this step of largest |g| (|theta * g| for "saliency")
 
 Equal scores go to the lower flat index (dropped first, grown first). `f(s)` is `reselect_fraction`
 times 1 ("constant"), `1 - t` ("linear") or `(1 + cos(pi t)) / 2` ("cosine"), `t = min(s / T, 1)`
@@ -47,7 +47,7 @@ one layer at a time: its [k] values then take their gradient at the new entries,
 and moments of the kept entries with them. Its packed base never changes, so a dropped entry's increment cannot
 be merged: these layers take `reselect_drop="revert"` only.
 
-The lean state keeps no `delta` and no `base`: it re-selects by `reselect_rule="magnitude"` with
+The lean state keeps no `delta` and no `base`: it re-selects by `reselect_rule="magnitude"` or `"saliency"` with
 `reselect_drop="merge"` (the dropped positions join its `retired_indices`, so `SparseDelta.from_optimizer` with the
 base model still finds their increments); the grown entries' bf16 moments take the seeds rounded to nearest.
 
@@ -72,7 +72,7 @@ from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries,
 logger = logging.getLogger("sift")
 
 SCHEDULES = ("constant", "linear", "cosine")
-RULES = ("spiel", "magnitude")
+RULES = ("spiel", "magnitude", "saliency")
 DROPS = ("merge", "revert")
 
 
@@ -115,7 +115,7 @@ def check_reselect_modes(*, state: str, rule: str, drop: str) -> None:
     """Refuse, before anything is built, what the lean state cannot re-select by."""
     if state == "lean" and rule == "spiel":
         raise ValueError("reselect_rule='spiel' ranks each entry's delta, which state='lean' does not keep: use "
-                         "reselect_rule='magnitude' or state='exact'")
+                         "reselect_rule='magnitude' (or 'saliency') or state='exact'")
 
 
 def check_reselect_param(p: torch.Tensor, label: str, settings: dict[str, Any], lean: bool) -> None:
@@ -244,12 +244,13 @@ class Reselector:
         grad = local_tensor(p.grad).reshape(-1)
         n = replaced(settings, self.due[p], k, grad.numel())
         old_long = old.long()
-        if settings["rule"] == "spiel":
-            moved = state["delta"].abs()
-        else:
-            moved = grad[old_long].float().abs()
+        # |g|, or first-order saliency |theta * g| (sift's selection rules); one weight-sized fp32 buffer.
+        candidates = grad.float().abs()
+        if settings["rule"] == "saliency":
+            candidates.mul_(local_tensor(p.detach()).reshape(-1).float().abs())
+        moved = state["delta"].abs() if settings["rule"] == "spiel" else candidates[old_long]
         dropped = top_k_positions(-moved, n)  # positions in [k]; equal scores drop the lower index
-        candidates = grad.float().abs().nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
+        candidates.nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
         candidates[old_long] = float("-inf")  # only entries not selected before this step grow
         grown = top_k_positions(candidates, n)
         keep = torch.ones(k, dtype=torch.bool, device=old.device)
@@ -258,19 +259,24 @@ class Reselector:
         self.plans[p] = (key, indices)
         return indices
 
-    def plan_quantized(self, route: Any, dense: torch.Tensor) -> torch.Tensor:
+    def plan_quantized(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """The entries a 4-bit or int8 layer's re-selection leaves it with ([k] sorted), from its dense weight
-        gradient `dense` ([out, in] fp32, consumed: it becomes the growth score). Called in the layer's backward."""
+        gradient `dense` ([out, in] fp32, consumed: it becomes the growth score) and the weight it computes with
+        (`weight`, for "saliency"). Called in the layer's backward."""
         values = route.values
         settings = self.opt.entries.group_of(values)["reselect"]
         old = route.indices
         k = old.numel()
         n = replaced(settings, self.due[values], k, route.numel)
-        flat, old_long = dense.view(-1), old.long()
+        flat, old_long = dense.view(-1).abs_(), old.long()
+        if settings["rule"] == "saliency":
+            if weight is None:
+                weight = route.weight(torch.float32, values.detach(), old)
+            flat.mul_(weight.reshape(-1).float().abs())
         # The delta's values are its increments since selection.
-        moved = values.detach().float().abs() if settings["rule"] == "spiel" else flat[old_long].abs()
+        moved = values.detach().float().abs() if settings["rule"] == "spiel" else flat[old_long]
         dropped = top_k_positions(-moved, n)
-        candidates = flat.abs_().nan_to_num_(nan=-1.0)
+        candidates = flat.nan_to_num_(nan=-1.0)
         candidates[old_long] = float("-inf")
         grown = top_k_positions(candidates, n)
         keep = torch.ones(k, dtype=torch.bool, device=old.device)
