@@ -33,7 +33,7 @@ def _assert_twins(quantized, opt_q, dense, opt_d) -> None:
 
 
 @pytest.mark.parametrize("rule", ["spiel", "magnitude", "saliency"])
-@pytest.mark.parametrize("memory", ["plain", "low"])
+@pytest.mark.parametrize("memory", ["plain", "low", "lowest"])
 @pytest.mark.parametrize("quant_type", ["nf4", "int8"])
 def test_a_quantized_layer_reselects_as_its_dequantized_16_bit_twin(quant_type, memory, rule):
     """Re-selection used to be refused on 4-bit and int8 bases."""

@@ -220,7 +220,8 @@ class GradRoutes:
         grad = grad_inputs[0]
         if grad is None:
             return None
-        selected = self.quantized[p].selected
+        # A layer re-selecting this step takes its gradient at the new entries: step() moves the values first.
+        selected = self.quantized[p].selected and not self.opt.reselector.is_due(p)
         self.mark_backward(p, selected)
         if not selected or not p.requires_grad:
             return None
