@@ -12,9 +12,9 @@ import argparse
 import copy
 import math
 import multiprocessing
+import os
 import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -77,25 +77,32 @@ def main() -> None:
         {"name": f"re-select every {args.every}, 20% constant", "kwargs": {"reselect_every": args.every}},
         {"name": f"re-select every {args.every}, 20% cosine", "kwargs": {
             "reselect_every": args.every, "reselect_schedule": "cosine", "reselect_total_steps": args.steps}},
+        {"name": f"re-select every {args.every}, 20% constant, revert", "kwargs": {
+            "reselect_every": args.every, "reselect_drop": "revert"}},
     ]
     ctx = multiprocessing.get_context("spawn")
     results = []
     for config in configs:
+        load_start = os.getloadavg()[0]
         with ctx.Pool(1) as pool:
             results.append(pool.apply(_run, (config, args.seeds, args.steps, args.batch_size)))
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        results[-1]["load_1min"] = (load_start, os.getloadavg()[0])
+    from sift.env import machine_header
+
+    sha = machine_header()["git"]  # honours SIFT_GIT_SHA, for a copy of the package run from elsewhere
     print(f"Machine: {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} cores (shared), "
           f"1 torch thread, torch {torch.__version__}, git {sha}. MiniLM demo task, density 1% (for_model, "
           f"memory='plain'), {args.steps} steps, batch {args.batch_size}, seeds {args.seeds}.\n")
     print("| selection | accuracy per seed | mean | step s (other steps, median) | step s (re-selecting, median) "
-          "| peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+          "| peak RSS MiB | load 1 min (start, end) |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         accs = [row["accuracy"] for row in r["rows"]]
         plain = statistics.median(row["plain_s"] for row in r["rows"])
         resel = [row["reselect_s"] for row in r["rows"] if row["reselect_s"] is not None]
         print(f"| {r['name']} | {', '.join(f'{a:.4f}' for a in accs)} | {statistics.fmean(accs):.4f} | "
-              f"{plain:.3f} | {statistics.median(resel) if resel else float('nan'):.3f} | {r['peak_rss_mib']:.0f} |")
+              f"{plain:.3f} | {f'{statistics.median(resel):.3f}' if resel else '-'} | {r['peak_rss_mib']:.0f} | "
+              f"{r['load_1min'][0]:.1f}, {r['load_1min'][1]:.1f} |")
 
 
 if __name__ == "__main__":
