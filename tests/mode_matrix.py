@@ -202,9 +202,11 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
 
         kwargs["process_group"] = dist.group.WORLD
     if cell.reselect:
-        # The lean state keeps no delta to rank: it re-selects by the gradient.
+        # The lean state keeps no delta to rank: it re-selects by the gradient. So do quantized cells: their deltas
+        # carry no weight decay, so entries grown one step earlier all moved by lr (Adam's first step) and tie on
+        # |delta| to the last bits, which the ranks' averaging order changes (one process breaks such ties alike).
         kwargs.update(RESELECT, reselect_drop="revert" if cell.quantized else "merge",
-                      reselect_rule="magnitude" if cell.lean else "spiel")
+                      reselect_rule="magnitude" if cell.lean or cell.quantized else "spiel")
     if not cell.head:
         model.head.requires_grad_(False)
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],
