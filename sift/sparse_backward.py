@@ -141,7 +141,7 @@ class _Route:
         Reads state only: under torch.compile it becomes a guard, so a selection recompiles.
         """
         if self.sharded is not None:
-            return self.sharded.plan is not None
+            return self.sharded.plan is not None and not self.optimizer.reselector.is_due(self.weight)
         # The condition under which `compact_grad_target` returns a target.
         return self.optimizer.compact_grads and self.optimizer.grads.gathers_entries(self.weight)
 

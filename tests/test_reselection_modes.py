@@ -170,22 +170,43 @@ def test_copies_know_which_weights_reselect_next():
 def _ranks_worker(rank: int, world: int, out: str, route: str) -> None:
     model = _model()
     batches = [x.chunk(world)[rank] for x in _batches(7)]
+    caller = model
     if route == "ddp":
         opt = _opt(model)
         caller = torch.nn.parallel.DistributedDataParallel(model)
-    else:
+    elif route == "process_group":
         opt = _opt(model, "compact_grads", process_group=torch.distributed.group.WORLD)
-        caller = model
+    else:  # "fsdp2-<mode>": row shards of every layer, the whole weight's entries chosen across the shards
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from sift.optim.sharded import shard_offset
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = _opt(model, route.split("-", 1)[1])
     for x in batches:
         # The mean over the global batch: each rank's half, averaged across the ranks.
         caller(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "indices": [opt.state[p]["indices"].clone() for p in model.parameters()]}, f"{out}.{rank}")
+    if route.startswith("fsdp2"):
+        indices = [opt.state[p]["indices"].long() + shard_offset(p) for p in model.parameters()]
+        gathered = [[None] * world for _ in indices]
+        for mine, into in zip(indices, gathered):
+            torch.distributed.all_gather_object(into, mine)
+        indices = [torch.cat(parts) for parts in gathered]
+        params = [p.full_tensor().detach().clone() for p in model.parameters()]
+    else:
+        indices = [opt.state[p]["indices"].long().clone() for p in model.parameters()]
+        params = [p.detach().clone() for p in model.parameters()]
+    torch.save({"params": params, "indices": indices}, f"{out}.{rank}")
 
 
-@pytest.mark.parametrize("route", ["ddp", "process_group"])
+@pytest.mark.parametrize("route", ["ddp", "process_group", "fsdp2-plain", "fsdp2-compact_grads", "fsdp2-sparse_backward",
+                                   "fsdp2-update_in_backward"])
 def test_two_ranks_reselect_as_one_process_on_the_global_batch(route, tmp_path):
     import torch.multiprocessing as mp
 
@@ -197,7 +218,7 @@ def test_two_ranks_reselect_as_one_process_on_the_global_batch(route, tmp_path):
     _train(model, opt, _batches(7))
     for result in results:
         for p, q, idx in zip(model.parameters(), result["params"], result["indices"]):
-            assert torch.equal(opt.state[p]["indices"], idx)
+            assert torch.equal(opt.state[p]["indices"].long(), idx)
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 

@@ -86,6 +86,7 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     optimizer.grads.hook_new_params()
     optimizer.grads.sync_grads()
     optimizer.selector.average_pending()
+    optimizer.reselector.plan_all()  # FSDP2 weights re-selecting this step plan across the shards at once
     inv_scale = optimizer.amp.scaler_inverse_scale()
     if inv_scale is not None:
         # `scaler.unscale_` could not see the compact buffers: unscale them here, once.

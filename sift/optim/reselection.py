@@ -51,8 +51,10 @@ The lean state keeps no `delta` and no `base`: it re-selects by `reselect_rule="
 `reselect_drop="merge"` (the dropped positions join its `retired_indices`, so `SparseDelta.from_optimizer` with the
 base model still finds their increments); the grown entries' bf16 moments take the seeds rounded to nearest.
 
-Not supported yet (refused at construction before anything changes): FSDP2 shards. Every setting lives in the
-param groups (`group["reselect"]`), so `state_dict` carries it.
+FSDP2 shards (`sharded_selection="global"`, the default) re-select the whole weight's entries as one process
+would: the n lowest drop scores and the n highest growth scores across the shards (`plan_all`, by
+`sift.optim.selection.sharded_top_k`), each rank keeping its shard's part, however many. Every setting lives in
+the param groups (`group["reselect"]`), so `state_dict` carries it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ from sift import _ops
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
 from sift.optim.clip import clip_each_
+from sift.optim.selection import sharded_top_k
+from sift.optim.sharded import shard_group
 from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
 logger = logging.getLogger("sift")
@@ -119,11 +123,7 @@ def check_reselect_modes(*, state: str, rule: str, drop: str) -> None:
 
 
 def check_reselect_param(p: torch.Tensor, label: str, settings: dict[str, Any], lean: bool) -> None:
-    """Refuse a sparse param re-selection cannot train (an FSDP2 shard; a lean one to revert), before its group is
-    added."""
-    if is_dtensor(p):
-        raise ValueError(f"reselect_every is not supported yet on FSDP2 (fully_shard) params; {label} is one: the "
-                         "drop and grow would need the whole weight's ranking across the shards")
+    """Refuse a sparse param re-selection cannot train (a lean one to revert), before its group is added."""
     if lean and settings["drop"] == "revert":
         raise ValueError("reselect_drop='revert' writes each dropped entry back to its base, which state='lean' "
                          f"does not keep ({label}): use reselect_drop='merge' or state='exact'")
@@ -221,6 +221,8 @@ class Reselector:
             for i, count in zip(positions, read):
                 counts[i] = int(count)
         for (settings, p, _, k, numel), count in zip(candidates, counts):
+            if self.opt.selector.selects_globally(p):  # FSDP2: the whole weight's k and size, alike on every rank
+                k, numel = self.opt.selector.num_selected(self.opt.entries.group_of(p), p), p.numel()
             if replaced(settings, count, k, numel):
                 self.due[p] = count
 
@@ -238,26 +240,58 @@ class Reselector:
         hit = self.plans.get(p)
         if hit is not None and hit[0] == key:
             return hit[1]
+        if self.opt.selector.selects_globally(p):
+            # Planned with the other ranks (`plan_all`): planning here alone would leave them waiting.
+            raise RuntimeError("the gradient of an FSDP2 weight changed after its re-selection was planned across "
+                               "the ranks in this step; change gradients before clip_grad_norm_ and step()")
+        old, moved, candidates, n = self.scores(group, p, local_tensor(p).numel())
+        self.plans[p] = (key, self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n)))
+        return self.plans[p][1]
+
+    def scores(self, group: dict[str, Any], p: torch.Tensor, numel: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(p's entries on this rank, the drop score of each: lowest leaves; the growth score of this rank's
+        positions: highest joins, -inf at the entries; n, of the weight of `numel` elements)."""
         settings, state = group["reselect"], self.opt.state[p]
         old = self.opt.indices_of(p)
-        k = old.numel()
+        k = self.opt.selector.num_selected(group, p) if self.opt.selector.selects_globally(p) else old.numel()
         grad = local_tensor(p.grad).reshape(-1)
-        n = replaced(settings, self.due[p], k, grad.numel())
+        n = replaced(settings, self.due[p], k, numel)
         old_long = old.long()
         # |g|, or first-order saliency |theta * g| (sift's selection rules); one weight-sized fp32 buffer.
         candidates = grad.float().abs()
         if settings["rule"] == "saliency":
             candidates.mul_(local_tensor(p.detach()).reshape(-1).float().abs())
         moved = state["delta"].abs() if settings["rule"] == "spiel" else candidates[old_long]
-        dropped = top_k_positions(-moved, n)  # positions in [k]; equal scores drop the lower index
         candidates.nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
         candidates[old_long] = float("-inf")  # only entries not selected before this step grow
-        grown = top_k_positions(candidates, n)
-        keep = torch.ones(k, dtype=torch.bool, device=old.device)
+        return old, moved, candidates, n
+
+    @staticmethod
+    def merged(old: torch.Tensor, dropped: torch.Tensor, grown: torch.Tensor) -> torch.Tensor:
+        """The kept entries of `old` ([k] sorted) without the positions `dropped`, with the flat positions `grown`."""
+        keep = torch.ones(old.numel(), dtype=torch.bool, device=old.device)
         keep[dropped] = False
-        indices = torch.cat([old[keep], grown.to(old.dtype)]).sort().values
-        self.plans[p] = (key, indices)
-        return indices
+        return torch.cat([old[keep], grown.to(old.dtype)]).sort().values
+
+    def plan_all(self) -> None:
+        """Plan together, across the shards, the re-selection of every due FSDP2 weight selecting globally: the
+        whole weight's n entries of lowest drop score leave and its n positions of highest growth score join, as
+        one process would choose (`sharded_top_k`, ties to the lower flat position). Collective over each weight's
+        mesh, a no-op without such weights; every rank holds the same due weights (their step counts agree)."""
+        members = [(group, p) for group, p in self.due_with_grad() if self.opt.selector.selects_globally(p)]
+        by_group: dict[Any, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+        for group, p in members:
+            key = self.opt.selector.grad_key(p)
+            if self.plans.get(p, (None,))[0] != key:
+                by_group.setdefault(shard_group(p), []).append((group, p))
+        for mesh_group, chunk in by_group.items():
+            planned = [self.scores(group, p, p.numel()) for group, p in chunk]
+            ns = [n for *_, n in planned]
+            dropped = sharded_top_k([-moved for _, moved, _, _ in planned], ns, mesh_group)
+            grown = sharded_top_k([candidates for _, _, candidates, _ in planned], ns, mesh_group)
+            for (_, p), (old, *_), d, g in zip(chunk, planned, dropped, grown):
+                self.plans[p] = (self.opt.selector.grad_key(p), self.merged(old, d, g))
 
     def plan_quantized(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """The entries a 4-bit or int8 layer's re-selection leaves it with ([k] sorted), from its dense weight
@@ -287,9 +321,10 @@ class Reselector:
         """Commit the re-selection of every due weight that has a gradient this step. Called by `step()` once it
         knows it updates, after the ranks' gradients are averaged, before anything reads the entries."""
         due = self.due_with_grad()
-        for _, p in due:
-            if is_dtensor(p):
-                raise RuntimeError("re-selection is not supported yet on FSDP2 shards")
+        self.plan_all()
+        if any(is_dtensor(p) for _, p in due):
+            # The sparse backward's cross-rank plans gather every rank's new entries after this step.
+            self.opt.grads.sharded_plans_final = False
         for group, p in due:
             if p in self.opt.grads.quantized:
                 self.commit_quantized(p)

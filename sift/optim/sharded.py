@@ -68,7 +68,7 @@ def sharded_update_hook(optimizer: SparseAdamW, p: torch.Tensor) -> None:
     grad = p.grad
     if grad is None:
         return
-    selected = is_selected(optimizer.state[p])
+    selected = optimizer.grads.gathers_entries(p)  # not while its next step re-selects it
     optimizer.grads.mark_backward(p, selected)
     if not selected or not p.requires_grad:
         return

@@ -80,7 +80,8 @@ class EntryState:
             if indices.shape != local.shape:
                 raise ValueError(f"mask must have the param's shape {tuple(local.shape)}, got {tuple(indices.shape)}")
             indices = indices.reshape(-1).nonzero().reshape(-1)
-        _check_indices(indices, local.numel(), "indices")
+        # An FSDP2 shard may hold none of the whole weight's entries (its global selection or re-selection).
+        _check_indices(indices, local.numel(), "indices", allow_empty=is_dtensor(param))
         indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
         self.opt.selector.forget_gathered(param)
         old = dict(self.opt.state.get(param, {}))
