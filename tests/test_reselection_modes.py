@@ -82,6 +82,22 @@ def test_every_memory_mode_reselects_and_trains_as_plain_mode(mode, accumulation
     _assert_same(model, opt, twin, twin_opt, exact=mode != "sparse_backward")
 
 
+def test_the_update_in_backward_reselects_each_weight_in_its_own_backward():
+    """A re-selecting step kept every due weight's dense gradient until step(); with the update in backward each
+    weight now re-selects and steps as its gradient completes, so no two dense weight gradients live at once."""
+    model = _model()
+    opt = _opt(model, "update_in_backward")
+    batches = _batches(4)
+    _train(model, opt, batches[:2])
+    w = model[0].weight
+    assert opt.reselector.is_due(w)
+    before = opt.indices_of(w).clone()
+    _backward(model, batches[2])
+    assert not torch.equal(opt.indices_of(w), before) and w.grad is None  # re-selected and stepped in backward
+    assert not opt.reselector.is_due(w)
+    opt.step()  # nothing left to re-select: the books only
+
+
 @pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward"])
 def test_the_dense_gradient_lives_only_on_the_reselecting_step(mode):
     model = _model()

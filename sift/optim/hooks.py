@@ -353,6 +353,12 @@ class GradRoutes:
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
         selected = self.gathers_entries(p)
         self.mark_backward(p, selected)
+        if (not selected and grad is not None and buffer is None and self.opt.process_group is None
+                and self.opt.reselector.is_due(p)):
+            # Its whole gradient of the step's one backward: re-selected and stepped now, so that no two weights'
+            # dense gradients live at once (one process: nothing is averaged later).
+            self.opt.reselector.reselect_in_backward(p, grad)
+            return (None,)
         if not selected:
             return None  # accumulated as in plain mode: the selection in step() reads it
         if grad is not None:

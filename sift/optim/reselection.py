@@ -248,14 +248,15 @@ class Reselector:
         self.plans[p] = (key, self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n)))
         return self.plans[p][1]
 
-    def scores(self, group: dict[str, Any], p: torch.Tensor, numel: int
+    def scores(self, group: dict[str, Any], p: torch.Tensor, numel: int, grad: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """(p's entries on this rank, the drop score of each: lowest leaves; the growth score of this rank's
-        positions: highest joins, -inf at the entries; n, of the weight of `numel` elements)."""
+        positions: highest joins, -inf at the entries; n, of the weight of `numel` elements). From p's `.grad`
+        unless `grad` is given."""
         settings, state = group["reselect"], self.opt.state[p]
         old = self.opt.indices_of(p)
         k = self.opt.selector.num_selected(group, p) if self.opt.selector.selects_globally(p) else old.numel()
-        grad = local_tensor(p.grad).reshape(-1)
+        grad = local_tensor(p.grad if grad is None else grad).reshape(-1)
         n = replaced(settings, self.due[p], k, numel)
         old_long = old.long()
         # |g|, or first-order saliency |theta * g| (sift's selection rules); one weight-sized fp32 buffer.
@@ -329,22 +330,43 @@ class Reselector:
             if p in self.opt.grads.quantized:
                 self.commit_quantized(p)
                 continue
-            indices = self.plan(group, p)
-            state = self.opt.state[p]
-            old = self.opt.indices_of(p)
-            if group["reselect"]["drop"] == "revert":
-                leaving = ~_lookup(indices, old)[0]
-                local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
-                state["delta"][leaving] = 0.0  # back at its base: nothing to retire
-            # What a clip gathered was gathered at these very entries: it outlives the change of entries.
-            held = self.opt.selector.clipped.pop(p, None)
-            self.opt.entries.set_indices(p, indices)
-            if held is not None:
-                self.opt.selector.clipped[p] = held
-            self.grown[p] = (~_lookup(old, indices)[0], self.due.pop(p))
+            self.commit(group, p, self.plan(group, p))
             if self.opt.compact_grads and not self.opt.update_in_backward:
                 self.opt.selector.gather_compact(p, self.opt.selector.clipped_grad(p))
                 p.grad = None  # as the hook does once the entries are known
+
+    def commit(self, group: dict[str, Any], p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Give p the entries `indices` (its plan): revert or retire the leaving ones, keep the rest's state.
+        Returns which of the new entries are grown ([k] bool)."""
+        state = self.opt.state[p]
+        old = self.opt.indices_of(p)
+        if group["reselect"]["drop"] == "revert":
+            leaving = ~_lookup(indices, old)[0]
+            local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
+            state["delta"][leaving] = 0.0  # back at its base: nothing to retire
+        # What a clip gathered was gathered at these very entries: it outlives the change of entries.
+        held = self.opt.selector.clipped.pop(p, None)
+        self.opt.entries.set_indices(p, indices)
+        if held is not None:
+            self.opt.selector.clipped[p] = held
+        fresh = ~_lookup(old, indices)[0]
+        self.grown[p] = (fresh, self.due.pop(p))
+        return fresh
+
+    def reselect_in_backward(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """update_in_backward, one process, p's whole gradient of its only backward this step (`grad`, dense):
+        re-select, seed and step p now, so that its dense gradient goes with its layer's backward and no two
+        weights' dense gradients live at once. The same plan, seeds and update as `step()` would make."""
+        group = self.opt.entries.group_of(p)
+        old, moved, candidates, n = self.scores(group, p, local_tensor(p).numel(), grad)
+        indices = self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n))
+        self.commit(group, p, indices)
+        # Its own [k] buffer: the shared scratch may hold another weight's gradient still arriving.
+        compact = torch.index_select(local_tensor(grad).reshape(-1), 0, indices).float()
+        if self.opt.max_grad_norm is not None:
+            clip_each_([compact], self.opt.max_grad_norm)
+        self.seed_one(p, grad, compact)
+        del self.grown[p]
 
     def commit_quantized(self, values: torch.Tensor) -> None:
         """A 4-bit or int8 layer: its new entries (chosen in backward, whose gradient is already theirs) in the
@@ -370,25 +392,35 @@ class Reselector:
         """Seed the grown entries' moments from the gradient this step's update applies to them (unscaled,
         clipped), just before it; with the update in backward, apply that update here (as the selecting
         step does)."""
-        for p, (fresh, count) in self.grown.items():
-            group, state = self.opt.entries.group_of(p), self.opt.state[p]
-            if p in self.opt.grads.quantized:
-                compact = p.grad  # a dense group's gradient: unscaled and clipped in place by now
-            elif self.opt.update_in_backward:
-                compact = self.opt.grads.gather_scratch(p, p.grad)
-                if self.opt.max_grad_norm is not None:
-                    clip_each_([compact], self.opt.max_grad_norm)
-            elif self.opt.compact_grads:
-                compact = self.opt.grads.compact[p]
-            else:
-                compact = self.opt.selector.gathered_grad(p)
-            g = compact[fresh]
-            if group["maximize"]:
-                g = -g
-            beta1, beta2 = (float(b) for b in group["betas"])
-            # The lean state's bf16 moments take the seeds rounded to nearest.
-            state["exp_avg"][fresh] = ((1.0 - beta1 ** count) * g).to(state["exp_avg"].dtype)
-            state["exp_avg_sq"][fresh] = ((1.0 - beta2 ** count) * g * g).to(state["exp_avg_sq"].dtype)
-            if self.opt.update_in_backward and p not in self.opt.grads.quantized:
-                self.opt.grads.update_now(p, compact, clip=False)
-                p.grad = None
+        for p in list(self.grown):
+            self.seed_one(p, p.grad)
+
+    def applied(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The [k] gradient this step's update applies to p (a 4-bit delta's: its whole gradient)."""
+        if p in self.opt.grads.quantized:
+            return p.grad  # a dense group's gradient: unscaled and clipped in place by now
+        if self.opt.update_in_backward:
+            compact = self.opt.grads.gather_scratch(p, grad)
+            if self.opt.max_grad_norm is not None:
+                clip_each_([compact], self.opt.max_grad_norm)
+            return compact
+        if self.opt.compact_grads:
+            return self.opt.grads.compact[p]
+        return self.opt.selector.gathered_grad(p)
+
+    def seed_one(self, p: torch.Tensor, grad: torch.Tensor, compact: torch.Tensor | None = None) -> None:
+        """`seed` for one weight whose dense gradient is `grad` (`compact`: its [k] gradient, gathered already)."""
+        fresh, count = self.grown[p]
+        group, state = self.opt.entries.group_of(p), self.opt.state[p]
+        if compact is None:
+            compact = self.applied(p, grad)
+        g = compact[fresh]
+        if group["maximize"]:
+            g = -g
+        beta1, beta2 = (float(b) for b in group["betas"])
+        # The lean state's bf16 moments take the seeds rounded to nearest.
+        state["exp_avg"][fresh] = ((1.0 - beta1 ** count) * g).to(state["exp_avg"].dtype)
+        state["exp_avg_sq"][fresh] = ((1.0 - beta2 ** count) * g * g).to(state["exp_avg_sq"].dtype)
+        if self.opt.update_in_backward and p not in self.opt.grads.quantized:
+            self.opt.grads.update_now(p, compact, clip=False)
+            p.grad = None
