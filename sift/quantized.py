@@ -249,11 +249,16 @@ class QuantizedRoute:
         chosen on the step's first backward from this layer's dense weight gradient (formed, averaged as the
         selecting step's, checked for inf/NaN and freed here); later micro-batches add at the same entries."""
         self.reached = True
+        reselector = self.optimizer.reselector
         if self.tentative is None:
-            dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, consumed by the plan
+            dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, consumed by the score
             self.average(dense, selecting=True)
-            self._check_finite(dense)  # an overflow skips the step: nothing is re-selected
-            self.tentative = self.optimizer.reselector.plan_quantized(self, dense, weight)
+            self._check_finite(dense)  # an overflow skips the step: nothing is re-selected or scored
+            if not reselector.fires(self.values):  # a scoring step: its score joins the sum at step(), unscaled
+                score = reselector.quantized_score(self, dense, weight)
+                self.step_score = score if self.step_score is None else self.step_score.add_(score)
+                return _ops.call("sparse_weight_grad", dy, x, self.indices)
+            self.tentative = reselector.plan_quantized(self, dense, weight, self._loss_inverse_scale())
         return _ops.call("sparse_weight_grad", dy, x, self.tentative)
 
     def _check_finite(self, score: torch.Tensor) -> None:
@@ -278,7 +283,7 @@ class QuantizedRoute:
             return None
         return scaler._scale.double().reciprocal().float()
 
-    def _commit_inverse_scale(self) -> torch.Tensor | None:
+    def commit_inverse_scale(self) -> torch.Tensor | None:
         """1 / the scale of this step's losses, as `step()` knows it (`grad_scale`, or the scale `scaler.unscale_`
         divided `.grad` by); None without a scaler."""
         inv_scale = self.optimizer.amp.grad_inv_scale
@@ -331,7 +336,7 @@ class QuantizedRoute:
             score = self.step_score
             if score is not None:
                 # GradScaler's scale may change between selection steps: scores add unscaled.
-                inv_scale = self._commit_inverse_scale()
+                inv_scale = self.commit_inverse_scale()
                 if inv_scale is not None:
                     score.mul_(inv_scale.to(score.device))
             unranked = self.unscored or (self.tentative is None and ranks_nothing(score))

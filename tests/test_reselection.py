@@ -34,9 +34,10 @@ class Reference:
     """SIFT with drop-and-grow re-selection, written out in plain torch, one weight at a time."""
 
     def __init__(self, model: torch.nn.Module, every: int, fraction: float, rule: str, drop: str,
-                 max_norm: float | None = None):
+                 max_norm: float | None = None, steps: int = 1):
         self.params = list(model.parameters())
         self.every, self.fraction, self.rule, self.drop, self.max_norm = every, fraction, rule, drop, max_norm
+        self.steps = steps  # the steps whose scores add up, the re-selecting one included
         self.state: dict[int, dict] = {}
 
     def step(self) -> None:
@@ -49,8 +50,14 @@ class Reference:
                 self.state[i] = dict(idx=idx, m=torch.zeros(k), v=torch.zeros(k), d=torch.zeros(k),
                                      base=flat[idx].clone(), t=0, retired={})
             s = self.state[i]
-            if s["t"] and s["t"] % self.every == 0:
-                grown[i] = self._reselect(s, flat, g)
+            score = g.abs() * flat.abs() if self.rule == "saliency" else g.abs()
+            ahead = -s["t"] % self.every
+            if s["t"] and ahead == 0:
+                if "acc" in s:
+                    score = score + s.pop("acc")
+                grown[i] = self._reselect(s, flat, score)
+            elif 0 < ahead < self.steps:
+                s["acc"] = score if "acc" not in s else s["acc"] + score
         # Clipped by the global norm of the entries this step updates (the new ones on a re-selecting step).
         coef = 1.0
         if self.max_norm is not None:
@@ -64,10 +71,9 @@ class Reference:
                 s["m"][j], s["v"][j] = c1 * g[pos], c2 * g[pos] * g[pos]
             self._adamw(s, p.data.view(-1), g)
 
-    def _reselect(self, s: dict, flat: torch.Tensor, g: torch.Tensor) -> None:
+    def _reselect(self, s: dict, flat: torch.Tensor, score: torch.Tensor) -> None:
         k = s["idx"].numel()
         n = min(int(self.fraction * k), flat.numel() - k)
-        score = g.abs() * flat.abs() if self.rule == "saliency" else g.abs()
         moved = s["d"].abs() if self.rule == "spiel" else score[s["idx"]]
         dropped = set(torch.argsort(moved, stable=True)[:n].tolist())  # ties: the lower index goes
         outside = torch.ones(flat.numel(), dtype=torch.bool)
@@ -110,13 +116,15 @@ def _optimizer(model: torch.nn.Module, **kwargs) -> SparseAdamW:
                        backend="torch", **kwargs)
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("rule", ["spiel", "magnitude", "saliency"])
 @pytest.mark.parametrize("drop", ["merge", "revert"])
-def test_matches_plain_torch_reference_step_by_step(rule, drop):
+def test_matches_plain_torch_reference_step_by_step(rule, drop, steps):
     model = _model()
     twin = copy.deepcopy(model)
-    opt = _optimizer(model, reselect_every=3, reselect_fraction=0.5, reselect_rule=rule, reselect_drop=drop)
-    ref = Reference(twin, every=3, fraction=0.5, rule=rule, drop=drop)
+    opt = _optimizer(model, reselect_every=3, reselect_fraction=0.5, reselect_rule=rule, reselect_drop=drop,
+                     reselect_steps=steps)
+    ref = Reference(twin, every=3, fraction=0.5, rule=rule, drop=drop, steps=steps)
     changed = 0
     for x in _batches(11):
         for m in (model, twin):
@@ -209,6 +217,8 @@ def test_resume_across_a_reselection_is_bit_for_bit(drop):
     (dict(reselect_every=5, reselect_total_steps=0), "reselect_total_steps"),
     (dict(reselect_every=5, reselect_rule="random"), "reselect_rule"),
     (dict(reselect_every=5, reselect_drop="keep"), "reselect_drop"),
+    (dict(reselect_every=5, reselect_steps=6), "reselect_steps"),
+    (dict(reselect_every=5, reselect_steps=0), "reselect_steps"),
     (dict(reselect_every=5, state="lean"), "reselect_rule='spiel' ranks each entry's delta"),
 ], ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None)
 def test_refused_at_construction(kwargs, message):

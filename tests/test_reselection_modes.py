@@ -66,15 +66,16 @@ def _assert_same(model, opt, twin, twin_opt, exact: bool = True) -> None:
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_memory_mode_reselects_and_trains_as_plain_mode(mode, accumulation):
+def test_every_memory_mode_reselects_and_trains_as_plain_mode(mode, accumulation, steps):
     """The compact modes used to refuse re-selection: their backward dropped the dense gradient the growth ranks."""
     if mode == "update_in_backward" and accumulation > 1:
         pytest.skip("the update in backward takes one backward per step")
     batches = _batches(9)
     model, twin = _model(), _model()
-    opt, twin_opt = _opt(model, mode), _opt(twin)
+    opt, twin_opt = _opt(model, mode, reselect_steps=steps), _opt(twin, reselect_steps=steps)
     _train(model, opt, batches, accumulation)
     _train(twin, twin_opt, batches, accumulation)
     # Re-selections before updates 3, 5 and 7 each replaced half of the entries.
@@ -150,16 +151,20 @@ def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored(mode):
     _assert_same(model, opt, twin, twin_opt, exact=mode != "sparse_backward")
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("mode", ["compact_grads", "sparse_backward"])
-def test_resume_just_before_a_reselecting_step_is_bit_for_bit(mode):
+def test_resume_just_before_a_reselecting_step_is_bit_for_bit(mode, steps):
+    """With `reselect_steps=2` the checkpoint falls between the scoring step and the re-selecting one: the score
+    summed so far must come back with the state."""
     batches = _batches(8)
     model = _model()
-    opt = _opt(model, mode)
+    opt = _opt(model, mode, reselect_steps=steps)
     _train(model, opt, batches)
     half = _model()
-    half_opt = _opt(half, mode)
+    half_opt = _opt(half, mode, reselect_steps=steps)
     _train(half, half_opt, batches[:4])  # the next step re-selects
-    assert half_opt.reselector.is_due(half[0].weight)
+    assert half_opt.reselector.fires(half[0].weight)
+    assert ("reselect_score" in half_opt.state[half[0].weight]) == (steps == 2)
     buf = io.BytesIO()
     torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
     buf.seek(0)
@@ -171,6 +176,17 @@ def test_resume_just_before_a_reselecting_step_is_bit_for_bit(mode):
     assert resumed_opt.reselector.is_due(resumed[0].weight)
     _train(resumed, resumed_opt, batches[4:])
     _assert_same(model, opt, resumed, resumed_opt)
+
+
+def test_scores_add_unscaled_when_the_loss_scale_changes_between_scoring_steps():
+    batches = _batches(7)
+    model, twin = _model(), _model()
+    opt, twin_opt = _opt(model, reselect_steps=2), _opt(twin, reselect_steps=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=1)  # doubles every step
+    _train(model, opt, batches, scaler=scaler)
+    assert scaler.get_scale() == 2.0 ** 11
+    _train(twin, twin_opt, batches)
+    _assert_same(model, opt, twin, twin_opt, exact=False)
 
 
 def test_copies_know_which_weights_reselect_next():
@@ -202,7 +218,8 @@ def _ranks_worker(rank: int, world: int, out: str, route: str) -> None:
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = _opt(model, route.split("-", 1)[1])
+        mode, _, steps = route.split("-", 1)[1].partition("-steps")
+        opt = _opt(model, mode, reselect_steps=int(steps or 1))
     for x in batches:
         # The mean over the global batch: each rank's half, averaged across the ranks.
         caller(x).square().mean().backward()
@@ -222,7 +239,7 @@ def _ranks_worker(rank: int, world: int, out: str, route: str) -> None:
 
 
 @pytest.mark.parametrize("route", ["ddp", "process_group", "fsdp2-plain", "fsdp2-compact_grads", "fsdp2-sparse_backward",
-                                   "fsdp2-update_in_backward"])
+                                   "fsdp2-update_in_backward", "fsdp2-sparse_backward-steps2"])
 def test_two_ranks_reselect_as_one_process_on_the_global_batch(route, tmp_path):
     import torch.multiprocessing as mp
 
@@ -230,7 +247,7 @@ def test_two_ranks_reselect_as_one_process_on_the_global_batch(route, tmp_path):
     mp.spawn(_ranks_worker, args=(2, f"{out}.init", out, route), nprocs=2, join=True)
     results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
     model = _model()
-    opt = _opt(model)
+    opt = _opt(model, reselect_steps=2 if route.endswith("steps2") else 1)
     _train(model, opt, _batches(7))
     for result in results:
         for p, q, idx in zip(model.parameters(), result["params"], result["indices"]):

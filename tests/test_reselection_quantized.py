@@ -32,12 +32,13 @@ def _assert_twins(quantized, opt_q, dense, opt_d) -> None:
         torch.testing.assert_close(_effective(quantized, i), dense[i].weight.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("steps", [1, 2])
 @pytest.mark.parametrize("rule", ["spiel", "magnitude", "saliency"])
 @pytest.mark.parametrize("memory", ["plain", "low", "lowest"])
 @pytest.mark.parametrize("quant_type", ["nf4", "int8"])
-def test_a_quantized_layer_reselects_as_its_dequantized_16_bit_twin(quant_type, memory, rule):
+def test_a_quantized_layer_reselects_as_its_dequantized_16_bit_twin(quant_type, memory, rule, steps):
     """Re-selection used to be refused on 4-bit and int8 bases."""
-    quantized, opt_q, dense, opt_d = _twins(quant_type, memory, reselect_rule=rule, **RESELECT)
+    quantized, opt_q, dense, opt_d = _twins(quant_type, memory, reselect_rule=rule, reselect_steps=steps, **RESELECT)
     first = quantized[0]._sift_quantized
     seen = []
     for step in range(7):
@@ -73,20 +74,22 @@ def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored():
     _assert_twins(quantized, opt_q, dense, opt_d)
 
 
-def test_resume_just_before_a_reselecting_step_is_bit_for_bit():
+@pytest.mark.parametrize("steps", [1, 2])
+def test_resume_just_before_a_reselecting_step_is_bit_for_bit(steps):
     quantized, dense = _pair()
-    opt_q, _ = _optimizers(quantized, dense, **RESELECT)
+    opt_q, _ = _optimizers(quantized, dense, **RESELECT, reselect_steps=steps)
     _train(quantized, opt_q, 7)
     half, dense = _pair()
-    opt_h, _ = _optimizers(half, dense, **RESELECT)
+    opt_h, _ = _optimizers(half, dense, **RESELECT, reselect_steps=steps)
     _train(half, opt_h, 4)
-    assert opt_h.reselector.is_due(half[0].sift_delta)
+    assert opt_h.reselector.fires(half[0].sift_delta)
+    assert ("reselect_score" in opt_h.state[half[0].sift_delta]) == (steps == 2)
     buf = io.BytesIO()
     torch.save({"deltas": [half[i].sift_delta.detach().clone() for i in (0, 2)], "opt": opt_h.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf)
     resumed, dense = _pair()
-    opt_r, _ = _optimizers(resumed, dense, **RESELECT)
+    opt_r, _ = _optimizers(resumed, dense, **RESELECT, reselect_steps=steps)
     with torch.no_grad():
         for i, values in zip((0, 2), saved["deltas"]):
             resumed[i].sift_delta.copy_(values)

@@ -309,7 +309,18 @@ def _load_param_state(p: torch.Tensor, saved: dict[str, Any], density: float, wh
     if "selection_calls" in saved:
         out["selection_calls"] = int(saved["selection_calls"])
     out.update(_load_retired(p, saved, out["indices"], derive_base, what))
+    out.update(_load_reselect_score(p, saved, local_tensor(p).numel(), what))
     return out
+
+
+def _load_reselect_score(p: torch.Tensor, saved: dict[str, Any], numel: int, what: str) -> dict[str, torch.Tensor]:
+    """A re-selection's summed score of the steps scored so far (`reselect_steps`), {} when none is in progress."""
+    if "reselect_score" not in saved:
+        return {}
+    score = saved["reselect_score"]
+    if not isinstance(score, torch.Tensor) or score.numel() != numel or not score.is_floating_point():
+        raise ValueError(f"{what}: reselect_score must be a floating-point tensor of {numel} entries (the weight's)")
+    return {"reselect_score": score.detach().reshape(-1).to(device=p.device, dtype=torch.float32).clone()}
 
 
 def _weight_minus(p: torch.Tensor, indices: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -358,6 +369,7 @@ def _load_delta_state(p: torch.Tensor, saved: dict[str, Any], numel: int, what: 
         if not isinstance(score, torch.Tensor) or score.numel() != numel or not score.is_floating_point():
             raise ValueError(f"{what}: score must be a floating-point tensor of {numel} entries (the weight's)")
         out["score"] = score.detach().reshape(-1).to(device=p.device, dtype=torch.float32).clone()
+    out.update(_load_reselect_score(p, saved, numel, what))
     return out
 
 
@@ -388,6 +400,7 @@ def _load_lean_state(p: torch.Tensor, saved: dict[str, Any], lean: bool, what: s
     out["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().to(p.device)
     if "selection_calls" in saved:
         out["selection_calls"] = int(saved["selection_calls"])
+    out.update(_load_reselect_score(p, saved, local_tensor(p).numel(), what))
     if "retired_indices" in saved:  # positions dropped by set_indices or a re-selection: the weight keeps them
         retired = saved["retired_indices"]
         _check_indices(retired, local_tensor(p).numel(), f"{what}: retired_indices", allow_empty=True)

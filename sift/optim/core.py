@@ -112,7 +112,8 @@ class SparseAdamW(torch.optim.Optimizer):
             `ceil(density * shard numel)` of its own shard, no communication (equal to one process
             selecting per block of rows). No effect on unsharded params.
         reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
-            reselect_drop: periodic drop-and-grow re-selection, off by default (`sift.optim.reselection`).
+            reselect_drop, reselect_steps: periodic drop-and-grow re-selection, off by default
+            (`sift.optim.reselection`, docs/reselection.md).
 
     Example:
         >>> model = torch.nn.Linear(64, 32)
@@ -153,10 +154,11 @@ class SparseAdamW(torch.optim.Optimizer):
         sharded_selection: str = "global",
         reselect_every: int | None = None, reselect_fraction: float = 0.2, reselect_schedule: str = "constant",
         reselect_total_steps: int | None = None, reselect_rule: str = "spiel", reselect_drop: str = "merge",
+        reselect_steps: int = 1,
     ) -> None:
         check_hyper(lr, betas, eps, weight_decay, density)
         reselect = reselect_settings(reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps,
-                                     reselect_rule, reselect_drop)
+                                     reselect_rule, reselect_drop, reselect_steps)
         if not isinstance(update_in_backward, bool):
             raise TypeError(f"update_in_backward must be a bool, got {update_in_backward!r}")
         if compact_grads is not None and not isinstance(compact_grads, bool):

@@ -9,6 +9,9 @@ before that update, on that step's dense gradient `g`:
     drop  the n kept entries of smallest |delta| ("spiel"), |g| ("magnitude") or |theta * g| ("saliency")
     grow  the n entries not selected before this step of largest |g| (|theta * g| for "saliency")
 
+where a score is summed over the `reselect_steps` steps ending with this one (unscaled; the earlier ones only
+score, in `state["reselect_score"]`, and train as usual).
+
 Equal scores go to the lower flat index (dropped first, grown first). `f(s)` is `reselect_fraction`
 times 1 ("constant"), `1 - t` ("linear") or `(1 + cos(pi t)) / 2` ("cosine"), `t = min(s / T, 1)`
 with `T = reselect_total_steps`.
@@ -81,7 +84,7 @@ DROPS = ("merge", "revert")
 
 
 def reselect_settings(every: int | None, fraction: float = 0.2, schedule: str = "constant",
-                      total_steps: int | None = None, rule: str = "spiel", drop: str = "merge"
+                      total_steps: int | None = None, rule: str = "spiel", drop: str = "merge", steps: int = 1
                       ) -> dict[str, Any] | None:
     """The validated re-selection settings a param group keeps, or None when `every` is None (off).
 
@@ -111,8 +114,10 @@ def reselect_settings(every: int | None, fraction: float = 0.2, schedule: str = 
         raise ValueError(f"reselect_rule must be one of {RULES}, got {rule!r}")
     if drop not in DROPS:
         raise ValueError(f"reselect_drop must be one of {DROPS}, got {drop!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= every:
+        raise ValueError(f"reselect_steps must be an integer in [1, reselect_every={every}], got {steps!r}")
     return dict(every=every, fraction=float(fraction), schedule=schedule, total_steps=total_steps, rule=rule,
-                drop=drop)
+                drop=drop, steps=steps)
 
 
 def check_reselect_modes(*, state: str, rule: str, drop: str) -> None:
@@ -181,6 +186,7 @@ class Reselector:
     def __init__(self, opt: Any) -> None:
         self.opt = opt
         self.due: dict[torch.Tensor, int] = {}  # weight -> its update count, for the weights the next step re-selects
+        self.scoring: dict[torch.Tensor, int] = {}  # the same for those it scores for a later re-selection
         self.new_step()
 
     def new_step(self) -> None:
@@ -195,7 +201,7 @@ class Reselector:
     def refresh(self) -> None:
         """Work out `due` from the step counts: after each step that updated, a load, `set_indices`. One host read
         per device, only when some group re-selects."""
-        self.due = {}
+        self.due, self.scoring = {}, {}
         if not self.enabled():
             return
         candidates = []  # (settings, weight, its step count, k, numel)
@@ -225,17 +231,46 @@ class Reselector:
                 k, numel = self.opt.selector.num_selected(self.opt.entries.group_of(p), p), p.numel()
             if replaced(settings, count, k, numel):
                 self.due[p] = count
+                continue
+            # The steps before a re-selection that add to its score (`reselect_steps`), up to the one that fires.
+            ahead = -count % settings["every"]
+            if 0 < ahead < settings.get("steps", 1) and replaced(settings, count + ahead, k, numel):
+                self.scoring[p] = count
 
     def is_due(self, p: torch.Tensor) -> bool:
-        """Whether p's next step re-selects its entries (its backward keeps the dense gradient)."""
+        """Whether p's next step re-selects its entries or scores for a re-selection (its backward keeps the dense
+        gradient)."""
+        return p in self.due or p in self.scoring
+
+    def fires(self, p: torch.Tensor) -> bool:
+        """Whether p's next step re-selects its entries (not only scores)."""
         return p in self.due
 
     def due_with_grad(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        return [(self.opt.entries.group_of(p), p) for p in self.due if uses_grad(p)]
+        """The weights whose dense gradient this step reads (re-selecting or scoring), with their groups."""
+        return [(self.opt.entries.group_of(p), p) for p in [*self.due, *self.scoring] if uses_grad(p)]
+
+    def score_now(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, inv_scale: Any) -> torch.Tensor:
+        """This step's re-selection score of p's positions ([numel] fp32, a new tensor): |g|, or first-order saliency
+        |theta * g|; unscaled by `inv_scale` (GradScaler's, which may change between the scoring steps)."""
+        score = local_tensor(grad).reshape(-1).float().abs()
+        if group["reselect"]["rule"] == "saliency":
+            score.mul_(local_tensor(p.detach()).reshape(-1).float().abs())
+        if inv_scale is not None:
+            score.mul_(inv_scale.to(score.device))
+        return score
+
+    def add_score(self, p: torch.Tensor, score: torch.Tensor) -> None:
+        """A scoring step's score joins p's summed score (optimizer state, so `state_dict` carries it)."""
+        state = self.opt.state[p]
+        state["reselect_score"] = score if "reselect_score" not in state else state["reselect_score"].add_(score)
+        self.scoring.pop(p, None)
 
     def plan(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         """The entries p's re-selection this step leaves it with ([k] sorted, the index dtype), from its dense
         gradient, not committed. Ranks alike whether the gradient is loss-scaled or not."""
+        if p in self.scoring:  # it only scores this step: its entries stay
+            return self.opt.indices_of(p)
         key = self.opt.selector.grad_key(p)
         hit = self.plans.get(p)
         if hit is not None and hit[0] == key:
@@ -259,10 +294,12 @@ class Reselector:
         grad = local_tensor(p.grad if grad is None else grad).reshape(-1)
         n = replaced(settings, self.due[p], k, numel)
         old_long = old.long()
-        # |g|, or first-order saliency |theta * g| (sift's selection rules); one weight-sized fp32 buffer.
-        candidates = grad.float().abs()
-        if settings["rule"] == "saliency":
-            candidates.mul_(local_tensor(p.detach()).reshape(-1).float().abs())
+        # |g|, or first-order saliency |theta * g| (sift's selection rules), plus the scoring steps' sum; one
+        # weight-sized fp32 buffer. Ranking one step's score needs no unscaling; a sum over steps does.
+        summed = state.get("reselect_score")
+        candidates = self.score_now(group, p, grad, self.inverse_scale() if summed is not None else None)
+        if summed is not None:
+            candidates.add_(summed)
         moved = state["delta"].abs() if settings["rule"] == "spiel" else candidates[old_long]
         candidates.nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
         candidates[old_long] = float("-inf")  # only entries not selected before this step grow
@@ -280,7 +317,8 @@ class Reselector:
         whole weight's n entries of lowest drop score leave and its n positions of highest growth score join, as
         one process would choose (`sharded_top_k`, ties to the lower flat position). Collective over each weight's
         mesh, a no-op without such weights; every rank holds the same due weights (their step counts agree)."""
-        members = [(group, p) for group, p in self.due_with_grad() if self.opt.selector.selects_globally(p)]
+        members = [(group, p) for group, p in self.due_with_grad()
+                   if p in self.due and self.opt.selector.selects_globally(p)]
         by_group: dict[Any, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         for group, p in members:
             key = self.opt.selector.grad_key(p)
@@ -294,20 +332,33 @@ class Reselector:
             for (_, p), (old, *_), d, g in zip(chunk, planned, dropped, grown):
                 self.plans[p] = (self.opt.selector.grad_key(p), self.merged(old, d, g))
 
-    def plan_quantized(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        """The entries a 4-bit or int8 layer's re-selection leaves it with ([k] sorted), from its dense weight
-        gradient `dense` ([out, in] fp32, consumed: it becomes the growth score) and the weight it computes with
-        (`weight`, for "saliency"). Called in the layer's backward."""
+    def quantized_score(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """A 4-bit or int8 layer's re-selection score from its dense weight gradient (`dense`, [out, in] fp32,
+        consumed) and the weight it computes with (`weight`, for "saliency"), flat; still loss-scaled."""
+        values = route.values
+        flat = dense.view(-1).abs_()
+        if self.opt.entries.group_of(values)["reselect"]["rule"] == "saliency":
+            if weight is None:
+                weight = route.weight(torch.float32, values.detach(), route.indices)
+            flat.mul_(weight.reshape(-1).float().abs())
+        return flat
+
+    def plan_quantized(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None,
+                       inv_scale: torch.Tensor | None) -> torch.Tensor:
+        """The entries a 4-bit or int8 layer's re-selection leaves it with ([k] sorted), from this step's score
+        (`quantized_score` of `dense` and `weight`) plus the scoring steps' (unscaled, so this step's is unscaled by
+        `inv_scale`, its loss's). Called in the layer's backward."""
         values = route.values
         settings = self.opt.entries.group_of(values)["reselect"]
         old = route.indices
         k = old.numel()
         n = replaced(settings, self.due[values], k, route.numel)
-        flat, old_long = dense.view(-1).abs_(), old.long()
-        if settings["rule"] == "saliency":
-            if weight is None:
-                weight = route.weight(torch.float32, values.detach(), old)
-            flat.mul_(weight.reshape(-1).float().abs())
+        flat, old_long = self.quantized_score(route, dense, weight), old.long()
+        summed = self.opt.state[values].get("reselect_score")
+        if summed is not None:
+            if inv_scale is not None:
+                flat.mul_(inv_scale.to(flat.device))
+            flat.add_(summed)
         # The delta's values are its increments since selection.
         moved = values.detach().float().abs() if settings["rule"] == "spiel" else flat[old_long]
         dropped = top_k_positions(-moved, n)
@@ -327,10 +378,23 @@ class Reselector:
             # The sparse backward's cross-rank plans gather every rank's new entries after this step.
             self.opt.grads.sharded_plans_final = False
         for group, p in due:
+            if p in self.opt.grads.quantized and p in self.scoring:
+                route = self.opt.grads.quantized[p]
+                if route.step_score is not None:  # scored in backward, still loss-scaled
+                    inv_scale = route.commit_inverse_scale()
+                    self.add_score(p, route.step_score if inv_scale is None else
+                                   route.step_score.mul_(inv_scale.to(route.step_score.device)))
+                continue
             if p in self.opt.grads.quantized:
                 self.commit_quantized(p)
                 continue
-            self.commit(group, p, self.plan(group, p))
+            if p in self.scoring:
+                self.add_score(p, self.score_now(group, p, p.grad, self.inverse_scale()))
+                if self.opt.update_in_backward:  # stepped below, from the dense gradient, with no entry grown
+                    self.grown[p] = (torch.zeros(num_entries(self.opt.state[p]), dtype=torch.bool,
+                                                 device=p.device), 0)
+            else:
+                self.commit(group, p, self.plan(group, p))
             if self.opt.compact_grads and not self.opt.update_in_backward:
                 self.opt.selector.gather_compact(p, self.opt.selector.clipped_grad(p))
                 p.grad = None  # as the hook does once the entries are known
@@ -351,13 +415,24 @@ class Reselector:
             self.opt.selector.clipped[p] = held
         fresh = ~_lookup(old, indices)[0]
         self.grown[p] = (fresh, self.due.pop(p))
+        state.pop("reselect_score", None)
         return fresh
+
+    def inverse_scale(self) -> torch.Tensor | None:
+        """1 / the loss scale of this step's `.grad` (None: unscaled): the scale `scaler.step` hands the step, else
+        none (`scaler.unscale_` divided `.grad` already)."""
+        return self.opt.amp.grad_inv_scale
 
     def reselect_in_backward(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """update_in_backward, one process, p's whole gradient of its only backward this step (`grad`, dense):
         re-select, seed and step p now, so that its dense gradient goes with its layer's backward and no two
         weights' dense gradients live at once. The same plan, seeds and update as `step()` would make."""
         group = self.opt.entries.group_of(p)
+        if p in self.scoring:
+            self.add_score(p, self.score_now(group, p, grad, None))  # the update in backward takes no GradScaler
+            compact = torch.index_select(local_tensor(grad).reshape(-1), 0, self.opt.indices_of(p)).float()
+            self.opt.grads.update_now(p, compact)
+            return
         old, moved, candidates, n = self.scores(group, p, local_tensor(p).numel(), grad)
         indices = self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n))
         self.commit(group, p, indices)
@@ -386,6 +461,7 @@ class Reselector:
             state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(new, route.numel)
         else:
             state["delta_indices"] = new.to(old.dtype)
+        state.pop("reselect_score", None)
         self.grown[values] = (~kept, self.due.pop(values))
 
     def seed(self) -> None:

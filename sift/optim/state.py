@@ -170,7 +170,8 @@ class EntryState:
         for group in self.opt.param_groups:
             for p in group["params"]:
                 state = self.opt.state.get(p, {})
-                tensors = [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "score"]
+                tensors = [v for k, v in state.items()
+                           if isinstance(v, torch.Tensor) and k not in ("score", "reselect_score")]
                 total += sum(t.numel() * t.element_size() for t in tensors)
                 if is_selected(state):
                     entries += num_entries(state)
