@@ -1,9 +1,9 @@
 """Fixed selection vs periodic re-selection (drop and grow) on `python -m sift.bench llm`'s chat benchmark:
 SmolLM2-135M-Instruct answering NRC word emotions, sift's 1% of q/k/v/o, three configurations side by side.
 
-    python bench/reselection_llm.py [--quick] [--every 8] [--seeds 0 1 2]
+    python bench/reselection_llm.py [--quick] [--every 8] [--seeds 0 1 2] [--memory plain|low]
 
-Configurations (all `SparseAdamW.for_model(model, density=0.01, lr=<sift-1%'s lr>, memory="plain")`, so the
+Configurations (all `SparseAdamW.for_model(model, density=0.01, lr=<sift-1%'s lr>, memory=<--memory>)`, so the
 same number of trainable entries): fixed selection (SIFT); re-selection every `--every` updates of 20% of each
 weight's entries, SpIEL's rules (drop the least-moved, grow the largest |grad|), the dropped increments merged
 into the weight; the same with the dropped entries reverted to their value at selection.
@@ -12,7 +12,9 @@ Runs go seed-major (every configuration's seed 0, then seed 1, ...), each in its
 growth is its own and the shared machine's drifting load falls on every configuration alike. Words, order,
 steps, batch, learning rate and its linear decay are `sift.bench.llm`'s. A step counts as re-selecting when it
 changed some weight's chosen entries (checked against a copy of the indices, outside the timed region).
-Writes `bench/results/reselection-llm-cpu[-quick].{md,json}`.
+`--memory low` (the default preset: hook and sparse backward, dense gradients only on re-selecting steps) writes
+`reselection-llm-low-cpu`, "plain" (dense gradients every step) `reselection-llm-cpu`, each `[-quick].{md,json}`
+in `bench/results/`.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def _retired(opt: torch.optim.Optimizer) -> int:
     return sum(int(s["retired_indices"].numel()) for s in opt.state.values() if "retired_indices" in s)
 
 
-def train_once(config: dict[str, Any], folder: str, run: llm.Config, seed: int, train: list, test: list
-               ) -> dict[str, Any]:
+def train_once(config: dict[str, Any], folder: str, run: llm.Config, seed: int, train: list, test: list,
+               memory: str = "plain") -> dict[str, Any]:
     """One configuration and seed, as `sift.bench.llm.train_once` trains sift-1%, with every step's time kept."""
     import sift
     from sift.demo.llm import load_smollm2
@@ -69,7 +71,7 @@ def train_once(config: dict[str, Any], folder: str, run: llm.Config, seed: int, 
     loaded_kib = rss_kib("VmRSS")
     model.train()
     opt = sift.SparseAdamW.for_model(model, density=llm.DENSITY, lr=llm.METHODS["sift-1%"].lr,
-                                     selection="magnitude", seed=seed, memory="plain", **config["kwargs"])
+                                     selection="magnitude", seed=seed, memory=memory, **config["kwargs"])
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     examples = [llm.encode_example(tokenizer, *train[i]) for i in order[:run.steps * run.batch_size]]
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / run.steps)
@@ -90,7 +92,7 @@ def train_once(config: dict[str, Any], folder: str, run: llm.Config, seed: int, 
     peak_kib = rss_kib("VmHWM") if reset else None  # read where sift.bench.llm reads it, before saving
     with tempfile.TemporaryDirectory() as tmp:
         file_bytes = llm.save_fine_tune("sift-1%", model, opt, os.path.join(tmp, "fine-tune"))
-    return {"name": config["name"], "kwargs": config["kwargs"], "seed": seed, "accuracy": accuracy,
+    return {"name": config["name"], "kwargs": config["kwargs"], "memory": memory, "seed": seed, "accuracy": accuracy,
             "sample_answers": answers[:5], "step_s": step_s, "reselected": reselected,
             "train_loss_last5": statistics.fmean(losses[-5:]),
             "trainable": llm.trainable_entries(model, opt), "retired": _retired(opt), "file_bytes": file_bytes,
@@ -123,12 +125,13 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], run: llm.Config, every: int, command: str, wall_s: float) -> str:
+def markdown(rows: Sequence[dict[str, Any]], run: llm.Config, every: int, command: str, wall_s: float,
+             memory: str = "plain") -> str:
     """The table headed by the machine and the command, with a note on each column."""
     loads = [v for r in rows for pair in r["load_1min"] for v in pair]
     title = (f"### Fixed selection vs re-selection, NRC word emotions as chat, SmolLM2-135M-Instruct (fp32), CPU: "
              f"{run.steps} steps of {run.batch_size} words, {run.test_words} held-out words, torch threads "
-             f"{run.threads or 'default'}")
+             f"{run.threads or 'default'}, memory=\"{memory}\"")
     load = (f"Command: `{command}`; wall time {wall_s:.0f} s. Load average (1 min) at each run's start and end: "
             f"mean {statistics.fmean(loads):.1f}, min {min(loads):.1f}, max {max(loads):.1f}.")
     head = ("| selection | exact match % per seed | mean ± std | re-selections per run | s/step re-selecting "
@@ -152,7 +155,7 @@ def markdown(rows: Sequence[dict[str, Any]], run: llm.Config, every: int, comman
              for r in rows[1:]]
     note = (
         f"All three: `SparseAdamW.for_model(model, density={llm.DENSITY}, lr={llm.METHODS['sift-1%'].lr:g}, "
-        f"memory=\"plain\")` on `for_model`'s Llama targets (every layer's q/k/v/o, as sift-1% in "
+        f"memory=\"{memory}\")` on `for_model`'s Llama targets (every layer's q/k/v/o, as sift-1% in "
         f"`llm-cpu.md`), linear learning-rate decay; re-selection replaces 20% of each weight's entries "
         f"(`reselect_fraction=0.2`, constant) before the weight's updates {every} + 1, 2 x {every} + 1, ..., "
         f"so {run.steps} steps allow {max(0, (run.steps - 1) // every)} re-selections. Exact match: the set of "
@@ -175,6 +178,8 @@ def main() -> None:
                         "re-selecting every update (a smoke run of every path)")
     parser.add_argument("--every", type=int, default=None, help="re-select every N updates (default 8; quick 1)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--memory", choices=("plain", "low"), default="plain",
+                        help="for_model's memory preset for every configuration (default plain)")
     args = parser.parse_args()
     run = llm.QUICK if args.quick else llm.FULL
     if args.seeds:
@@ -193,18 +198,20 @@ def main() -> None:
         for config in configurations(every):
             # One process per run: a second run in a process reuses the heap the first freed (RSS reads low).
             with context.Pool(1) as pool:
-                runs.append(pool.apply(train_once, (config, folder, run, seed, train, test)))
+                runs.append(pool.apply(train_once, (config, folder, run, seed, train, test, args.memory)))
             r = runs[-1]
             print(f"{r['name']}, seed {seed}: accuracy {r['accuracy']:.2f}, re-selecting steps "
                   f"{[i for i, f in enumerate(r['reselected']) if f]}, median step {statistics.median(r['step_s']):.2f} s",
                   flush=True)
     rows = aggregate(runs)
-    table = markdown(rows, run, every, command, time.perf_counter() - start)
-    stem = os.path.join(results_dir(), "reselection-llm-cpu" + ("-quick" if args.quick else ""))
+    table = markdown(rows, run, every, command, time.perf_counter() - start, args.memory)
+    name = "reselection-llm-cpu" if args.memory == "plain" else f"reselection-llm-{args.memory}-cpu"
+    stem = os.path.join(results_dir(), name + ("-quick" if args.quick else ""))
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": machine_header(), "command": command, "rows": rows, "runs": runs}, f, indent=1)
+        json.dump({"machine": machine_header(), "command": command, "memory": args.memory, "rows": rows, "runs": runs},
+                  f, indent=1)
     print(table)
     print(f"saved {stem}.md and .json")
 
