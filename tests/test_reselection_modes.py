@@ -139,15 +139,17 @@ def test_a_clip_on_the_reselecting_step_clips_the_new_entries_and_seeds_from_the
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("steps, inf_at", [(1, 2), (2, 1)], ids=["on-the-reselecting-step", "on-a-scoring-step"])
 @pytest.mark.parametrize("mode", ["plain", "compact_grads", "sparse_backward"])
-def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored(mode):
+def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored(mode, steps, inf_at):
     batches = _batches(7)
     model, twin = _model(), _model()
-    opt, twin_opt = _opt(model, mode), _opt(twin)
+    opt, twin_opt = _opt(model, mode, reselect_steps=steps), _opt(twin, reselect_steps=steps)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
-    _train(model, opt, batches, scaler=scaler, inf_at=2)  # step 2 would re-select before update 3
+    # Step 2 would re-select before update 3; with reselect_steps=2, step 1 scores for it.
+    _train(model, opt, batches, scaler=scaler, inf_at=inf_at)
     assert scaler.get_scale() == 2.0 ** 9
-    _train(twin, twin_opt, batches[:2] + batches[3:])
+    _train(twin, twin_opt, batches[:inf_at] + batches[inf_at + 1:])
     _assert_same(model, opt, twin, twin_opt, exact=mode != "sparse_backward")
 
 
