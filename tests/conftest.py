@@ -165,6 +165,16 @@ def backward_and_step(opt, loss, scaler=None) -> None:
         opt.step()
 
 
+def step_and_zero(opt, scaler=None) -> None:
+    """`opt.step()` (or `scaler.step` and `scaler.update` with a scaler), then `opt.zero_grad()`."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+
+
 def gloo_rank(worker=None, *, timeout_s: float | None = None):
     """A `torch.multiprocessing.spawn` worker `worker(rank, world, *args)` run as one rank of a gloo
     process group: spawned with `(rank, world, init_file, *args)`, it joins the group through the

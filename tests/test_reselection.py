@@ -172,6 +172,14 @@ def test_grown_entries_first_update_is_a_fresh_adam_entrys():
     torch.testing.assert_close(state["exp_avg_sq"][fresh], (1 - BETAS[1] ** 5) * gi * gi, rtol=1e-5, atol=0)
 
 
+def round_trip(model: torch.nn.Module, opt: SparseAdamW) -> dict:
+    """The model's and the optimizer's state, through `torch.save` and `torch.load`, as a checkpoint takes them."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
 def _run(model, opt, batches):
     for x in batches:
         model.zero_grad()
@@ -188,10 +196,7 @@ def test_resume_across_a_reselection_is_bit_for_bit(drop):
     half = _model()
     half_opt = _optimizer(half, reselect_every=3, reselect_fraction=0.4, reselect_drop=drop)
     _run(half, half_opt, batches[:4])  # one re-selection behind it, two ahead
-    buf = io.BytesIO()
-    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf)
+    saved = round_trip(half, half_opt)
     resumed = _model()
     resumed.load_state_dict(saved["model"])
     # Built without the reselect arguments: the settings come back with the param groups.

@@ -6,15 +6,14 @@ and an overflow on that step, resuming just before it, and the combinations refu
 from __future__ import annotations
 
 import copy
-import io
 import logging
 
 import pytest
 import torch
 
 from sift import SparseAdamW, clip_grad_norm_, enable_sparse_backward
-from conftest import gloo_rank
-from test_reselection import BETAS, DENSITY, EPS, LR, WD, Reference, _backward, _batches, _model
+from conftest import gloo_rank, step_and_zero
+from test_reselection import BETAS, DENSITY, EPS, LR, WD, Reference, _backward, _batches, _model, round_trip
 
 RESELECT = dict(reselect_every=2, reselect_fraction=0.5)
 MODES = {
@@ -43,12 +42,7 @@ def _train(model, opt, batches, accumulation: int = 1, clip: float | None = None
             scaler.unscale_(opt)
         if clip is not None:
             clip_grad_norm_(opt, clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        step_and_zero(opt, scaler)
 
 
 def _assert_same(model, opt, twin, twin_opt, exact: bool = True) -> None:
@@ -167,10 +161,7 @@ def test_resume_just_before_a_reselecting_step_is_bit_for_bit(mode, steps):
     _train(half, half_opt, batches[:4])  # the next step re-selects
     assert half_opt.reselector.fires(half[0].weight)
     assert ("reselect_score" in half_opt.state[half[0].weight]) == (steps == 2)
-    buf = io.BytesIO()
-    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf)
+    saved = round_trip(half, half_opt)
     resumed = _model()
     resumed.load_state_dict(saved["model"])
     resumed_opt = _opt(resumed, mode, reselect_every=None)  # the settings come back with the param groups
@@ -308,10 +299,7 @@ def test_a_lean_resume_across_reselections_is_bit_for_bit_and_its_delta_holds_ev
     half = _model()
     half_opt = _opt(half, mode, **LEAN)
     _train(half, half_opt, batches[:4])
-    buf = io.BytesIO()
-    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf)
+    saved = round_trip(half, half_opt)
     resumed = _model()
     resumed.load_state_dict(saved["model"])
     resumed_opt = _opt(resumed, mode, state="lean", reselect_every=None)

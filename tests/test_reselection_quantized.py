@@ -74,26 +74,35 @@ def test_an_overflow_on_the_reselecting_step_is_skipped_never_scored():
     _assert_twins(quantized, opt_q, dense, opt_d)
 
 
-@pytest.mark.parametrize("steps", [1, 2])
-def test_resume_just_before_a_reselecting_step_is_bit_for_bit(steps):
-    quantized, dense = _pair()
-    opt_q, _ = _optimizers(quantized, dense, **RESELECT, reselect_steps=steps)
-    _train(quantized, opt_q, 7)
-    half, dense = _pair()
-    opt_h, _ = _optimizers(half, dense, **RESELECT, reselect_steps=steps)
-    _train(half, opt_h, 4)
-    assert opt_h.reselector.fires(half[0].sift_delta)
-    assert ("reselect_score" in opt_h.state[half[0].sift_delta]) == (steps == 2)
+def _resumed(half, opt_h, make):
+    """A fresh quantized model and its optimizer, `make()`, given `half`'s deltas and `opt_h`'s state (through
+    `torch.save`), as a fine-tune resumes over a base loaded again."""
     buf = io.BytesIO()
     torch.save({"deltas": [half[i].sift_delta.detach().clone() for i in (0, 2)], "opt": opt_h.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf)
-    resumed, dense = _pair()
-    opt_r, _ = _optimizers(resumed, dense, **RESELECT, reselect_steps=steps)
+    resumed, opt_r = make()
     with torch.no_grad():
         for i, values in zip((0, 2), saved["deltas"]):
             resumed[i].sift_delta.copy_(values)
     opt_r.load_state_dict(saved["opt"])
+    return resumed, opt_r
+
+
+def _quantized(**kwargs):
+    quantized, dense = _pair()
+    return quantized, _optimizers(quantized, dense, **kwargs)[0]
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_resume_just_before_a_reselecting_step_is_bit_for_bit(steps):
+    quantized, opt_q = _quantized(**RESELECT, reselect_steps=steps)
+    _train(quantized, opt_q, 7)
+    half, opt_h = _quantized(**RESELECT, reselect_steps=steps)
+    _train(half, opt_h, 4)
+    assert opt_h.reselector.fires(half[0].sift_delta)
+    assert ("reselect_score" in opt_h.state[half[0].sift_delta]) == (steps == 2)
+    resumed, opt_r = _resumed(half, opt_h, lambda: _quantized(**RESELECT, reselect_steps=steps))
     _train(resumed, opt_r, 3, start=4)
     for i in (0, 2):
         assert torch.equal(resumed[i]._sift_quantized.indices, quantized[i]._sift_quantized.indices)
@@ -126,12 +135,7 @@ def test_the_lean_state_reselects_a_quantized_layer_and_resumes_bit_for_bit():
     assert changed == [0, first.k // 2, 0, first.k // 2, 0, first.k // 2]
     half, opt_h = _lean()
     _train(half, opt_h, 4)
-    saved = {"deltas": [half[i].sift_delta.detach().clone() for i in (0, 2)], "opt": opt_h.state_dict()}
-    resumed, opt_r = _lean()
-    with torch.no_grad():
-        for i, values in zip((0, 2), saved["deltas"]):
-            resumed[i].sift_delta.copy_(values)
-    opt_r.load_state_dict(saved["opt"])
+    resumed, opt_r = _resumed(half, opt_h, _lean)
     _train(resumed, opt_r, 3, start=4)
     for i in (0, 2):
         assert torch.equal(resumed[i]._sift_quantized.indices, quantized[i]._sift_quantized.indices)
