@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sift
 from sift import SparseAdamW
+from conftest import step_and_zero
 
 bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import dequantize_4bit  # noqa: E402
@@ -73,12 +74,7 @@ def _train(model, opt, steps: int, start: int = 0, micro: int = 1, clip: float |
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if clip is not None:
             sift.clip_grad_norm_(opt, clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad()
+        step_and_zero(opt, scaler)
 
 
 def _effective(quantized, i: int) -> torch.Tensor:
