@@ -97,3 +97,11 @@ def test_fsdp2_sparse_backward_resumed_before_selection_still_selects_and_trains
     cells = [mm.Cell(memory, "fp32", 1, 2, False, "during-selection", "fsdp2") for memory in ("low", "lowest")]
     failures, ran, _ = _check(cells, tmp_path)
     assert ran == len(cells) and not failures, "\n".join(failures)
+
+
+def test_update_in_backward_with_micro_batches_under_fsdp2_is_refused_before_anything_changes(tmp_path):
+    """The update in backward refused a second backward from inside it, which left FSDP2's 4-bit layers unsharded:
+    the refusal changed the model. step() now refuses, after a backward that completed."""
+    cells = [mm.Cell("update_in_backward", "nf4", 2, 1, False, "none", "fsdp2")]
+    failures, ran, refused = _check(cells, tmp_path)
+    assert not failures and ran == 0 and len(refused) == 1, "\n".join(failures)

@@ -3,6 +3,8 @@ gradient is complete, and training equals the step()-time update of the same mod
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -163,7 +165,9 @@ def test_weights_change_inside_backward_and_no_compact_buffer_survives():
 @pytest.mark.parametrize("sparse_backward", [False, True], ids=["hook", "sparse-backward"])
 @pytest.mark.parametrize("selected", [False, True], ids=["before-selection", "after-selection"])
 def test_a_second_backward_before_step_raises(sparse_backward, selected):
-    """Gradient accumulation would step each weight once per micro-batch: it must raise instead."""
+    """Gradient accumulation would step each weight once per micro-batch: it must raise instead. Before the
+    selection (nothing stepped in backward yet) the backward completes and step() refuses, changing nothing: an
+    error inside the backward left FSDP2's layers unsharded."""
     model = _tiny_llama(torch.float32)
     opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, compact_grads=True, sparse_backward=sparse_backward,
                                 update_in_backward=True)
@@ -173,8 +177,15 @@ def test_a_second_backward_before_step_raises(sparse_backward, selected):
         opt.zero_grad()
     _llama_backward(model, 1)
     snapshot = {id(p): p.detach().clone() for p in model.parameters()}
-    with pytest.raises(RuntimeError, match="update_in_backward"):
+    state = copy.deepcopy(opt.state_dict())
+    if selected:
+        with pytest.raises(RuntimeError, match="update_in_backward"):
+            _llama_backward(model, 2)
+    else:
         _llama_backward(model, 2)
+        with pytest.raises(RuntimeError, match="update_in_backward"):
+            opt.step()
+        assert repr(opt.state_dict()) == repr(state)
     sparse = [p for g in opt.param_groups if g["density"] < 1.0 for p in g["params"]]
     assert all(torch.equal(snapshot[id(p)], p) for p in sparse)
     opt.zero_grad()

@@ -178,7 +178,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     opt.loss_scaled = bool(meta.get("loss_scaled", opt.loss_scaled))
     opt.grads.compact.clear()
     opt.grads.ready.clear()
-    opt.grads.backward_seen.clear()
+    opt.grads.forget_backwards()
     opt.grads.clear_open_buffers()
     if opt.compact_grads and not opt.update_in_backward:
         for p, state in opt.state.items():

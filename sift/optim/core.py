@@ -472,6 +472,7 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def _validate_grads(self) -> None:
         """Check what this step will read, before anything (selection included) changes."""
+        self.grads.check_one_backward()
         self.grads.check_data_parallel()
         devices = set()
         for gi, group in enumerate(self.param_groups):

@@ -33,6 +33,11 @@ from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor,
 logger = logging.getLogger(__name__)
 
 
+ONE_BACKWARD = ("update_in_backward=True takes one backward per step(): a second backward reached a weight before "
+                "step() (gradient accumulation is not supported in this mode; use update_in_backward=False to "
+                "accumulate micro-batches)")
+
+
 def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, accumulate: bool) -> None:
     """`buffer` [k] fp32 = (or +=) `grad`'s flat values at `indices`; an fp32 gradient is gathered
     straight into the buffer, no temporary."""
@@ -58,6 +63,8 @@ class GradRoutes:
         # the sparse params a backward reached since the last step() (a second backward raises).
         self.scratch: dict[torch.device, torch.Tensor] = {}
         self.backward_seen: set[torch.Tensor] = set()
+        # A second backward reached a weight not stepped in backward yet: step() refuses, before anything changes.
+        self.repeated_backward = False
         # update_in_backward: the [k] gradients still receiving parts from a weight's uses (param ->
         # buffer), which weight holds each device's scratch, and each hooked param's AccumulateGrad.
         self.open: dict[torch.Tensor, torch.Tensor] = {}
@@ -148,7 +155,7 @@ class GradRoutes:
         """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers (the step
         caches go with every part's `new_step`, `SparseAdamW._forget_step_caches`)."""
         self.ready.clear()
-        self.backward_seen.clear()
+        self.forget_backwards()
         self.clear_open_buffers()
         for route in self.quantized.values():
             route.discard()
@@ -404,17 +411,30 @@ class GradRoutes:
         self.scratch_owner = {}
 
     def mark_backward(self, p: torch.Tensor, selected: bool = True) -> None:
-        """update_in_backward: record that a backward reached `p`; a second one before step() raises,
-        unless the update in backward came from `memory="lowest"` and nothing is stepped in backward yet:
-        then the first step drops it (micro-batches accumulate) instead."""
+        """update_in_backward: record that a backward reached `p`. A second one before step() raises at once for
+        a weight stepped in backward; for one that is not (before its selection) `step()` refuses instead, before
+        anything changes, so that the backward completes (an error inside it would leave FSDP2's layers
+        unsharded). With the update in backward from `memory="lowest"`, the first step drops it instead
+        (micro-batches accumulate)."""
         if p in self.backward_seen:
             if self.opt.memory.auto and not selected:
                 self.opt.memory.accumulation_seen = True
                 return
-            raise RuntimeError("update_in_backward=True takes one backward per step(): a second backward reached a "
-                               "weight before step() (gradient accumulation is not supported in this mode; use "
-                               "update_in_backward=False to accumulate micro-batches)")
+            if not selected:
+                self.repeated_backward = True
+                return
+            raise RuntimeError(ONE_BACKWARD)
         self.backward_seen.add(p)
+
+    def forget_backwards(self) -> None:
+        """A new step (or a load, or a mode dropped): no backward has reached any weight."""
+        self.backward_seen.clear()
+        self.repeated_backward = False
+
+    def check_one_backward(self) -> None:
+        """update_in_backward: refuse a step after several backwards (`mark_backward`), before anything changes."""
+        if self.repeated_backward:
+            raise RuntimeError(ONE_BACKWARD)
 
     def scratch_for(self, p: torch.Tensor, k: int) -> torch.Tensor:
         """A [k] fp32 view of p's device's scratch gradient, grown to the largest k selected there."""

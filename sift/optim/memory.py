@@ -142,7 +142,7 @@ class MemoryPolicy:
         logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
         self.auto = False
         self.opt.update_in_backward = False
-        self.opt.grads.backward_seen.clear()
+        self.opt.grads.forget_backwards()
         self.opt.grads.remove_hooks()
         self.opt.grads.hooks_ready = True
         self.opt.grads.sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
