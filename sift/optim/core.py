@@ -458,7 +458,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 from another model (`sift.optim.checkpoint`).
         """
         checkpoint.load_state_dict(self, state_dict)
-        self.reselector.refresh()
+        self.reselector.refresh(reread=True)
 
     def __getstate__(self) -> dict[str, Any]:
         return checkpoint.getstate(self)

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -187,6 +188,9 @@ class Reselector:
         self.opt = opt
         self.due: dict[torch.Tensor, int] = {}  # weight -> its update count, for the weights the next step re-selects
         self.scoring: dict[torch.Tensor, int] = {}  # the same for those it scores for a later re-selection
+        # Host copies of the update counts (`state["step"]`), kept by `stepped`, so that a step reads no device
+        # count: each is read once, when first needed (after its selection, or a load: `refresh(reread=True)`).
+        self.counts: dict[torch.Tensor, int] = {}
         self.new_step()
 
     def new_step(self) -> None:
@@ -198,10 +202,20 @@ class Reselector:
     def enabled(self) -> bool:
         return any(group.get("reselect") for group in self.opt.param_groups)
 
-    def refresh(self) -> None:
-        """Work out `due` from the step counts: after each step that updated, a load, `set_indices`. One host read
-        per device, only when some group re-selects."""
+    def stepped(self, params: Iterable[torch.Tensor]) -> None:
+        """The step kernels just counted an update of each of `params`: so do the host copies."""
+        if self.counts:
+            for p in params:
+                if p in self.counts:
+                    self.counts[p] += 1
+
+    def refresh(self, reread: bool = False) -> None:
+        """Work out `due` from the update counts: after each step that updated, a load (`reread`: the counts came
+        from the checkpoint), `set_indices`. Reads from the device only the counts not known on the host yet (a
+        weight's first, after its selection): one transfer per device then, none on a steady step."""
         self.due, self.scoring = {}, {}
+        if reread:
+            self.counts = {}
         if not self.enabled():
             return
         candidates = []  # (settings, weight, its step count, k, numel)
@@ -220,13 +234,14 @@ class Reselector:
                     candidates.append((settings, p, state["step"], routes[p].k, routes[p].numel))
         by_device: dict[torch.device, list[int]] = {}
         for i, candidate in enumerate(candidates):
-            by_device.setdefault(candidate[2].device, []).append(i)
-        counts = [0] * len(candidates)
+            if candidate[1] not in self.counts:
+                by_device.setdefault(candidate[2].device, []).append(i)
         for positions in by_device.values():
             read = torch.stack([candidates[i][2] for i in positions]).tolist()
             for i, count in zip(positions, read):
-                counts[i] = int(count)
-        for (settings, p, _, k, numel), count in zip(candidates, counts):
+                self.counts[candidates[i][1]] = int(count)
+        for settings, p, _, k, numel in candidates:
+            count = self.counts[p]
             if self.opt.selector.selects_globally(p):  # FSDP2: the whole weight's k and size, alike on every rank
                 k, numel = self.opt.selector.num_selected(self.opt.entries.group_of(p), p), p.numel()
             if replaced(settings, count, k, numel):
@@ -279,8 +294,7 @@ class Reselector:
             # Planned with the other ranks (`plan_all`): planning here alone would leave them waiting.
             raise RuntimeError("the gradient of an FSDP2 weight changed after its re-selection was planned across "
                                "the ranks in this step; change gradients before clip_grad_norm_ and step()")
-        old, moved, candidates, n = self.scores(group, p, local_tensor(p).numel())
-        self.plans[p] = (key, self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n)))
+        self.plans[p] = (key, self.choose(*self.scores(group, p, local_tensor(p).numel())))
         return self.plans[p][1]
 
     def scores(self, group: dict[str, Any], p: torch.Tensor, numel: int, grad: torch.Tensor | None = None
@@ -297,13 +311,27 @@ class Reselector:
         # |g|, or first-order saliency |theta * g| (sift's selection rules), plus the scoring steps' sum; one
         # weight-sized fp32 buffer. Ranking one step's score needs no unscaling; a sum over steps does.
         summed = state.get("reselect_score")
-        candidates = self.score_now(group, p, grad, self.inverse_scale() if summed is not None else None)
+        candidates = self.score_now(group, p, grad, self.opt.amp.grad_inv_scale if summed is not None else None)
         if summed is not None:
             candidates.add_(summed)
-        moved = state["delta"].abs() if settings["rule"] == "spiel" else candidates[old_long]
-        candidates.nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
-        candidates[old_long] = float("-inf")  # only entries not selected before this step grow
-        return old, moved, candidates, n
+        return (old, *self.ranked(candidates, old_long, settings["rule"], state.get("delta")), n)
+
+    @staticmethod
+    def ranked(score: torch.Tensor, old_long: torch.Tensor, rule: str, delta: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each entry's drop score: lowest leaves; every position's growth score: highest joins) from `score`
+        ([numel] fp32, consumed: it becomes the growth score) at the entries `old_long` ([k] int64); "spiel" drops
+        by |delta| ([k], the increments since selection)."""
+        moved = delta.float().abs() if rule == "spiel" else score[old_long]
+        score.nan_to_num_(nan=-1.0)  # a NaN never outranks a finite gradient
+        score[old_long] = float("-inf")  # only entries not selected before this step grow
+        return moved, score
+
+    @staticmethod
+    def choose(old: torch.Tensor, moved: torch.Tensor, candidates: torch.Tensor, n: int) -> torch.Tensor:
+        """The n entries of `old` ([k] sorted) of lowest `moved` leave and the n positions of highest `candidates`
+        join (ties to the lower index): the new [k] sorted entries."""
+        return Reselector.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n))
 
     @staticmethod
     def merged(old: torch.Tensor, dropped: torch.Tensor, grown: torch.Tensor) -> torch.Tensor:
@@ -351,23 +379,15 @@ class Reselector:
         values = route.values
         settings = self.opt.entries.group_of(values)["reselect"]
         old = route.indices
-        k = old.numel()
-        n = replaced(settings, self.due[values], k, route.numel)
-        flat, old_long = self.quantized_score(route, dense, weight), old.long()
+        n = replaced(settings, self.due[values], old.numel(), route.numel)
+        flat = self.quantized_score(route, dense, weight)
         summed = self.opt.state[values].get("reselect_score")
         if summed is not None:
             if inv_scale is not None:
                 flat.mul_(inv_scale.to(flat.device))
             flat.add_(summed)
         # The delta's values are its increments since selection.
-        moved = values.detach().float().abs() if settings["rule"] == "spiel" else flat[old_long]
-        dropped = top_k_positions(-moved, n)
-        candidates = flat.nan_to_num_(nan=-1.0)
-        candidates[old_long] = float("-inf")
-        grown = top_k_positions(candidates, n)
-        keep = torch.ones(k, dtype=torch.bool, device=old.device)
-        keep[dropped] = False
-        return torch.cat([old[keep], grown.to(old.dtype)]).sort().values
+        return self.choose(old, *self.ranked(flat, old.long(), settings["rule"], values.detach()), n)
 
     def reselect(self) -> None:
         """Commit the re-selection of every due weight that has a gradient this step. Called by `step()` once it
@@ -389,10 +409,11 @@ class Reselector:
                 self.commit_quantized(p)
                 continue
             if p in self.scoring:
-                self.add_score(p, self.score_now(group, p, p.grad, self.inverse_scale()))
-                if self.opt.update_in_backward:  # stepped below, from the dense gradient, with no entry grown
-                    self.grown[p] = (torch.zeros(num_entries(self.opt.state[p]), dtype=torch.bool,
-                                                 device=p.device), 0)
+                self.add_score(p, self.score_now(group, p, p.grad, self.opt.amp.grad_inv_scale))
+                if self.opt.update_in_backward:  # its update waited for the dense gradient, as on a selecting step
+                    self.opt.grads.update_now(p, self.applied(p, p.grad), clip=False)
+                    p.grad = None
+                    continue
             else:
                 self.commit(group, p, self.plan(group, p))
             if self.opt.compact_grads and not self.opt.update_in_backward:
@@ -418,10 +439,6 @@ class Reselector:
         state.pop("reselect_score", None)
         return fresh
 
-    def inverse_scale(self) -> torch.Tensor | None:
-        """1 / the loss scale of this step's `.grad` (None: unscaled): the scale `scaler.step` hands the step, else
-        none (`scaler.unscale_` divided `.grad` already)."""
-        return self.opt.amp.grad_inv_scale
 
     def reselect_in_backward(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """update_in_backward, one process, p's whole gradient of its only backward this step (`grad`, dense):
@@ -433,8 +450,7 @@ class Reselector:
             compact = torch.index_select(local_tensor(grad).reshape(-1), 0, self.opt.indices_of(p)).float()
             self.opt.grads.update_now(p, compact)
             return
-        old, moved, candidates, n = self.scores(group, p, local_tensor(p).numel(), grad)
-        indices = self.merged(old, top_k_positions(-moved, n), top_k_positions(candidates, n))
+        indices = self.choose(*self.scores(group, p, local_tensor(p).numel(), grad))
         self.commit(group, p, indices)
         # Its own [k] buffer: the shared scratch may hold another weight's gradient still arriving.
         compact = torch.index_select(local_tensor(grad).reshape(-1), 0, indices).float()

@@ -45,6 +45,7 @@ class Steps:
                           [s["exp_avg_sq"] for s in states], [])
             self.launch_step(fn, group, device, [p.detach() for p, _ in members], [g for _, g in members],
                               state_args, [s["step"] for s in states], False)
+            self.opt.reselector.stepped(p for p, _ in members)
 
     def identity_lean_indices(self, device: torch.device, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Lean-encoded 0..k-1: a [k] view of one int16 table per device and its [windows + 1] offsets."""
@@ -93,6 +94,7 @@ class Steps:
               [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
               capturable=capturable, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        self.opt.reselector.stepped(params)
 
     def sparse_step(self, group: dict[str, Any]) -> None:
         buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
@@ -137,6 +139,7 @@ class Steps:
                           [s["base"] for s in states] if "base" in states[0] else [])
         self.launch_step(fn, group, device, [local_tensor(p.detach()) for p in params], grads, state_args, steps,
                           compact)
+        self.opt.reselector.stepped(params)
 
     def launch_step(self, fn, group: dict[str, Any], device: torch.device, params: list[torch.Tensor],
                      grads: list[torch.Tensor], state_args: tuple, steps: list[torch.Tensor], compact: bool) -> None:
