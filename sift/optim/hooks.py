@@ -228,7 +228,7 @@ class GradRoutes:
         if grad is None:
             return None
         # A layer re-selecting this step takes its gradient at the new entries: step() moves the values first.
-        selected = self.quantized[p].selected and not self.opt.reselector.is_due(p)
+        selected = self.gathers_entries(p)
         self.mark_backward(p, selected)
         if not selected or not p.requires_grad:
             return None
@@ -465,8 +465,11 @@ class GradRoutes:
 
     def gathers_entries(self, p: torch.Tensor) -> bool:
         """Whether this backward keeps p's gradient at its chosen entries only, where the mode does: its entries
-        are chosen and its next step does not re-select them (that step reads the dense gradient)."""
-        return is_selected(self.opt.state.get(p, {})) and not self.opt.reselector.is_due(p)
+        (a 4-bit layer's delta's: its route's) are chosen and its next step does not re-select them (that step reads
+        the dense gradient)."""
+        route = self.quantized.get(p)
+        selected = route.selected if route is not None else is_selected(self.opt.state.get(p, {}))
+        return selected and not self.opt.reselector.is_due(p)
 
     def compact_grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will use for a selected sparse param, as [k] values. (`SparseAdamW.compact_grad`)."""
