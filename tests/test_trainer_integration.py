@@ -192,22 +192,28 @@ def test_integrated_sft_trainer_resumes_bit_for_bit(tmp_path):
                            _llama().model.layers[0].self_attn.q_proj.weight)
 
 
-def _best_run(out, saved: dict, resume: str | None = None):
+def _best_run(out, saved: dict, resume: str | None = None, best_step: int | None = None, **trainer_kwargs):
     """3 steps, evaluated and saved at each; the highest eval loss is "best": training lowers it, so the best
-    checkpoint is the first, not the last. `saved` gets the weights at every save."""
+    checkpoint is the first, not the last (`best_step`: that step's checkpoint is best instead). `saved` gets the
+    weights at every save."""
     from sift.integrations.hf import SparseTrainer
 
     class Snapshot(transformers.TrainerCallback):
         def on_save(self, args, state, control, model=None, **kwargs):
             saved[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    class Pick(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_pick"] = float(state.global_step == best_step)  # read by the Trainer after this call
+
     model = _llama()
     data = _lm_data()
     args = _args(out, max_steps=3, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=1,
-                 save_strategy="steps", save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                 save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                 metric_for_best_model="eval_loss" if best_step is None else "eval_pick",
                  greater_is_better=True, per_device_eval_batch_size=4)
     trainer = SparseTrainer(model=model, args=args, train_dataset=data, eval_dataset=data, density=DENSITY,
-                            callbacks=[Snapshot()])
+                            callbacks=[Snapshot(), Pick()], **trainer_kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
 
@@ -235,6 +241,86 @@ def test_load_best_model_at_end_after_resuming_from_the_best_checkpoint(tmp_path
     assert resumed.state.best_model_checkpoint.endswith("checkpoint-1")
     for name, p in model.named_parameters():
         assert torch.equal(p, saved[1][name]), name
+
+
+RESELECT = dict(reselect_every=1, reselect_fraction=0.5)  # re-selects at every step after the first
+
+
+def _optimizer_of(trainer) -> SparseAdamW:
+    return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def _assert_same_optimizer_state(a: SparseAdamW, b: SparseAdamW) -> None:
+    for key, (sa, sb) in enumerate(zip(a.state_dict()["state"].values(), b.state_dict()["state"].values())):
+        assert sa.keys() == sb.keys(), key
+        for name, value in sa.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, sb[name]), (key, name)
+            else:
+                assert value == sb[name], (key, name)
+
+
+@pytest.mark.parametrize("path", ["targets", "by-dimension"])
+def test_integrated_trainer_takes_the_reselect_arguments(tmp_path, path):
+    """The integrated Trainer refused reselect_every and the other reselect_* arguments (TypeError): it passes them
+    to the SparseAdamW it builds, by target modules and by the rule by dimension alike, and checks them first."""
+    from sift.integrations.hf import SparseTrainer
+    from sift.optim.reselection import reselect_settings
+
+    settings = dict(reselect_every=1, reselect_fraction=0.5, reselect_schedule="linear", reselect_total_steps=8,
+                    reselect_rule="magnitude", reselect_drop="revert", reselect_steps=1)
+    by_dimension = {"indices": {}} if path == "by-dimension" else {}  # given indices keep the rule by dimension
+    model = _llama()
+    trainer = SparseTrainer(**_trainer_kwargs("trainer", model, tmp_path, max_steps=3), density=DENSITY,
+                            **settings, **by_dimension)
+    trainer.train()
+    opt = _optimizer_of(trainer)
+    expected = reselect_settings(*(settings[f"reselect_{key}"] for key in
+                                   ("every", "fraction", "schedule", "total_steps", "rule", "drop", "steps")))
+    sparse = [group for group in opt.param_groups if group["density"] < 1.0]
+    assert sparse and all(group["reselect"] == expected for group in sparse)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    first = SparseTrainer(**_trainer_kwargs("trainer", _llama(), tmp_path / "once", max_steps=1), density=DENSITY,
+                          **by_dimension)
+    first.train()
+    assert not torch.equal(opt.indices_of(q_proj), _optimizer_of(first).indices_of(
+        first.model.model.layers[0].self_attn.q_proj.weight)), "the later steps must have re-selected"
+    with pytest.raises(ValueError, match="reselect_fraction"):
+        SparseTrainer(**_trainer_kwargs("trainer", _llama(), tmp_path / "bad"), density=DENSITY, reselect_every=2,
+                      reselect_fraction=1.5)
+
+
+def test_integrated_trainer_resumes_bit_for_bit_after_a_reselection(tmp_path):
+    """A checkpoint written after a re-selection could not be resumed (shape mismatch: the exact values were saved
+    at the active entries, loaded at the delta's active and retired ones): the resumed run's params and optimizer
+    state now equal the uninterrupted run's bit for bit."""
+    from sift.integrations.hf import SparseTrainer
+
+    data = _lm_data(12)
+    straight = SparseTrainer(model=_llama(), args=_args(tmp_path / "a", max_steps=5), train_dataset=data,
+                             density=DENSITY, **RESELECT)
+    straight.train()
+    SparseTrainer(model=_llama(), args=_args(tmp_path / "b", max_steps=5, save_strategy="steps", save_steps=3),
+                  train_dataset=data, density=DENSITY, **RESELECT).train()
+    checkpoint = tmp_path / "b" / "checkpoint-3"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert any("retired_indices" in s for s in saved["state"].values()), "the checkpoint must follow a re-selection"
+    resumed = SparseTrainer(model=_llama(), args=_args(tmp_path / "b", max_steps=5), train_dataset=data,
+                            density=DENSITY, **RESELECT)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (name, a), b in zip(resumed.model.named_parameters(), straight.model.parameters()):
+        assert torch.equal(a, b), name
+    _assert_same_optimizer_state(_optimizer_of(resumed), _optimizer_of(straight))
+
+
+def test_load_best_model_at_end_after_a_reselection(tmp_path):
+    """load_best_model_at_end failed on a best checkpoint written after a re-selection (the same shape mismatch as a
+    resume): it now puts that checkpoint's weights on the model bit for bit."""
+    saved = {}
+    trainer, model = _best_run(tmp_path / "run", saved, best_step=2, **RESELECT)
+    state = torch.load(tmp_path / "run" / "checkpoint-2" / "optimizer.pt", weights_only=True)["state"]
+    assert any("retired_indices" in s for s in state.values()), "the best checkpoint must follow a re-selection"
+    assert assert_best_checkpoint_loaded(trainer, model, saved) == 2
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])

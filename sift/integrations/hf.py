@@ -23,6 +23,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
+from sift.optim.reselection import reselect_settings
 from sift.optim.state import first_shard, increments, quantized_routes
 from sift.quantized import DELTA, is_quantized_linear
 from sift.targets import model_family, plan_targets, trainable_summary
@@ -108,10 +109,14 @@ class SparseTrainerMixin:
             (`TrainingArguments.weight_decay`, default 0).
         dense_modules: see `target_modules` (default there: the task head).
         selection: `SparseAdamW(selection=...)`, e.g. "magnitude" or "random".
+        reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
+            reselect_drop, reselect_steps: `SparseAdamW`'s periodic drop-and-grow re-selection, off by
+            default (`sift.optim.reselection`, docs/reselection.md); checked before the Trainer is built.
+            Checkpoints written after a re-selection resume bit for bit, as the others do.
         **kwargs: passed to the Trainer class.
 
     Raises:
-        ValueError: density outside (0, 1], compact_grads with several processes,
+        ValueError: density outside (0, 1], a `reselect_*` setting out of range, compact_grads with several processes,
             `indices` naming a param the model does not have (or a frozen one, or with
             `target_modules` one that is not a target weight), or `target_modules` /
             `dense_modules` that do not fit the model (see `sift.targets.plan_targets`), or a model
@@ -132,9 +137,18 @@ class SparseTrainerMixin:
                  select_steps: int = 1,
                  dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None,
                  target_modules: str | list[str] | None = None, dense_modules: str | list[str] | None = None,
-                 selection: str = "magnitude", **kwargs: Any) -> None:
+                 selection: str = "magnitude", reselect_every: int | None = None, reselect_fraction: float = 0.2,
+                 reselect_schedule: str = "constant", reselect_total_steps: int | None = None,
+                 reselect_rule: str = "spiel", reselect_drop: str = "merge", reselect_steps: int = 1,
+                 **kwargs: Any) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
+        reselect = dict(reselect_every=reselect_every, reselect_fraction=reselect_fraction,
+                        reselect_schedule=reselect_schedule, reselect_total_steps=reselect_total_steps,
+                        reselect_rule=reselect_rule, reselect_drop=reselect_drop, reselect_steps=reselect_steps)
+        # Checked before Trainer.__init__ touches the model, as the optimizer would check them.
+        reselect_settings(reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
+                          reselect_drop, reselect_steps)
         model = kwargs.get("model", args[0] if args else None)
         host = model if _is_bitsandbytes_base(model) else None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -195,6 +209,7 @@ class SparseTrainerMixin:
         self.sift_targets = (target_modules, dense_modules) if by_targets or (model is None and indices is None) \
             else None
         self.sift_selection = selection
+        self.sift_reselect = reselect
         with _hosting_sift_delta(host):
             super().__init__(*args, **kwargs)
         self.add_callback(_ReportSkippedSteps())
@@ -250,6 +265,7 @@ class SparseTrainerMixin:
             eps=self.args.adam_epsilon,
             select_steps=self.sift_select_steps,
             selection=self.sift_selection,
+            **self.sift_reselect,
             **flags,
         )
         optimizer.memory.auto = auto
@@ -284,6 +300,7 @@ class SparseTrainerMixin:
             eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay,
             select_steps=self.sift_select_steps,
+            **self.sift_reselect,
             **flags,
         )
         optimizer.memory.auto = auto
@@ -325,7 +342,10 @@ class SparseTrainerMixin:
             exact = {}
             for p, state in optimizer.state.items():
                 if "indices" in state and p in names:
-                    exact[f"{names[p]}.values"] = p.detach().reshape(-1)[state["indices"].long()].cpu().contiguous()
+                    # At every position the delta holds, which the load writes: the active entries and those a
+                    # re-selection (or set_indices) retired, whose increments stay in the weight.
+                    positions = delta[names[p]].indices.to(p.device).long()
+                    exact[f"{names[p]}.values"] = p.detach().reshape(-1)[positions].cpu().contiguous()
             for values, route in quantized_routes(optimizer).items():  # a packed layer's [k] delta, whole
                 exact[f"{route.name}.{DELTA}"] = values.detach().float().cpu().contiguous()
             save_file(exact, os.path.join(output_dir, TRAINED_VALUES))
@@ -386,7 +406,12 @@ class SparseTrainerMixin:
         with torch.no_grad():
             for key, values in exact.items():
                 name = key[: -len(".values")]
-                params[name].view(-1)[delta[name].indices.long()] = values.to(params[name].dtype)
+                positions = delta[name].indices.long()
+                if values.numel() != positions.numel():
+                    raise ValueError(f"{exact_file}: {name} has {values.numel()} exact values, its delta "
+                                     f"{positions.numel()} entries (a checkpoint written after a re-selection by a "
+                                     "version that saved the active entries only): resume from an earlier checkpoint")
+                params[name].view(-1)[positions.to(params[name].device)] = values.to(params[name].dtype)
 
     def _put_pending_deltas(self, model: torch.nn.Module) -> None:
         """Write a checkpoint's packed-layer deltas into the values the optimizer trains (`sift.quantized`): a
