@@ -388,3 +388,104 @@ def test_the_sharded_selection_rule_travels_in_state_dict():
     with pytest.raises(ValueError, match="sharded_selection"):
         other.load_state_dict(bad)
     assert other.sharded_selection == "global" and other.select_steps == 1
+
+
+# ---------------------------------------------------------------- a refused step changes nothing
+
+def _assert_same_tree(a, b, where: str = "state_dict") -> None:
+    """Two state_dicts (or any nest of dicts, lists and tensors) hold the same values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same_tree(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _model_loss(model, step: int, micro: int = 0) -> torch.Tensor:
+    x, y = _batch(step, micro)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def test_a_step_refused_for_a_bad_gradient_leaves_lowest_undecided(caplog):
+    """step() let memory="lowest" drop the update in backward, for good, before it refused a bad gradient: the
+    refused step now changes nothing, and the next one settles the mode as if the refusal never happened."""
+    model, twin = _tiny(), _tiny()
+    opt, twin_opt = _lowest(model), _lowest(twin)
+    for m in range(2):  # micro-batches: the first step drops the update in backward
+        _model_loss(model, 0, m).backward()
+        _model_loss(twin, 0, m).backward()
+    before = copy.deepcopy(opt.state_dict())
+    bias = model[2].bias
+    dense_grad = bias.grad
+    bias.grad = dense_grad.to_sparse()
+    with caplog.at_level(logging.WARNING, logger="sift"), pytest.raises(ValueError, match="sparse-layout"):
+        opt.step()
+    assert not caplog.records, "nothing may be dropped by a refused step"
+    assert opt.update_in_backward and opt.memory.auto and opt.memory.accumulation_seen
+    _assert_same_tree(opt.state_dict(), before)
+    bias.grad = dense_grad
+    opt.step()
+    twin_opt.step()
+    assert not opt.update_in_backward and not twin_opt.update_in_backward
+    _assert_same(model, opt, twin, twin_opt)
+    _assert_same_tree(opt.state_dict(), twin_opt.state_dict())
+    _train_steps(model, opt, [1])
+    _train_steps(twin, twin_opt, [1])
+    _assert_same(model, opt, twin, twin_opt)
+
+
+def test_a_grad_scaler_refused_with_the_update_in_backward_leaves_the_optimizer_unscaled():
+    """ScalerLink.begin marked the optimizer loss_scaled (kept in state_dict) before refusing the update in backward
+    under a GradScaler: the refused step now changes nothing, and an unscaled step afterwards is an unscaled run's."""
+    model, twin = _tiny(), _tiny()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, update_in_backward=True)
+    twin_opt = SparseAdamW(twin.parameters(), lr=1e-2, density=0.2, update_in_backward=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = copy.deepcopy(opt.state_dict())
+    scaler.scale(_model_loss(model, 0)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+    assert not opt.loss_scaled and opt.grad_scaler is None
+    _assert_same_tree(opt.state_dict(), before)
+    del opt.grad_scale, opt.found_inf  # GradScaler.step leaves them when the step raises
+    opt.step()  # the same gradients, stepped without the scaler
+    (_model_loss(twin, 0) * 1024.0).backward()
+    twin_opt.step()
+    _model_loss(model, 1).backward()  # and a step in backward after it
+    _model_loss(twin, 1).backward()
+    opt.step()
+    twin_opt.step()
+    _assert_same(model, opt, twin, twin_opt)
+    _assert_same_tree(opt.state_dict(), twin_opt.state_dict())
+
+
+def test_a_step_refused_for_an_unknown_grad_scaler_links_and_marks_nothing():
+    """ScalerLink.begin marked the optimizer loss_scaled before refusing a GradScaler it cannot find: the refused
+    step now changes nothing, and once linked the scaler's step is that of a run never refused."""
+    model, twin = _tiny(), _tiny()
+    opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.2, compact_grads=True)
+    twin_opt = SparseAdamW(twin.parameters(), lr=1e-2, density=0.2, compact_grads=True)
+    scaler, twin_scaler = (torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2))
+    scaler.scale(_model_loss(model, 0)).backward()
+    twin_scaler.scale(_model_loss(twin, 0)).backward()
+    before = copy.deepcopy(opt.state_dict())
+    opt.grad_scale, opt.found_inf = scaler._scale, torch.zeros(())  # a caller the step cannot find
+    with pytest.raises(RuntimeError, match="optimizer.grad_scaler"):
+        opt.step()
+    assert not opt.loss_scaled and opt.grad_scaler is None
+    _assert_same_tree(opt.state_dict(), before)
+    del opt.grad_scale, opt.found_inf
+    for model_, opt_, scaler_ in ((model, opt, scaler), (twin, twin_opt, twin_scaler)):
+        opt_.grad_scaler = scaler_
+        scaler_.step(opt_)
+        scaler_.update()
+    assert opt.loss_scaled
+    _assert_same(model, opt, twin, twin_opt)
+    _assert_same_tree(opt.state_dict(), twin_opt.state_dict())

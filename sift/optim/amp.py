@@ -76,9 +76,10 @@ class ScalerLink:
         self.compact_found_inf: dict[torch.device, torch.Tensor] = {}
         self.grad_inv_scale: torch.Tensor | None = None
 
-    def scaler_inverse_scale(self) -> torch.Tensor | None:
-        """The inverse scale `scaler.unscale_(optimizer)` applied to `.grad` this step, if it was called."""
-        scaler = self.opt.grad_scaler
+    def scaler_inverse_scale(self, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor | None:
+        """The inverse scale `scaler.unscale_(optimizer)` applied to `.grad` this step, if it was called (`scaler`:
+        the optimizer's `grad_scaler` by default)."""
+        scaler = self.opt.grad_scaler if scaler is None else scaler
         if scaler is None or not scaler.is_enabled():
             return None
         per_optimizer = scaler._per_optimizer_states.get(id(self.opt))
@@ -97,8 +98,53 @@ class ScalerLink:
         _unscale_(buffers, inv_scale, self.compact_found_inf)
         self.scaled_compact.clear()
 
+    def check(self, update_in_backward: bool | None = None) -> tuple[
+            bool, torch.Tensor | None, torch.amp.GradScaler | None, torch.Tensor | None, torch.Tensor | None]:
+        """Refuse what cannot run under GradScaler, changing nothing (`step()` calls it with the other checks,
+        before anything changes; `begin` again).
+
+        Args:
+            update_in_backward: the mode the step runs in (memory="lowest" may still drop the update in
+                backward at this step); default: the optimizer's.
+
+        Returns:
+            What `begin` acts on: whether a GradScaler drives the step, its inf flag of `.grad` (None when it
+            checked nothing), the scaler to link, the inverse `grad_scale`, and the inverse scale of the compact
+            buffers (None: they are not unscaled now).
+
+        Raises:
+            RuntimeError: the update in backward under a GradScaler; a compact mode stepped by a GradScaler it
+                cannot find; `scaler.unscale_` ran, compact buffers are scaled, and the optimizer does not know
+                the scaler (`grad_scaler` unset).
+        """
+        update_in_backward = self.opt.update_in_backward if update_in_backward is None else update_in_backward
+        grad_scale = getattr(self.opt, "grad_scale", None)
+        found_inf = getattr(self.opt, "found_inf", None)
+        under_scaler = grad_scale is not None or found_inf is not None
+        if update_in_backward and under_scaler:
+            raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
+                               "inside backward, before the scaler's inf/NaN check could skip the step")
+        link = self.opt.grad_scaler
+        if under_scaler and self.opt.compact_grads and link is None:
+            link = self.calling_scaler()
+            if link is None:
+                raise RuntimeError("SparseAdamW was stepped by a GradScaler it cannot find, and compact_grads mode "
+                                   "(or the sparse backward) must report its own inf/NaN checks to it: set "
+                                   "`optimizer.grad_scaler = scaler`")
+        if not isinstance(found_inf, torch.Tensor):
+            # GradScaler hands sum([]) == 0 when no param kept a dense `.grad`: nothing was checked.
+            found_inf = None
+        grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
+        compact_inv = grad_inv_scale if grad_scale is not None else self.scaler_inverse_scale(link)
+        ready = self.opt.grads.ready
+        if compact_inv is None and found_inf is not None and any(p in ready for p in self.scaled_compact):
+            raise RuntimeError("scaler.unscale_(optimizer) cannot see the compact gradients of compact_grads mode "
+                               "(or the sparse backward): set `optimizer.grad_scaler = scaler` so that "
+                               "clip_grad_norm_ and step() unscale them")
+        return under_scaler, found_inf, link, grad_inv_scale, compact_inv
+
     def begin(self) -> list[torch.Tensor] | None:
-        """Start of a step under GradScaler: refuse what cannot run under it, and unscale (checking for
+        """Start of a step under GradScaler: refuse what cannot run under it (`check`), then unscale (checking for
         inf/NaN) the compact buffers written in backward. Nothing is averaged or decided here.
 
         Returns:
@@ -106,33 +152,13 @@ class ScalerLink:
             None when no GradScaler drives the step.
 
         Raises:
-            RuntimeError: `scaler.unscale_` ran, compact buffers are scaled, and the optimizer
-                does not know the scaler (`grad_scaler` unset).
+            RuntimeError: see `check`; raised before anything changes.
         """
-        grad_scale = getattr(self.opt, "grad_scale", None)
-        found_inf = getattr(self.opt, "found_inf", None)
-        under_scaler = grad_scale is not None or found_inf is not None
+        under_scaler, found_inf, link, self.grad_inv_scale, compact_inv = self.check()
+        # Nothing was refused: from here on the step changes state.
         if under_scaler:
             self.opt.loss_scaled = True
-        if self.opt.update_in_backward and under_scaler:
-            raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
-                               "inside backward, before the scaler's inf/NaN check could skip the step")
-        if under_scaler and self.opt.compact_grads and self.opt.grad_scaler is None:
-            self.opt.grad_scaler = self.calling_scaler()
-            if self.opt.grad_scaler is None:
-                raise RuntimeError("SparseAdamW was stepped by a GradScaler it cannot find, and compact_grads mode "
-                                   "(or the sparse backward) must report its own inf/NaN checks to it: set "
-                                   "`optimizer.grad_scaler = scaler`")
-        if not isinstance(found_inf, torch.Tensor):
-            # GradScaler hands sum([]) == 0 when no param kept a dense `.grad`: nothing was checked.
-            found_inf = None
-        self.grad_inv_scale = _reciprocal(grad_scale) if grad_scale is not None else None
-        compact_inv = self.grad_inv_scale if grad_scale is not None else self.scaler_inverse_scale()
-        ready = self.opt.grads.ready
-        if compact_inv is None and found_inf is not None and any(p in ready for p in self.scaled_compact):
-            raise RuntimeError("scaler.unscale_(optimizer) cannot see the compact gradients of compact_grads mode "
-                               "(or the sparse backward): set `optimizer.grad_scaler = scaler` so that "
-                               "clip_grad_norm_ and step() unscale them")
+        self.opt.grad_scaler = link
         if compact_inv is not None:
             self.unscale_compact(compact_inv)
         # The 4-bit layers' selection scores (sift.quantized) are formed in backward, where no `.grad` shows them.

@@ -471,9 +471,13 @@ class SparseAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------- step
 
     def _validate_grads(self) -> None:
-        """Check what this step will read, before anything (selection included) changes."""
+        """Every refusal of `step()`, before anything (the memory mode's settling, selection included) changes,
+        in the mode the step will run in (`memory="lowest"` may still drop the update in backward at it)."""
+        update_in_backward = self.update_in_backward and self.memory.drop_reason() is None
         self.grads.check_one_backward()
-        self.grads.check_data_parallel()
+        if self.compact_grads and not self.state:
+            self._check_params_not_replaced()
+        self.amp.check(update_in_backward)
         devices = set()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -492,6 +496,8 @@ class SparseAdamW(torch.optim.Optimizer):
         for device in devices:  # a forced backend that cannot run raises here, not mid-step
             _ops.resolve("sparse_adamw_lean_" if self.state_layout == "lean" else "sparse_adamw_", device,
                          self.backend)
+        # Last: where it does not refuse, it may adopt the default process group.
+        self.grads.check_data_parallel(update_in_backward)
 
     def train(self) -> None:
         """Called by transformers' Trainer before each training step: refuses one whose clipping cannot see
@@ -513,11 +519,9 @@ class SparseAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.memory.settle()
         self._validate_grads()
+        self.memory.settle()
         self.grads.hook_new_params()
-        if self.compact_grads and not self.state:
-            self._check_params_not_replaced()
         # Every rank agrees, once, before anything is averaged, selected or skipped.
         self.last_step_skipped = self.amp.agree(self.amp.begin())
         if self.last_step_skipped:

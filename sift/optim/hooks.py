@@ -91,7 +91,7 @@ class GradRoutes:
         """Forget what lived for one step: which pending dense grads were averaged across ranks."""
         self.averaged: set[torch.Tensor] = set()
 
-    def check_data_parallel(self) -> None:
+    def check_data_parallel(self, update_in_backward: bool | None = None) -> None:
         """compact_grads in a job of several processes: its compact gradients must be averaged by this
         optimizer, since DDP averages `.grad`, which this mode frees or never forms.
 
@@ -104,10 +104,12 @@ class GradRoutes:
             return
         import torch.distributed as dist
 
+        # The mode the step runs in (memory="lowest" may drop the update in backward at it); default: the optimizer's.
+        update_in_backward = self.opt.update_in_backward if update_in_backward is None else update_in_backward
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
-        if self.opt.update_in_backward and any(route.process_group is None for route in self.quantized.values()):
+        if update_in_backward and any(route.process_group is None for route in self.quantized.values()):
             # DDP reduces a 4-bit layer's delta gradient after its accumulator ran: stepped before that, each
             # replica would train on its own gradient.
             raise RuntimeError(f"update_in_backward=True in a job of {world} processes: the 4-bit layers' deltas would "
@@ -116,13 +118,13 @@ class GradRoutes:
         if all(is_dtensor(p) for _, p in self.opt.entries.sparse_params()):
             return  # FSDP2 reduce-scatters each shard's gradient before the hooks gather or step it
         excluded = all(getattr(p, "_ddp_ignored", False) for _, p in self.opt.entries.sparse_params())
-        if excluded and not self.opt.update_in_backward:
+        if excluded and not update_in_backward:
             logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
                         "(the sparse weights are excluded from DDP)", world)
             self.opt.process_group = self.ddp_process_group = dist.group.WORLD
             return
         reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
-                  "across ranks: use update_in_backward=False" if self.opt.update_in_backward else
+                  "across ranks: use update_in_backward=False" if update_in_backward else
                   "its compact gradients are not averaged by DistributedDataParallel, which reduces .grad. Build the "
                   "optimizer with SparseAdamW.for_model (or call sift.enable_sparse_backward) before wrapping the "
                   "model in DDP, or pass process_group=torch.distributed.group.WORLD and do not wrap the model")

@@ -113,6 +113,26 @@ class MemoryPolicy:
         self.auto = False
         self.accumulation_seen = False  # a second backward before the first step (micro-batches)
 
+    def decided(self) -> bool:
+        """Whether entries are chosen (anything may have been stepped in backward): memory="lowest"'s choice is
+        final from then on."""
+        return any(is_selected(self.opt.state.get(p, {})) for _, p in self.opt.entries.sparse_params()) or any(
+            route.selected for route in self.opt.grads.quantized.values())
+
+    def drop_reason(self, global_clip: bool = False) -> str | None:
+        """Why `settle` would drop the update in backward now, or None when it keeps it; changes nothing (so
+        that `step()` checks everything in the mode it will run in before `settle` acts)."""
+        if not self.auto or self.decided():
+            return None
+        if global_clip:
+            return "sift.clip_grad_norm_ needs every gradient before any is applied"
+        if self.accumulation_seen:
+            return "micro-batches accumulate before each step"
+        if getattr(self.opt, "grad_scale", None) is not None or getattr(self.opt, "found_inf", None) is not None or \
+                self.opt.grad_scaler is not None:
+            return "a GradScaler may skip a step that backward would already have applied"
+        return None
+
     def settle(self, global_clip: bool = False) -> None:
         """memory="lowest": on the steps before anything is selected (nothing was stepped in backward yet),
         drop the update in backward with one log line if micro-batches accumulated, a GradScaler drives
@@ -120,22 +140,13 @@ class MemoryPolicy:
         the choice is final (a later misuse raises)."""
         if not self.auto:
             return
-        if any(is_selected(self.opt.state.get(p, {})) for _, p in self.opt.entries.sparse_params()) or any(
-                route.selected for route in self.opt.grads.quantized.values()):
+        if self.decided():
             self.auto = False
             return
-        why = None
-        if global_clip:
-            why = "sift.clip_grad_norm_ needs every gradient before any is applied"
-        elif self.accumulation_seen:
-            why = "micro-batches accumulate before each step"
-        elif getattr(self.opt, "grad_scale", None) is not None or getattr(self.opt, "found_inf", None) is not None or \
-                self.opt.grad_scaler is not None:
-            why = "a GradScaler may skip a step that backward would already have applied"
+        why = self.drop_reason(global_clip)
         self.accumulation_seen = False
-        if why is None:
-            return
-        self.drop_update_in_backward(why)
+        if why is not None:
+            self.drop_update_in_backward(why)
 
     def drop_update_in_backward(self, why: str) -> None:
         """Leave the update in backward for compact_grads' hooks, with one log line saying why."""
