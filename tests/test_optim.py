@@ -991,6 +991,50 @@ def test_bad_group_added_later_leaves_optimizer_unchanged():
     assert len(opt.param_groups) == 1
 
 
+class _CountedGroups(list):
+    """A param_groups list that counts the scans over it."""
+
+    scans = 0
+
+    def __iter__(self):
+        type(self).scans += 1
+        return super().__iter__()
+
+
+def test_group_of_is_one_look_up_and_follows_added_groups():
+    """EntryState.group_of scanned every group's params by identity on each call (a weight stepped in backward, a
+    re-selecting one, asked once per step each): it is one look-up in a table kept by add_param_group, loads and
+    copies, and finds a group added later."""
+    model = _model()
+    opt = SparseAdamW([{"params": [model[0].weight]}, {"params": [model[0].bias], "density": 1.0}], density=0.2)
+    extra = torch.nn.Parameter(torch.randn(5, 7))
+    opt.add_param_group({"params": [model[2].weight, extra], "density": 0.5})
+    expected = {model[0].weight: 0, model[0].bias: 1, model[2].weight: 2, extra: 2}
+    opt.param_groups = _CountedGroups(opt.param_groups)
+    for p, gi in expected.items():
+        assert opt.entries.group_of(p) is opt.param_groups[gi]
+    assert _CountedGroups.scans == 0, "group_of scanned the groups"
+    with pytest.raises(ValueError, match="not managed"):
+        opt.entries.group_of(model[2].bias)
+    opt.param_groups = list(opt.param_groups)
+    model(_batch(0)).square().mean().backward()
+    extra.grad = torch.randn(5, 7)
+    opt.step()
+    for clone in (copy.deepcopy(opt), _loaded(opt, model, extra)):
+        params = [p for group in clone.param_groups for p in group["params"]]
+        for p, gi in zip(params, (0, 1, 2, 2)):
+            assert clone.entries.group_of(p) is clone.param_groups[gi]
+        assert clone.entries.group_of(params[3])["density"] == 0.5
+
+
+def _loaded(opt: SparseAdamW, model: torch.nn.Module, extra: torch.Tensor) -> SparseAdamW:
+    """A fresh optimizer over the same params, built as `opt` was, with `opt`'s state loaded."""
+    fresh = SparseAdamW([{"params": [model[0].weight]}, {"params": [model[0].bias], "density": 1.0}], density=0.2)
+    fresh.add_param_group({"params": [model[2].weight, extra], "density": 0.5})
+    fresh.load_state_dict(opt.state_dict())
+    return fresh
+
+
 def test_sparse_layout_grad_raises_and_changes_nothing():
     w = torch.nn.Parameter(torch.randn(10))
     before = w.detach().clone()

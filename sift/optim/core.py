@@ -345,6 +345,7 @@ class SparseAdamW(torch.optim.Optimizer):
         if "density" in group:
             group["density"] = float(group["density"])
         super().add_param_group(group)
+        self.entries.index_groups()
         if self.grads.hooks_ready:  # a group added after construction
             self.grads.sync_hooks()
 
@@ -458,6 +459,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 from another model (`sift.optim.checkpoint`).
         """
         checkpoint.load_state_dict(self, state_dict)
+        self.entries.index_groups()
         self.reselector.refresh(reread=True)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -466,6 +468,7 @@ class SparseAdamW(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._build_parts()  # every part from the constructor's own list, then the pickled settings over them
         checkpoint.setstate(self, state)
+        self.entries.index_groups()
         self.reselector.refresh()
 
     # -------------------------------------------------------------------- step

@@ -31,6 +31,8 @@ class EntryState:
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
+        # id(param) -> (param, its group), for `group_of`; the param is held so that its id is not reused.
+        self.groups_by_param: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
     def sparse_params(self) -> Iterable[tuple[dict[str, Any], torch.Tensor]]:
         for group in self.opt.param_groups:
@@ -38,11 +40,20 @@ class EntryState:
                 for p in group["params"]:
                     yield group, p
 
+    def index_groups(self) -> None:
+        """Build `group_of`'s table from the param groups (after a group is added, a load, a copy)."""
+        self.groups_by_param = {id(p): (p, group) for group in self.opt.param_groups for p in group["params"]}
+
     def group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.opt.param_groups:
-            if any(param is p for p in group["params"]):
-                return group
-        raise ValueError("param is not managed by this optimizer")
+        """The param group holding `param`: one look-up (the table is built again, once, for a param it does not
+        know, such as one put into a group's list by hand)."""
+        found = self.groups_by_param.get(id(param))
+        if found is None:
+            self.index_groups()
+            found = self.groups_by_param.get(id(param))
+            if found is None:
+                raise ValueError("param is not managed by this optimizer")
+        return found[1]
 
     def allocate(self, p: torch.Tensor, indices: torch.Tensor) -> None:
         state = self.opt.state[p]
