@@ -15,6 +15,7 @@ import torch
 import sift
 from conftest import gloo_rank, run_ranks
 from sift import SparseAdamW
+from sift.optim.reselection import Reselector
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:
@@ -90,6 +91,63 @@ def test_a_copy_of_lowest_falls_back_from_accumulation_as_the_original(make_copy
         _train_steps(model_copy, opt_copy, range(3))
     assert not opt.update_in_backward and not opt_copy.update_in_backward
     _assert_same(model, opt, model_copy, opt_copy)
+
+
+class CountingReselector(Reselector):
+    """A part swapped in by a subclass: counts its per-step resets, saves them in state_dict and carries them."""
+
+    def __init__(self, opt) -> None:
+        self.resets = 0
+        super().__init__(opt)  # which resets once
+
+    def new_step(self) -> None:
+        super().new_step()
+        self.resets += 1
+
+    def saved(self) -> dict:
+        return {**super().saved(), "counted_resets": self.resets}
+
+    def resume(self, saved: dict) -> None:
+        super().resume(saved)
+        self.resets = saved.get("counted_resets", 0)
+
+    def carried(self) -> dict:
+        return {**super().carried(), "resets": self.resets}
+
+    def carry(self, carried: dict) -> None:
+        super().carry(carried)
+        self.resets = carried.get("resets", 0)
+
+
+class CountingSparseAdamW(SparseAdamW):
+    PARTS = tuple((name, CountingReselector if name == "reselector" else part) for name, part in SparseAdamW.PARTS)
+
+
+@pytest.mark.parametrize("make_copy", COPIES)
+def test_a_part_swapped_in_by_a_subclass_is_reset_copied_and_checkpointed(make_copy):
+    """Besides SparseAdamW.PARTS the parts were listed by hand in the per-step reset and in the copies (which
+    had lost the reselector), and state_dict knew only the memory policy: a part a subclass swaps in through
+    PARTS was never reset, copied or checkpointed. All three now iterate PARTS."""
+    model = _tiny()
+    opt = CountingSparseAdamW(model.parameters(), lr=1e-2, density=0.2, reselect_every=1)
+    assert type(opt.reselector) is CountingReselector
+    resets = opt.reselector.resets
+    for step in range(3):
+        x, y = _batch(step, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.reselector.resets == resets + 1, "the step did not reset the part"
+        opt.zero_grad()
+        resets += 2
+    assert opt.reselector.resets == resets
+    clone = make_copy(opt)
+    assert type(clone.reselector) is CountingReselector and clone.reselector.opt is clone
+    assert clone.reselector.resets == resets
+    saved = opt.state_dict()
+    assert saved["sift"]["counted_resets"] == resets and "update_in_backward_auto" in saved["sift"]
+    fresh = CountingSparseAdamW(copy.deepcopy(model).parameters(), lr=1e-2, density=0.2, reselect_every=1)
+    fresh.load_state_dict(saved)
+    assert fresh.reselector.resets == resets
 
 
 # ---------------------------------------------------------------- memory="lowest" resumed

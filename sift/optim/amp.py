@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from sift.optim.part import Part
 from sift.optim.state import is_selected, local_tensor, uses_grad
 
 
@@ -61,7 +62,7 @@ def _unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor,
         torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], inv_scale.to(device))
 
 
-class ScalerLink:
+class ScalerLink(Part):
     """`SparseAdamW`'s side of GradScaler's protocol (`grad_scale`, `found_inf`), and the step's one
     agreement across ranks (`agree`)."""
 

@@ -48,15 +48,15 @@ def getstate(opt: Any) -> dict[str, Any]:
     Not carried: the process group (a handle to this process's communicator, which cannot
     be pickled; the copy has none and warns), the grad scaler (the copy has none), the grad
     hooks (the copy hooks its own params) and the kernels' launch tables (built again for the
-    copy's tensors). Carried: the compact gradients gathered this step and `memory="lowest"`'s decision.
+    copy's tensors). Carried: what each part of `opt.PARTS` carries (`Part.carried`: the compact gradients
+    gathered this step, `memory="lowest"`'s decision).
     """
     state = torch.optim.Optimizer.__getstate__(opt)
-    for name in ("entries", "grads", "selector", "amp", "steps", "memory", "last_step_skipped"):
+    for name, _ in opt.PARTS:  # the copy builds its own
         state.pop(name, None)
+    state.pop("last_step_skipped", None)
     state.update({name: getattr(opt, name) for name in PICKLED})
-    state["compact"] = opt.grads.compact
-    state["grad_ready"] = opt.grads.ready
-    state["update_in_backward_auto"] = opt.memory.auto
+    state["parts"] = {name: getattr(opt, name).carried() for name, _ in opt.PARTS}
     state["had_process_group"] = opt.process_group is not None
     return state
 
@@ -66,12 +66,14 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
     state = dict(state)
     had_process_group = state.pop("had_process_group", False)
     state.pop("process_group", None)  # pickled by earlier versions (always None there)
-    # Pickled by earlier versions under the mixins' attribute names.
-    compact = state.pop("compact", state.pop("_compact", {}))
-    ready = state.pop("grad_ready", state.pop("_grad_ready", set()))
-    auto = state.pop("update_in_backward_auto", state.pop("_update_in_backward_auto", False))
+    # Pickled by earlier versions under their own keys (before them, the mixins' attribute names).
+    legacy = {"grads": {"compact": state.pop("compact", state.pop("_compact", {})),
+                        "ready": state.pop("grad_ready", state.pop("_grad_ready", set()))},
+              "memory": {"auto": state.pop("update_in_backward_auto", state.pop("_update_in_backward_auto", False))}}
+    carried = state.pop("parts", legacy)
     torch.optim.Optimizer.__setstate__(opt, state)
-    opt.grads.compact, opt.grads.ready, opt.memory.auto = compact, ready, auto
+    for name, _ in opt.PARTS:
+        getattr(opt, name).carry(carried.get(name, {}))
     opt.__dict__.pop("keep_base", None)  # pickled by versions that had the option
     opt.__dict__.setdefault("state_layout", "exact")
     opt.__dict__.setdefault("update_in_backward", False)
@@ -98,7 +100,9 @@ def state_dict(opt: Any) -> dict[str, Any]:
     sd["sift"] = {"select_steps": opt.select_steps, "selection": opt.selection, "seed": opt.seed,
                   "state": opt.state_layout, "format": 1, "param_shapes": shapes,
                   "loss_scaled": opt.loss_scaled, "sharded_selection": opt.sharded_selection,
-                  "compact_grads": opt.compact_grads, **opt.memory.saved_mode()}
+                  "compact_grads": opt.compact_grads}
+    for name, _ in opt.PARTS:
+        sd["sift"].update(getattr(opt, name).saved())
     return sd
 
 
@@ -174,7 +178,8 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     opt.selection = meta.get("selection", opt.selection)
     opt.seed = meta.get("seed", opt.seed)
     opt.sharded_selection = meta.get("sharded_selection", opt.sharded_selection)
-    opt.memory.resume(meta)
+    for name, _ in opt.PARTS:
+        getattr(opt, name).resume(meta)
     opt.loss_scaled = bool(meta.get("loss_scaled", opt.loss_scaled))
     opt.grads.compact.clear()
     opt.grads.ready.clear()

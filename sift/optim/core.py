@@ -126,8 +126,9 @@ class SparseAdamW(torch.optim.Optimizer):
 
     # GradScaler hands `step()` its scale and inf flag (`sift.optim.amp`) instead of unscaling `.grad` itself.
     _step_supports_amp_scaling = True
-    # The parts every optimizer is composed of, by name (see `_build_parts`); a subclass may swap one for its own
-    # subclass (another selection rule, say).
+    # The parts every optimizer is composed of, by name (see `_build_parts`), each a `sift.optim.part.Part`; a
+    # subclass may swap one for its own subclass (another selection rule, say). The only list: the per-step reset,
+    # state_dict, load_state_dict and copies iterate it.
     PARTS = (("entries", EntryState), ("grads", GradRoutes), ("selector", Selector), ("amp", ScalerLink),
              ("steps", Steps), ("memory", MemoryPolicy), ("reselector", Reselector))
 
@@ -236,10 +237,8 @@ class SparseAdamW(torch.optim.Optimizer):
 
     def _forget_step_caches(self) -> None:
         """What lived for one step only, in each part (see their `new_step`)."""
-        self.selector.new_step()
-        self.amp.new_step()
-        self.grads.new_step()
-        self.reselector.new_step()
+        for name, _ in self.PARTS:
+            getattr(self, name).new_step()
 
     @classmethod
     def for_model(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from sift.optim.clip import clip_each_
+from sift.optim.part import Part
 from sift.optim.sharded import attach_sparse_backward, refresh_if_stale, refresh_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
@@ -50,7 +51,7 @@ def _gather_into(buffer: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor
         buffer.copy_(torch.index_select(flat, 0, indices))
 
 
-class GradRoutes:
+class GradRoutes(Part):
     """Where each trained weight's gradient comes from and where it waits for `step()`: the hooks of
     `compact_grads` mode, the [k] fp32 compact buffers (and the shared scratch of the update in backward),
     the 4-bit layers' delta values, and the averaging across a process group's ranks."""
@@ -90,6 +91,13 @@ class GradRoutes:
     def new_step(self) -> None:
         """Forget what lived for one step: which pending dense grads were averaged across ranks."""
         self.averaged: set[torch.Tensor] = set()
+
+    def carried(self) -> dict[str, Any]:
+        """A copy carries the compact gradients gathered this step (the hooks are the copy's own)."""
+        return {"compact": self.compact, "ready": self.ready}
+
+    def carry(self, carried: dict[str, Any]) -> None:
+        self.compact, self.ready = carried.get("compact", {}), carried.get("ready", set())
 
     def check_data_parallel(self, update_in_backward: bool | None = None) -> None:
         """compact_grads in a job of several processes: its compact gradients must be averaged by this

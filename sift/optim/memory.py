@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from sift.optim.part import Part
 from sift.optim.state import is_selected
 
 logger = logging.getLogger("sift")
@@ -104,7 +105,7 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
     return chosen, auto
 
 
-class MemoryPolicy:
+class MemoryPolicy(Part):
     """`SparseAdamW`'s side of `memory="lowest"`: the first step may still drop the update in backward."""
 
     def __init__(self, opt: Any) -> None:
@@ -158,11 +159,18 @@ class MemoryPolicy:
         self.opt.grads.hooks_ready = True
         self.opt.grads.sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
 
-    def saved_mode(self) -> dict[str, bool]:
+    def saved(self) -> dict[str, bool]:
         """What `state_dict` records of the mode: whether the update in backward is on, and whether that is
         still undecided (memory="lowest" before its first step)."""
         return {"update_in_backward": self.opt.update_in_backward,
                 "update_in_backward_auto": self.auto}
+
+    def carried(self) -> dict[str, bool]:
+        """A copy carries `memory="lowest"`'s decision as it stands."""
+        return {"auto": self.auto}
+
+    def carry(self, carried: dict[str, bool]) -> None:
+        self.auto = carried.get("auto", False)
 
     def resume(self, saved: dict[str, Any]) -> None:
         """load_state_dict: where memory="lowest" chose this optimizer's update in backward, continue as the

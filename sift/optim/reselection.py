@@ -73,6 +73,7 @@ from sift import _ops
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
 from sift.optim.clip import clip_each_
+from sift.optim.part import Part
 from sift.optim.selection import sharded_top_k
 from sift.optim.sharded import shard_group
 from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
@@ -178,7 +179,7 @@ def replaced(settings: dict[str, Any], count: int, k: int, numel: int) -> int:
     return max(0, min(int(fraction_at(settings, count) * k), numel - k))
 
 
-class Reselector:
+class Reselector(Part):
     """`SparseAdamW`'s periodic re-selection (see the module docstring): which weights re-select at the next
     step (`due`, known before its backward so that every gradient route keeps their dense gradient), the
     drop and grow each one would make (`plan`, also what `clip_grad_norm_` clips by), and the commit in

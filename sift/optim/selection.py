@@ -29,6 +29,7 @@ import torch
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._rules import random_entries, ranks_nothing, score_flags, step_score, top_k, total_score, warn_unscored
+from sift.optim.part import Part
 from sift.optim.sharded import shard_group, shard_offset
 from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
 
@@ -109,7 +110,7 @@ def sharded_top_k(scores: list[torch.Tensor], ks: list[int], group: Any) -> list
     return out
 
 
-class Selector:
+class Selector(Part):
     """`SparseAdamW`'s selection of entries, scores accumulated over `select_steps` steps: one engine for
     every 16-bit weight (scores unscaled, ties to the lower index, inf/NaN and all-zero scores left
     pending, the random stream keyed by the weight's name). 4-bit layers score through the same rules

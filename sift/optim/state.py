@@ -19,13 +19,14 @@ from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
 from sift._index import merge_disjoint as _merge_disjoint
+from sift.optim.part import Part
 
 SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
 RETIRED_KEYS = ("retired_indices", "retired_delta", "retired_base")
 
 
-class EntryState:
+class EntryState(Part):
     """`SparseAdamW`'s sparse state: the groups' sparse params, allocation at selection, `set_indices`,
     `indices_of`, `state_bytes`."""
 

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from sift import _ops
+from sift.optim.part import Part
 from sift.optim.state import is_selected, local_tensor, uses_grad
 
 
-class Steps:
+class Steps(Part):
     """The update kernels: the fused sparse step of selected weights (bucketed by device, dtype and state
     layout), torch's AdamW for `density=1.0` groups, and the lean step of the quantized layers' delta values."""
 
