@@ -259,8 +259,8 @@ class SparseAdamW(torch.optim.Optimizer):
         See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
 
         `memory` picks the memory mode (`sift.optim.memory`): "low" (the default: hook mode and the
-        sparse backward, the same result as plain mode with no dense weight gradient after
-        selection), "lowest" (also the lean state and the update in backward) or "plain" (dense
+        sparse backward, plain mode's result with no dense weight gradient after selection; 16-bit
+        weights sum micro-batches in fp32, see that module), "lowest" (also the lean state and the update in backward) or "plain" (dense
         gradients). A mode that cannot apply to this model or these arguments is dropped with one
         log line. The explicit flags override the preset: `compact_grads`, `state`,
         `update_in_backward`, and `sparse_backward` (each sparse linear weight's gradient computed

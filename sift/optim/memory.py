@@ -1,14 +1,27 @@
 """The memory presets of `SparseAdamW.for_model` and `SparseTrainer`: one argument for the four flags.
 
     memory="low"     (the default) hook mode and the sparse backward: after selection no dense
-                     weight gradient is formed or kept, only each weight's [k] gradient; the same
-                     result as plain mode (accumulation, clipping, GradScaler, checkpointing, DDP
-                     when `for_model` runs before the wrap)
+                     weight gradient is formed or kept, only each weight's [k] fp32 gradient; plain
+                     mode's result (accumulation, clipping, GradScaler, checkpointing, DDP when
+                     `for_model` runs before the wrap), as the contract below says
     memory="lowest"  "low" plus `state="lean"` (at most about 8 bytes per entry: bf16 moments by
                      stochastic rounding, not bit-identical to the exact state) and
                      `update_in_backward=True` (each weight stepped inside backward, so no [k]
                      gradient outlives its layer)
     memory="plain"   dense gradients, as `SparseAdamW(params)`
+
+What "plain mode's result" means, by weight dtype. fp32 weights: hook mode reads plain mode's gradient
+bits, micro-batches included (both sum them in fp32, in the same order); the sparse backward sums each
+entry over tokens in another order than the dense matmul, so up to float rounding. bf16/fp16 weights:
+plain mode rounds each micro-batch's gradient to the weight's dtype and sums the micro-batches in it
+(`.grad`); hook mode sums the same micro-batch gradients in fp32, and the sparse backward also forms
+each one in fp32. Not the same bits, but at least as accurate: over n micro-batch gradients g_1..g_n of an
+entry, hook mode's sum is within (n - 1) * 2**-24 * sum|g_i| of their exact sum, plain mode's within
+(n - 1) * u * sum|g_i| (u = 2**-8 for bf16, 2**-11 for fp16), and for two micro-batches it is never
+farther from it, entry by entry. Against the true (fp64) gradient both keep the rounding of each
+micro-batch's 16-bit gradient (not the sparse backward, within fp32's dot-product bound of it) and hook
+mode adds none of the sum: the norm of its error is at most plain mode's in the tests
+(tests/test_mode_equivalence.py pins each of these).
 
 A flag given explicitly (`compact_grads`, `sparse_backward`, `state`, `update_in_backward`) wins over
 the preset. Where a preset's mode cannot apply, it is dropped with one log line rather than refused:
