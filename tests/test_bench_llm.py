@@ -1,5 +1,6 @@
-"""`python -m sift.bench llm` on a tiny random Llama stand-in: the run files keep peft's layout, the
-methods compared at one count train equally many entries, and results go where they are asked to."""
+"""`python -m sift.bench llm`, the chat-model board, on a tiny random Llama stand-in: its scoring equals
+greedy generation, its forgetting measure is zero for the base, its plan resumes, its run files keep
+peft's layout, and its results go where they are asked to."""
 
 from __future__ import annotations
 
@@ -15,51 +16,162 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("nrclex")
+pytest.importorskip("afinn")
 
 from sift.bench import llm  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+TINY_RUN = llm.Config(steps=2, batch_size=2, curve_every=1, seeds=(0, 1), test_items=5, val_items=4, kl_prompts=3,
+                      eval_batch=3)
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> str:
-    """A random 2-layer Llama with a byte-level tokenizer and a ChatML template, saved as a folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for special in ("<|im_start|>", "<|im_end|>"):
-        vocab[special] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                                     pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=len(vocab), **TINY))
-    folder = str(tmp_path_factory.mktemp("tiny-llama"))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-TINY_RUN = llm.Config(steps=2, batch_size=2, test_words=3, seeds=(0,), max_new_tokens=4)
-
-
-def _methods() -> list[str]:
-    return [m for m in llm.METHODS if llm.METHODS[m].bits is None or importlib.util.find_spec("bitsandbytes")]
+    return llm.tiny_llama_dir(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_folder) -> list[dict]:
-    return llm.run_suite(TINY_RUN, _methods(), tiny_folder, isolate=False, progress=False)
+def tiny(tiny_folder):
+    from sift.demo.llm import load_smollm2
+
+    return load_smollm2(tiny_folder)
 
 
-def test_every_run_file_keeps_peft_method_comparison_layout(runs):
-    assert [r["run_info"]["experiment_name"].split("/")[0] for r in runs] == _methods()
+def _methods() -> list[str]:
+    return [m for m in ("zero-shot", "sift attn 1%", "sift all 0.25%", "lora matched", "lora r16 all", "shira matched",
+                        "sparta 1%", "full", "sift attn 1% nf4", "qlora r16 all")
+            if llm.METHODS[m].bits is None or importlib.util.find_spec("bitsandbytes")]
+
+
+@pytest.fixture(scope="module")
+def board(tiny_folder, tmp_path_factory):
+    """One learning rate per method (the grid's logic has its own tests), seeds 0 and 1, every method."""
+    root = str(tmp_path_factory.mktemp("board"))
+    saved = dict(llm.METHODS)
+    try:
+        for m in _methods():
+            llm.METHODS[m] = llm.Method(**{**llm.METHODS[m].__dict__, "lrs": llm.METHODS[m].lrs[1:2] or (0.0,)})
+        llm.run_board(TINY_RUN, root, tiny_folder, tasks=["sentiment"], methods=_methods(), isolate=False,
+                      progress=False)
+        runs = llm.load_runs(root)
+        table = llm.rows(runs, TINY_RUN)
+    finally:
+        llm.METHODS.clear()
+        llm.METHODS.update(saved)
+    return root, runs, table
+
+
+def test_tasks_split_once_into_disjoint_parts_from_human_labels():
+    """Test, validation and train are disjoint, fixed across calls; sentiment is balanced, emotion single-label."""
+    for task in llm.TASKS.values():
+        splits = task.splits()
+        assert splits == task.splits()
+        assert len(splits["test"]) == 300 and len(splits["val"]) == 200 and len(splits["train"]) > 1500
+        words = [{w for w, _ in part} for part in splits.values()]
+        assert sum(len(w) for w in words) == len(set().union(*words))
+        assert {a for part in splits.values() for _, a in part} == set(task.answers)
+    sentiment = llm.TASKS["sentiment"].items()
+    assert sum(a == "positive" for _, a in sentiment) * 2 == len(sentiment)
+    from afinn import Afinn
+
+    scorer = Afinn()  # the package's own reader of the same word list
+    assert all((scorer.score(w) > 0) == (a == "positive") and scorer.score(w) != 0 for w, a in sentiment[::25])
+    answer, share = llm.best_constant(llm.TASKS["emotion"].splits()["test"])
+    assert answer == "trust" and 0.2 < share < 0.4
+    assert llm.best_constant([("a", "x"), ("b", "x"), ("c", "y")]) == ("x", 2 / 3)
+
+
+def test_teacher_forced_answers_are_what_greedy_generation_emits(tiny):
+    """Scoring without generation, on left-padded rows of different lengths: the argmax at each answer position
+    is the token `generate` emits there (positions follow the mask, as in `generate`)."""
+    model, tokenizer = tiny
+    task = llm.TASKS["emotion"]
+    words = ["a", "abandonment", "zest", "kindness and more"]
+    prompts = [llm.prompt_ids(tokenizer, task.question.format(word=w)) for w in words]
+    ids, mask, _ = llm.left_pad(prompts, llm.end_id(tokenizer))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         pad_token_id=llm.end_id(tokenizer))[:, ids.shape[1]:]
+    examples = [(p + out[i].tolist(), 4) for i, p in enumerate(prompts)]
+    logits, targets = llm.answer_logits(model, examples, llm.end_id(tokenizer))
+    assert torch.equal(targets, out) and torch.equal(logits.argmax(-1), out)
+
+
+class _Oracle(torch.nn.Module):
+    """A stand-in model whose argmax is the sequence's own next token (a perfect greedy answerer), except at
+    the answer's `wrong_at`-th token from the end in the rows `wrong_rows`."""
+
+    def __init__(self, vocab: int, wrong_rows: set[int], wrong_at: int):
+        super().__init__()
+        self.vocab, self.wrong_rows, self.wrong_at = vocab, wrong_rows, wrong_at
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep):
+        following = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+        logits = torch.nn.functional.one_hot(following, self.vocab).float()
+        for row in self.wrong_rows:
+            position = input_ids.shape[1] - 1 - self.wrong_at
+            logits[row, position] = torch.roll(logits[row, position], 1)
+        return transformers.modeling_outputs.CausalLMOutput(logits=logits[:, -logits_to_keep:])
+
+
+@pytest.mark.parametrize("wrong_at", [1, 2], ids=["end-of-turn-wrong", "last-word-token-wrong"])
+def test_exact_match_needs_every_answer_token_and_the_end(tiny, wrong_at):
+    """Exact match is right only when every answer token and the closing `<|im_end|>` are the argmax; the padding
+    of rows of other lengths never counts."""
+    _, tokenizer = tiny
+    task = llm.TASKS["emotion"]
+    items = [("a", "anticipation"), ("abandonment", "fear"), ("zest", "joy"), ("b", "surprise"), ("cc", "trust")]
+    for wrong in ({1, 3}, set(), {0, 1, 2, 3, 4}):
+        oracle = _Oracle(len(tokenizer), wrong, wrong_at)
+        exact, _ = llm.score(oracle, tokenizer, task, items, batch_size=len(items))
+        assert exact == pytest.approx(1 - len(wrong) / len(items)), (wrong, exact)
+
+
+def test_chat_kl_is_zero_for_the_base_and_grows_with_a_change(tiny_folder, tiny, tmp_path):
+    """The forgetting measure: the base against its own cached reference is 0; a perturbed layer is not."""
+    model, tokenizer = tiny
+    prompts = llm.CHAT_PROMPTS[:4]
+    reference = llm.base_reference(tiny_folder, tokenizer, prompts, str(tmp_path))
+    assert reference["log_probs"].shape[:2] == (4, llm.KL_REPLY_TOKENS + 1)
+    again = llm.base_reference(tiny_folder, tokenizer, prompts, str(tmp_path))  # from the cache file
+    assert torch.equal(again["log_probs"], reference["log_probs"]) and len(os.listdir(tmp_path)) == 1
+    assert llm.mean_kl(model, reference, llm.end_id(tokenizer)) == pytest.approx(0.0, abs=1e-6)
+    changed = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(20.0)
+    assert llm.mean_kl(changed, reference, llm.end_id(tokenizer)) > 1e-4
+    assert len(llm.CHAT_PROMPTS) == len(set(llm.CHAT_PROMPTS)) == 100
+
+
+def _run(task: str, method: str, lr: float, seed: int, steps: int, val: float) -> dict:
+    return {"run_info": {"train_config": {"task": task, "method": method, "optimizer_kwargs": {"lr": lr},
+                                          "seed": seed, "max_steps": steps}},
+            "train_info": {"metrics": [{"val exact": val}]}}
+
+
+def test_plan_picks_the_best_validation_rate_and_runs_the_seeds_there():
+    """Seeds wait for the whole grid; the best validation rate wins (ties: the lower rate); done runs are skipped."""
+    config = llm.Config(steps=8, seeds=(0, 1, 2))
+    method = "sift attn 1%"
+    lrs = llm.METHODS[method].lrs
+    runs = [_run("sentiment", method, lrs[0], 0, 8, 0.5), _run("sentiment", method, lrs[1], 0, 8, 0.7)]
+    todo = llm.pending(runs, config, ["sentiment"], [method])
+    assert [(s.lr, s.seed) for s in todo] == [(lrs[2], 0)]
+    runs.append(_run("sentiment", method, lrs[2], 0, 8, 0.7))
+    assert llm.best_lr(runs, "sentiment", method, 8) == lrs[1]
+    todo = llm.pending(runs, config, ["sentiment"], [method])
+    assert [(s.lr, s.seed) for s in todo] == [(lrs[1], 1), (lrs[1], 2)]
+    runs.append(_run("sentiment", method, lrs[1], 1, 8, 0.6))
+    assert [(s.lr, s.seed) for s in llm.pending(runs, config, ["sentiment"], [method])] == [(lrs[1], 2)]
+    assert llm.best_lr(runs, "sentiment", method, 16) is None  # another length is another grid
+    grids_first = llm.pending([], config, ["sentiment", "emotion"], ["zero-shot", method])
+    assert [s.method for s in grids_first][:2] == ["zero-shot", "zero-shot"] and all(s.seed == 0 for s in grids_first)
+
+
+def test_every_run_file_keeps_peft_method_comparison_layout(board):
+    _, runs, _ = board
+    names = {r["run_info"]["train_config"]["method"] for r in runs}
+    assert names == set(_methods())
     for run in runs:
         assert set(run) == {"run_info", "train_info", "meta_info"}
         assert {"created_at", "total_time", "experiment_name", "train_config", "peft_config",
@@ -67,48 +179,65 @@ def test_every_run_file_keeps_peft_method_comparison_layout(runs):
         info = run["train_info"]
         assert {"train_time", "file_size", "num_trainable_params", "num_total_params", "status", "metrics"} <= set(info)
         last = info["metrics"][-1]
-        assert 0.0 <= last["test accuracy"] <= 1.0 and last["step"] == (0 if info["num_trainable_params"] == 0 else 2)
-        assert {"model_info", "dataset_info", "package_info", "system_info"} <= set(run["meta_info"])
-        json.dumps(run)  # every value serialises
+        for key in ("val exact", "test exact", "test choice", "emotion test choice"):
+            assert 0.0 <= last[key] <= 1.0
+        assert last["chat kl"] >= 0.0 and len(last["sample answers"]) == 4
+        json.dumps(run)
         if info["num_trainable_params"]:
-            assert info["file_size"] > 0 and last["tokens / sec"] > 0 and last["train total tokens"] > 0
+            assert last["step"] == 2 and [m["step"] for m in info["metrics"]] == [1, 2]
+            assert info["file_size"] > 0 and last["tokens / sec"] > 0
+    # Seeds 0 and 1 of every trained method; zero-shot once.
+    seeds = {}
+    for run in runs:
+        c = run["run_info"]["train_config"]
+        seeds.setdefault(c["method"], set()).add(c["seed"])
+    assert all(s == ({0} if m == "zero-shot" else {0, 1}) for m, s in seeds.items())
 
 
-def test_methods_at_one_count_train_equally_many_entries(runs, tiny_folder):
-    """sift, its random twin and its NF4 twin train the same entries; LoRA, QLoRA and SHiRA the rank's
-    r * (in + out), within half a rank of sift's count."""
-    count = {r["run_info"]["experiment_name"].split("/")[0]: r["train_info"]["num_trainable_params"] for r in runs}
-    # q_proj and o_proj are 64 x 64; k_proj and v_proj 32 x 64 (2 of 4 heads share keys and values).
-    shapes = [(64, 64), (32, 64), (32, 64), (64, 64)] * TINY["num_hidden_layers"]
+def test_a_rerun_skips_what_is_done(board, tiny_folder):
+    """The board accumulates: a second runner over the same folder finds nothing left and changes no file."""
+    root, _, _ = board
+    before = {p: p.stat().st_mtime for p in pathlib.Path(root).rglob("*.json")}
+    saved = dict(llm.METHODS)
+    try:
+        for m in _methods():
+            llm.METHODS[m] = llm.Method(**{**llm.METHODS[m].__dict__, "lrs": llm.METHODS[m].lrs[1:2] or (0.0,)})
+        assert llm.run_board(TINY_RUN, root, tiny_folder, tasks=["sentiment"], methods=_methods(), isolate=False,
+                             progress=False) == []
+    finally:
+        llm.METHODS.clear()
+        llm.METHODS.update(saved)
+    assert {p: p.stat().st_mtime for p in pathlib.Path(root).rglob("*.json")} == before
+
+
+def test_methods_at_one_count_train_equally_many_entries(board, tiny_folder):
+    """sift, its random twin and its NF4 twin train the same entries; LoRA and SHiRA at the matched rank train
+    r * (in + out), within half a rank of sift's count; all-linear at 0.25% about the attention 1% budget."""
+    _, runs, _ = board
+    count = {r["run_info"]["train_config"]["method"]: r["train_info"]["num_trainable_params"] for r in runs}
+    layers = 2
+    shapes = [(64, 64), (32, 64), (32, 64), (64, 64)] * layers  # q, k, v, o of the tiny Llama
     sift_entries = sum(math.ceil(0.01 * rows * cols) for rows, cols in shapes)
     per_rank = sum(rows + cols for rows, cols in shapes)
-    assert count["sift-1%"] == count["sparta"] == sift_entries
-    assert count["lora"] == count["shira"] == per_rank * max(1, round(sift_entries / per_rank))
-    assert abs(count["lora"] - sift_entries) <= per_rank / 2 or count["lora"] == per_rank
-    if "qlora" in count:
-        assert count["qlora"] == count["lora"] and count["sift-1% nf4"] == sift_entries
+    assert count["sift attn 1%"] == count["sparta 1%"] == sift_entries
+    assert count["lora matched"] == count["shira matched"] == per_rank * max(1, round(sift_entries / per_rank))
+    mlp = [(128, 64), (128, 64), (64, 128)] * layers
+    assert count["sift all 0.25%"] == sum(math.ceil(0.0025 * r * c) for r, c in shapes + mlp)
+    assert count["lora r16 all"] == 16 * sum(r + c for r, c in shapes + mlp)
+    if "qlora r16 all" in count:
+        assert count["qlora r16 all"] == count["lora r16 all"] and count["sift attn 1% nf4"] == sift_entries
     assert count["zero-shot"] == 0
     full = transformers.LlamaForCausalLM.from_pretrained(tiny_folder)
     assert count["full"] == sum(p.numel() for p in full.parameters())
 
 
-def test_each_seed_runs_in_a_fresh_process(tiny_folder):
-    """A method's later seeds ran in its first seed's process, whose freed heap made their peak RSS growth read low."""
-    config = llm.Config(steps=1, batch_size=2, test_words=2, seeds=(0, 1), max_new_tokens=2)
-    runs = llm.run_suite(config, ["sift-1%"], tiny_folder, isolate=True, progress=False)
-    pids = [r["train_info"]["pid"] for r in runs]
-    assert len(pids) == 2 and len(set(pids)) == 2 and os.getpid() not in pids
-
-
-def test_loss_is_on_the_answer_tokens_only(tiny_folder):
-    """The prompt's tokens carry no loss: changing the logits before the answer leaves the loss unchanged."""
-    from sift.demo.llm import load_smollm2
-
-    model, tokenizer = load_smollm2(tiny_folder)
-    examples = [llm.encode_example(tokenizer, "abandon", "fear, sadness"), llm.encode_example(tokenizer, "abbot", "trust")]
-    loss, tokens = llm.batch_loss(model, examples, tokenizer.pad_token_id)
+def test_loss_is_on_the_answer_tokens_only(tiny):
+    """The prompt's tokens carry no loss: the loss equals cross-entropy over each example's answer, unpadded."""
+    model, tokenizer = tiny
+    task = llm.TASKS["emotion"]
+    examples = [llm.encode_example(tokenizer, task, "abandon", "fear"), llm.encode_example(tokenizer, task, "ab", "trust")]
+    loss, tokens = llm.batch_loss(model, examples, llm.end_id(tokenizer))
     assert tokens == sum(len(ids) for ids, _ in examples)
-    # Reference: full logits, cross-entropy over each example's last n targets, unpadded.
     per_token = []
     for ids, n in examples:
         logits = model(input_ids=torch.tensor([ids])).logits[0]
@@ -116,55 +245,53 @@ def test_loss_is_on_the_answer_tokens_only(tiny_folder):
     torch.testing.assert_close(loss, torch.cat(per_token).mean(), rtol=1e-4, atol=1e-5)
 
 
-def test_answers_are_scored_as_sets():
-    assert llm.answer_of(["trust", "negative", "anger"]) == "anger, trust"
-    assert llm.answer_of(["positive"]) == "none"
-    assert llm.parse_answer("Trust, anger.") == llm.parse_answer("anger, trust") == frozenset({"anger", "trust"})
-    assert llm.parse_answer("none") == llm.parse_answer("") == frozenset()
-    assert llm.parse_answer("anger") != llm.parse_answer("anger, fear")
-    train, test = llm.load_words(test_words=10)
-    assert len(test) == 10 and len(train) == 6468 - 10 and not {w for w, _ in test} & {w for w, _ in train}
+def _row(task, method, exact, kl, other, std=0.01):
+    return {"task": task, "method": method, "test_exact": [exact - std, exact + std], "test_exact_std": std * 2 ** 0.5,
+            "chat_kl": [kl], "other_choice": [other], "seeds": [0, 1]}
 
 
-def test_default_words_evoke_an_emotion_and_the_best_constant_is_the_baseline():
-    """On all words "none" (31%) beat every short run, so the default run keeps words with an emotion."""
-    assert llm.Config().evoking_only
-    train, test = llm.load_words(test_words=100, evoking_only=True)
-    assert len(train) + len(test) == 4463 and all(a != "none" for _, a in train + test)
-    answer, share = llm.best_constant(test)
-    counts = {a: sum(g == a for _, g in test) for _, a in test}
-    assert share == max(counts.values()) / 100 and counts[answer] == max(counts.values())
-    assert llm.best_constant([("a", "none"), ("b", "none"), ("c", "fear")]) == ("none", 2 / 3)
+def test_targets_report_each_verdict_with_its_figures_and_noise():
+    """Means over both tasks; a gap inside the seed spread is called within noise; a task missing: not measured."""
+    table = [_row(t, m, *v) for t in ("sentiment", "emotion") for m, v in (
+        ("sift attn 1%", (0.80, 0.010, 0.70)), ("lora matched", (0.77, 0.020, 0.69)),
+        ("lora r16 all", (0.805, 0.030, 0.60)), ("full", (0.815, 0.050, 0.50)))]
+    lines = llm.verdicts(table)
+    text = "\n".join(lines)
+    assert "- accuracy >= LoRA at the matched count + 2: 80.0 vs 77.0 (+3.0 points): met" in text
+    assert "- accuracy >= LoRA r=16 all-linear: 80.0 vs 80.5 (-0.5 points): NOT met (gap within the seed spread" in text
+    assert "- accuracy within 1 of full: 80.0 vs 81.5 (-1.5 points): NOT met\n" in text + "\n"
+    assert "- chat KL <= full's: 0.0100 vs 0.0500: met" in text
+    assert "- other-task choice accuracy >= lora matched's: 70.0 vs 69.0: met" in text
+    partial = [r for r in table if not (r["task"] == "emotion" and r["method"] == "full")]
+    assert "- accuracy within 1 of full: not measured yet" in llm.verdicts(partial)
 
 
-def test_targets_report_each_verdict_with_its_figures():
-    def row(method, acc, step_s, mib, size):
-        return {"method": method, "accuracy_mean": acc, "step_s": step_s, "peak_rss_growth_mib": mib,
-                "file_bytes": size}
-    lines = llm.targets([row("sift-1%", 0.30, 4.0, 100, 1100), row("lora", 0.29, 3.0, 120, 1000),
-                         row("full", 0.315, 6.0, 900, 10**6), row("sift-1% nf4", 0.28, 4.0, 130, 1100),
-                         row("qlora", 0.2, 3.0, 125, 1000)])
-    verdicts = {line.split(":")[0]: line.rsplit(": ", 1)[1] for line in lines}
-    assert verdicts == {"sift-1% accuracy >= lora's": "met", "sift-1% s/step <= lora's": "NOT met",
-                        "sift-1% peak RSS growth <= lora's": "met", "sift-1% saved bytes <= 1.1x lora's": "met",
-                        "sift-1% accuracy within 1 point of full": "NOT met",
-                        "sift-1% nf4 accuracy within 1 point of sift-1%": "NOT met",
-                        "sift-1% nf4 peak RSS growth <= qlora's": "NOT met"}
-    assert "30.0 vs 29.0 (+1.0 points)" in lines[0] and "(1.33x)" in lines[1]
+def test_report_states_validity_with_its_figures(board):
+    _, _, table = board
+    text = llm.markdown(table, TINY_RUN, None)
+    assert "#### Validity" in text and "needs >= 15" in text and "constant \"" in text
+    assert "sift attn 1% (default)" in text
+
+
+def test_each_run_is_its_own_process(tiny_folder, tmp_path):
+    """A run in a reused process reads the heap a former run freed, so its peak RSS growth reads low."""
+    spec = llm.RunSpec("sentiment", "sift attn 1%", 1e-3, 0, 1)
+    config = llm.Config(steps=1, batch_size=2, curve_every=2, seeds=(0,), test_items=2, val_items=2, kl_prompts=2)
+    run = llm._run_isolated(spec, tiny_folder, config, str(tmp_path), isolate=True)
+    assert run["train_info"]["pid"] != os.getpid()
 
 
 def _snapshot(folder: pathlib.Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime for p in folder.rglob("*")} if folder.is_dir() else {}
 
 
-def test_results_go_to_a_cache_folder_unless_asked(tiny_folder, tmp_path, monkeypatch, capsys):
-    """`python -m sift.bench llm` writes nothing into the checkout's bench/results unless --results-dir says so."""
-    import sift.demo.llm
+def test_results_go_to_a_cache_folder_unless_asked(tmp_path, monkeypatch, capsys):
+    """`python -m sift.bench llm --quick` writes nothing into the checkout's bench/results unless asked."""
     from sift.bench import __main__ as bench_main
 
-    monkeypatch.setattr(sift.demo.llm, "smollm2_dir", lambda progress=True: tiny_folder)
-    monkeypatch.setattr(llm, "QUICK", TINY_RUN)
-    monkeypatch.setattr(llm, "METHODS", {m: llm.METHODS[m] for m in ("zero-shot", "sift-1%")})
+    monkeypatch.setattr(llm, "QUICK_METHODS", ("zero-shot", "sift attn 1%"))
+    monkeypatch.setattr(llm, "QUICK", llm.Config(steps=1, batch_size=2, curve_every=2, seeds=(0,), test_items=2,
+                                                 val_items=2, kl_prompts=2, eval_batch=2))
     monkeypatch.delenv("SIFT_BENCH_DIR", raising=False)
     monkeypatch.setenv("SIFT_CACHE", str(tmp_path / "cache"))
     committed = _snapshot(REPO / "bench" / "results")
@@ -174,15 +301,8 @@ def test_results_go_to_a_cache_folder_unless_asked(tiny_folder, tmp_path, monkey
         assert "compiled kernels" in str(exc)
     assert _snapshot(REPO / "bench" / "results") == committed
     out = tmp_path / "cache" / "bench-results"
-    assert (out / "llm-cpu-quick.md").is_file() and len(list((out / "llm-cpu-quick").glob("*.json"))) == 2
+    assert (out / "llm-cpu-quick.md").is_file() and (out / "llm-cpu-quick.json").is_file()
     assert str(out) in capsys.readouterr().out
-    asked = tmp_path / "asked"
-    try:
-        bench_main.main(["llm", "--quick", "--results-dir", str(asked)])
-    except SystemExit as exc:
-        assert "compiled kernels" in str(exc)
-    assert (asked / "llm-cpu-quick.json").is_file()
-    assert _snapshot(REPO / "bench" / "results") == committed
 
 
 def test_missing_model_package_names_the_extra(monkeypatch):
@@ -207,3 +327,6 @@ def test_real_smollm2_folder_is_plain_fp32():
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert llm.matched_rank(model) == 2  # 265,440 sift entries against 115,200 per rank
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
+    for task in llm.TASKS.values():  # the fast choice path: every answer's first token differs
+        firsts = [tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in task.answers]
+        assert len(set(firsts)) == len(firsts)

