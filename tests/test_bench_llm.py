@@ -184,7 +184,8 @@ def test_every_run_file_keeps_peft_method_comparison_layout(board):
         assert last["chat kl"] >= 0.0 and len(last["sample answers"]) == 4
         json.dumps(run)
         if info["num_trainable_params"]:
-            assert last["step"] == 2 and [m["step"] for m in info["metrics"]] == [1, 2]
+            curve = [1, 2] if run["run_info"]["train_config"]["seed"] == 0 else [2]  # the curve: seed 0 only
+            assert last["step"] == 2 and [m["step"] for m in info["metrics"]] == curve
             assert info["file_size"] > 0 and last["tokens / sec"] > 0
     # Seeds 0 and 1 of every trained method; zero-shot once.
     seeds = {}

@@ -241,7 +241,7 @@ class Config:
     steps: int = 64
     batch_size: int = 8
     curve_every: int = 16  # validation accuracy every this many steps
-    curve_items: int = 100  # on the first this many validation items (the last point: all of them)
+    curve_items: int = 100  # on the first this many validation items (the last point: all of them); seed 0 only
     seeds: tuple[int, ...] = (0, 1, 2)
     test_items: int = TEST_ITEMS
     val_items: int = VAL_ITEMS
@@ -259,8 +259,12 @@ QUICK = Config(steps=2, batch_size=2, curve_every=1, seeds=(0,), test_items=6, v
 
 
 def prompt_ids(tokenizer: Any, question: str) -> list[int]:
-    """The chat template's tokens for one user turn and the assistant's opening."""
-    messages = [{"role": "user", "content": question}]
+    """The chat template's tokens for an empty system turn, one user turn and the assistant's opening.
+
+    The empty system turn replaces SmolLM2's default one ("You are a helpful AI assistant named SmolLM..."),
+    16 tokens that would make every item a third longer to train and score on this CPU.
+    """
+    messages = [{"role": "system", "content": ""}, {"role": "user", "content": question}]
     return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)["input_ids"]
 
@@ -553,7 +557,7 @@ def train_once(spec: RunSpec, folder: str, config: Config, cache_dir: str,
         losses.append(float(loss.detach()))
         if progress is not None:
             progress(1)
-        if (step + 1) % config.curve_every == 0 and step + 1 < steps:
+        if (step + 1) % config.curve_every == 0 and step + 1 < steps and spec.seed == config.seeds[0]:
             curve.append({"step": step + 1, "val exact": score(net, tokenizer, task, splits["val"][:config.curve_items],
                                                                config.eval_batch)[0], "val items": config.curve_items,
                           "train loss": statistics.fmean(losses[-config.curve_every:])})
