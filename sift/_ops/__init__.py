@@ -22,7 +22,8 @@ whichever backend runs.
 
 Layout: `registry` (the registry, `resolve`, `call`, `define_schema`), `step` (what the step
 ops share), then one module per op family: `sparse_adamw`, `sparse_adamw_lean`, `delta`,
-`singular_values`, `weight_grad`. Importing this package defines every op; their names are
+`singular_values`, `weight_grad`, `mixed_delta` (one batch served with many sparse deltas).
+Importing this package defines every op; their names are
 re-exported here, so `sift._ops.<name>` is the one path callers use.
 """
 
@@ -38,13 +39,17 @@ from sift._ops.singular_values import CPP_SINGULAR_VALUES_MAX_K, singular_values
 from sift._ops.sparse_adamw_lean import (LEAN_WINDOW, LEAN_WINDOW_BITS, checked_lean_indices, decode_lean_indices,
                                          encode_lean_indices, lean_num_windows, lean_random_bits, lean_round_bf16,
                                          lean_unit, sparse_adamw_lean_ref)
+from sift._ops.mixed_delta import (MIXED_DELTA_MATMUL_DTYPES, DeltaBank, check_mixed_delta_matmul_args,
+                                   mixed_delta_matmul_, mixed_delta_matmul_ref)
 from sift._ops.weight_grad import (SPARSE_WEIGHT_GRAD_DTYPES, check_sparse_weight_grad_args,
                                    register_weight_grad_route, sparse_weight_grad, sparse_weight_grad_ref)
 
-__all__ = ["BACKENDS", "CPP_SINGULAR_VALUES_MAX_K", "LEAN_WINDOW", "LEAN_WINDOW_BITS", "SPARSE_WEIGHT_GRAD_DTYPES", "Op",
-           "backend_unavailable_reason", "call", "check_sparse_weight_grad_args", "checked_lean_indices",
+__all__ = ["BACKENDS", "CPP_SINGULAR_VALUES_MAX_K", "LEAN_WINDOW", "LEAN_WINDOW_BITS", "MIXED_DELTA_MATMUL_DTYPES",
+           "SPARSE_WEIGHT_GRAD_DTYPES", "DeltaBank", "Op", "backend_unavailable_reason", "call",
+           "check_mixed_delta_matmul_args", "check_sparse_weight_grad_args", "checked_lean_indices",
            "decode_lean_indices", "define", "define_ordered", "define_schema", "encode_lean_indices", "forced_backend",
            "lean_num_windows", "lean_random_bits", "lean_round_bf16", "lean_unit", "log", "merge_sorted_deltas_ref",
+           "mixed_delta_matmul_", "mixed_delta_matmul_ref",
            "ops", "originals_like", "register", "register_weight_grad_route", "resolve", "singular_values_gram_eigvalsh",
            "singular_values_ref", "sparse_adamw_lean_ref", "sparse_adamw_ref", "sparse_delta_apply_ref", "sparse_delta_restore_ref",
            "sparse_weight_grad", "sparse_weight_grad_ref"]

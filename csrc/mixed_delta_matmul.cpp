@@ -1,0 +1,135 @@
+// Mixed sparse deltas in one batch on CPU: for y = x W^T over T tokens, W [R, C], and a bank
+// of n sparse deltas of W in CSR form (row_ptr [n, R + 1] int64 global offsets, col [nnz] int32,
+// val [nnz] fp32), with d = ids[t]:
+//   d == -1:  y[t] untouched
+//   d >= 0:   y[t, i] = S(float(y[t, i]) + sum_{e in row i of delta d} val[e] * float(x[t, col[e]]))
+// with y [T, R] and x [T, C] in fp32, bf16 or fp16 (S), sums in fp32 in entry order. The contract
+// and the plain-torch reference are in sift/_ops/ (mixed_delta_matmul_ref).
+//
+// Threads take (token, block of ROW_BLOCK output rows) pairs: each writes its own part of y, so
+// no two threads touch one value, and a decode step (a few tokens) still spreads over the
+// cores. Tokens with id -1 are skipped. The op is public (torch.ops.sift.*): ids and row
+// pointers are checked before anything is written (O(T + n R)), and each column index as it is
+// read (a branch that is never taken on valid input); a bad column stops the call with an error.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace sift {
+namespace {
+
+// Output rows per task: with a few entries per row, about a microsecond of work.
+constexpr int64_t ROW_BLOCK = 256;
+
+template <typename S>
+void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& row_ptr,
+         const at::Tensor& col, const at::Tensor& val, std::atomic<int64_t>& bad_col) {
+  const int64_t T = y.size(0), R = y.size(1), C = x.size(1);
+  const int64_t ld_y = y.stride(0), ld_x = x.stride(0);
+  S* __restrict yp = y.data_ptr<S>();
+  const S* __restrict xp = x.data_ptr<S>();
+  const int32_t* __restrict idp = ids.data_ptr<int32_t>();
+  const int64_t* __restrict ptr = row_ptr.data_ptr<int64_t>();
+  const int32_t* __restrict cp = col.data_ptr<int32_t>();
+  const float* __restrict vp = val.data_ptr<float>();
+  const int64_t blocks = (R + ROW_BLOCK - 1) / ROW_BLOCK;
+  at::parallel_for(0, T * blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t t = task / blocks;
+      const int32_t d = idp[t];
+      if (d < 0) continue;
+      const int64_t r0 = (task - t * blocks) * ROW_BLOCK, r1 = std::min(R, r0 + ROW_BLOCK);
+      const int64_t* rows = ptr + static_cast<int64_t>(d) * (R + 1);
+      const S* xt = xp + t * ld_x;
+      S* yt = yp + t * ld_y;
+      for (int64_t i = r0; i < r1; ++i) {
+        const int64_t e0 = rows[i], e1 = rows[i + 1];
+        if (e0 == e1) continue;  // float(y) rounds back to y: nothing to write
+        float acc = 0.0f;
+        for (int64_t e = e0; e < e1; ++e) {
+          const int32_t c = cp[e];
+          if (static_cast<uint32_t>(c) >= static_cast<uint64_t>(C)) {
+            bad_col.store(e, std::memory_order_relaxed);
+            break;
+          }
+          acc += vp[e] * static_cast<float>(xt[c]);
+        }
+        yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
+      }
+    }
+  });
+}
+
+void mixed_delta_matmul_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& delta_ids,
+                            const at::Tensor& row_ptr, const at::Tensor& col_indices, const at::Tensor& values,
+                            int64_t max_row_entries) {
+  TORCH_CHECK(y.dim() == 2, "y must be 2-D [T, R], got ", y.dim(), "-D");
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [T, C], got ", x.dim(), "-D");
+  TORCH_CHECK(y.size(0) == x.size(0), "y and x must have the same number of rows, got ", y.size(0), " and ",
+              x.size(0));
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "y and x must have the same dtype, got ", y.scalar_type(), " and ",
+              x.scalar_type());
+  const auto dtype = y.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "y must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(y.size(1) <= 1 || y.stride(1) == 1, "y rows must be contiguous");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "x rows must be contiguous");
+  const int64_t T = y.size(0), R = y.size(1);
+  TORCH_CHECK(delta_ids.dim() == 1 && delta_ids.is_contiguous() && delta_ids.scalar_type() == at::kInt &&
+                  delta_ids.numel() == T,
+              "delta_ids must be a contiguous 1-D int32 tensor of T = ", T, " ids");
+  TORCH_CHECK(row_ptr.dim() == 2 && row_ptr.is_contiguous() && row_ptr.scalar_type() == at::kLong &&
+                  row_ptr.size(1) == R + 1,
+              "row_ptr must be a contiguous int64 [n_deltas, R + 1] tensor with R + 1 = ", R + 1);
+  TORCH_CHECK(col_indices.dim() == 1 && col_indices.is_contiguous() && col_indices.scalar_type() == at::kInt,
+              "col_indices must be a contiguous 1-D int32 tensor");
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat &&
+                  values.numel() == col_indices.numel(),
+              "values must be a contiguous float32 tensor with one value per column index");
+  TORCH_CHECK(max_row_entries >= 0, "max_row_entries must be >= 0, got ", max_row_entries);
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &x, &delta_ids, &row_ptr, &col_indices, &values}) {
+    TORCH_CHECK(t->device().is_cpu(), "mixed_delta_matmul_ takes CPU tensors");
+  }
+  const int64_t n = row_ptr.size(0), nnz = col_indices.numel();
+  // Every read the kernel makes through an id or a row pointer stays inside its tensor.
+  const int32_t* idp = delta_ids.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(idp[t] >= -1 && idp[t] < n, "delta_ids has ", idp[t], " at position ", t, ", outside [-1, ", n, ")");
+  }
+  const int64_t* ptr = row_ptr.data_ptr<int64_t>();
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t* rows = ptr + d * (R + 1);
+    TORCH_CHECK(rows[0] >= 0 && rows[R] <= nnz, "row_ptr[", d, "] spans [", rows[0], ", ", rows[R], "), outside [0, ",
+                nnz, ")");
+    for (int64_t i = 0; i < R; ++i) {
+      TORCH_CHECK(rows[i] <= rows[i + 1], "row_ptr[", d, "] decreases at row ", i);
+    }
+  }
+  if (T == 0 || R == 0 || n == 0) return;
+  std::atomic<int64_t> bad_col{-1};
+  switch (dtype) {
+    case at::kFloat:
+      run<float>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
+      break;
+    default:
+      run<c10::Half>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
+      break;
+  }
+  const int64_t e = bad_col.load();
+  TORCH_CHECK(e < 0, "col_indices has ", e < 0 ? 0 : col_indices.data_ptr<int32_t>()[e], " at position ", e,
+              ", outside [0, ", x.size(1), ") (y was partly written)");
+}
+
+}  // namespace
+
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
+TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("mixed_delta_matmul_", &mixed_delta_matmul_cpu); }
+
+}  // namespace sift

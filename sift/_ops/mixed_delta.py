@@ -1,0 +1,226 @@
+"""The `mixed_delta_matmul_` op: a linear layer's output gains, token by token, the product of
+that token's input with the sparse delta its row of the batch is served with (one batch, many
+fine-tunes over one base); its argument checks, reference and the checked entry."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sift._ops.registry import _no_output, call, define, define_schema, register
+from sift.triton_kernels._delta_bank import DeltaBank
+
+
+# ---------------------------------------------------------------------------------------
+# mixed_delta_matmul_(y, x, delta_ids, bank): for y = x W^T over T tokens, W [R, C], and a bank
+# of n sparse deltas of W (`DeltaBank`: CSR per delta, concatenated), with d = delta_ids[t]:
+#   d == -1:  y[t] is left as it is, bit for bit
+#   d >= 0:   y[t, i] = dtype(fp32(y[t, i]) + sum_{e in row i of delta d} values[e] * fp32(x[t, col[e]]))
+# y [T, R] and x [T, C] share one dtype (fp32, bf16 or fp16) and their leading dims (flattened
+# into T); delta_ids [T] int32/int64 in [-1, n). Products and sums are fp32 (summation order is the
+# backend's); a row with no entries keeps its value exactly (a 16-bit value survives fp32).
+#
+# Layout: one delta id per token, not tokens sorted into segments. Serving computes the base
+# product first and adds every row's delta into it in place; sorting the tokens by delta would
+# cost a gather of x and a scatter of y (two more passes over activations as large as the
+# product itself) for each layer, and the decode steps of generation, one token per row, have
+# nothing to sort. Segments are implicit: the tokens of a row all carry its id.
+#   "torch"  per delta: its tokens gathered, products summed into rows with index_add (chunked)
+#   "cpp"    csrc/mixed_delta_matmul.cpp: threads over (token, block of output rows), CSR rows
+#   "triton" triton_kernels/mixed_delta_matmul.py: [BLOCK_T, BLOCK_R] tiles, max_row_entries steps
+# Every backend starts with check_mixed_delta_matmul_args, so bad arguments raise the same
+# ValueError on each.
+# ---------------------------------------------------------------------------------------
+
+MIXED_DELTA_MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Temporaries of the reference per chunk of tokens: a [tokens, entries] fp32 product.
+_MIXED_DELTA_REF_BYTES = 64 << 20
+
+
+def check_mixed_delta_matmul_args(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Tensor, bank: DeltaBank,
+                                  check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate mixed_delta_matmul_'s arguments; flatten the token dims.
+
+    Args:
+        check_values: also read the values of `delta_ids` and of the bank (one host sync);
+            callers whose ids and bank are already validated (a served model's forward) skip it.
+
+    Returns:
+        `(y2 [T, R], x2 [T, C], ids [T] int32)`: y2 a view of y (written in place), x2 a view or copy.
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    for name, t in (("y", y), ("x", x), ("delta_ids", delta_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if not isinstance(bank, DeltaBank):
+        raise ValueError(f"bank must be a DeltaBank, got {type(bank).__name__}")
+    if y.dim() < 1 or x.dim() < 1:
+        raise ValueError("y and x must have at least one dim (features last)")
+    if y.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"y and x must have the same token dims, got y {tuple(y.shape)} and x {tuple(x.shape)}")
+    if y.dtype not in MIXED_DELTA_MATMUL_DTYPES:
+        raise ValueError(f"y must be float32, bfloat16 or float16, got {y.dtype}")
+    if x.dtype != y.dtype:
+        raise ValueError(f"x must have y's dtype {y.dtype}, got {x.dtype}")
+    device = y.device
+    for name, t in (("x", x), ("delta_ids", delta_ids), ("bank.row_ptr", bank.row_ptr),
+                    ("bank.col_indices", bank.col_indices), ("bank.values", bank.values)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on y's device {device}, got {t.device}")
+    n_rows, n_cols = y.shape[-1], x.shape[-1]
+    if bank.row_ptr.dim() != 2 or bank.row_ptr.dtype != torch.int64 or bank.row_ptr.shape[1] != n_rows + 1 \
+            or not bank.row_ptr.is_contiguous():
+        raise ValueError(f"bank.row_ptr must be a contiguous int64 [n_deltas, {n_rows + 1}] tensor (R + 1, R = "
+                         f"y.shape[-1]), got {bank.row_ptr.dtype} {tuple(bank.row_ptr.shape)}")
+    nnz = bank.col_indices.numel()
+    if bank.col_indices.dim() != 1 or bank.col_indices.dtype != torch.int32 or not bank.col_indices.is_contiguous():
+        raise ValueError(f"bank.col_indices must be a contiguous 1-D int32 tensor, got {bank.col_indices.dtype} "
+                         f"{tuple(bank.col_indices.shape)}")
+    if bank.values.shape != (nnz,) or bank.values.dtype != torch.float32 or not bank.values.is_contiguous():
+        raise ValueError(f"bank.values must be a contiguous float32 [{nnz}] tensor (one per column index), got "
+                         f"{bank.values.dtype} {tuple(bank.values.shape)}")
+    if bank.in_features != n_cols:
+        raise ValueError(f"bank.in_features is {bank.in_features}, x has {n_cols} features")
+    if not isinstance(bank.max_row_entries, int) or bank.max_row_entries < 0:
+        raise ValueError(f"bank.max_row_entries must be an int >= 0, got {bank.max_row_entries!r}")
+    n_tokens = math.prod(y.shape[:-1])
+    if delta_ids.dim() != 1 or delta_ids.dtype not in (torch.int32, torch.int64) or delta_ids.numel() != n_tokens:
+        raise ValueError(f"delta_ids must be a 1-D int32 or int64 tensor of {n_tokens} ids (one per token), got "
+                         f"{delta_ids.dtype} {tuple(delta_ids.shape)}")
+    try:
+        y2 = y.view(-1, n_rows)
+    except RuntimeError:
+        raise ValueError(f"y must be viewable as [T, R] (it is written in place), got strides {y.stride()}") from None
+    if check_values:
+        _check_values(delta_ids, bank, n_cols)
+    return y2, x.reshape(-1, n_cols), delta_ids.to(torch.int32)
+
+
+def _check_values(delta_ids: torch.Tensor, bank: DeltaBank, n_cols: int) -> None:
+    n, nnz = bank.n_deltas, bank.col_indices.numel()
+    if delta_ids.numel():
+        lo, hi = (int(v) for v in torch.stack([delta_ids.min(), delta_ids.max()]).tolist())
+        if lo < -1 or hi >= n:
+            bad = int(((delta_ids < -1) | (delta_ids >= n)).nonzero()[0, 0])
+            raise ValueError(f"delta_ids has {int(delta_ids[bad])} at position {bad}, outside [-1, {n}) "
+                             f"(-1: no delta; the bank holds {n})")
+    ptr = bank.row_ptr
+    if ptr.numel():
+        steps = ptr[:, 1:] < ptr[:, :-1]
+        if bool(steps.any()) or int(ptr.min()) < 0 or int(ptr.max()) > nnz:
+            raise ValueError(f"bank.row_ptr must be non-decreasing per delta within [0, {nnz}] (nnz)")
+        longest = int((ptr[:, 1:] - ptr[:, :-1]).max()) if ptr.shape[1] > 1 else 0
+        if longest > bank.max_row_entries:
+            raise ValueError(f"bank.max_row_entries is {bank.max_row_entries}, but a row holds {longest} entries")
+    if nnz and (int(bank.col_indices.min()) < 0 or int(bank.col_indices.max()) >= n_cols):
+        raise ValueError(f"bank.col_indices must lie in [0, {n_cols}) (x's features)")
+
+
+def mixed_delta_matmul_ref(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Tensor, bank: DeltaBank,
+                           check_values: bool = True) -> torch.Tensor:
+    """Plain-torch reference (see the contract above); fp32 math. Returns `y`."""
+    y2, x2, ids = check_mixed_delta_matmul_args(y, x, delta_ids, bank, check_values)
+    n_rows = y2.shape[1]
+    if not ids.numel():
+        return y
+    for d in ids.unique().tolist():
+        if d < 0:
+            continue
+        ptr = bank.row_ptr[d]
+        start, end = int(ptr[0]), int(ptr[-1])
+        if start == end:  # fp32(y) rounds back to y: nothing to write
+            continue
+        tokens = (ids == d).nonzero().view(-1)
+        cols = bank.col_indices[start:end].long()
+        vals = bank.values[start:end]
+        rows = torch.repeat_interleave(torch.arange(n_rows, device=y2.device), ptr.diff())
+        chunk = max(1, _MIXED_DELTA_REF_BYTES // (4 * (end - start)))
+        for s in range(0, tokens.numel(), chunk):
+            part = tokens[s : s + chunk]
+            contrib = x2[part][:, cols].float() * vals
+            acc = torch.zeros(part.numel(), n_rows, device=y2.device).index_add_(1, rows, contrib)
+            y2[part] = (y2[part].float() + acc).to(y2.dtype)
+    return y
+
+
+define("mixed_delta_matmul_", mixed_delta_matmul_ref)
+
+
+@register("mixed_delta_matmul_", "cpp")
+def _mixed_delta_matmul_cpp(y, x, delta_ids, bank, check_values=True):
+    y2, x2, ids = check_mixed_delta_matmul_args(y, x, delta_ids, bank, check_values)
+    # The kernel reads rows with unit stride; any row stride is fine.
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if y2.shape[1] > 1 and y2.stride(1) != 1:
+        raise ValueError(f"y's features must be contiguous for the C++ kernel, got strides {y.stride()}")
+    torch.ops.sift.mixed_delta_matmul_(y2, x2, ids, bank.row_ptr, bank.col_indices, bank.values,
+                                       bank.max_row_entries)
+    return y
+
+
+@register("mixed_delta_matmul_", "triton")
+def _mixed_delta_matmul_triton(y, x, delta_ids, bank, check_values=True):
+    from sift.triton_kernels.mixed_delta_matmul import mixed_delta_matmul_ as launch
+
+    y2, x2, ids = check_mixed_delta_matmul_args(y, x, delta_ids, bank, check_values)
+    launch(y2, x2, ids, bank)
+    return y
+
+
+def _unpacked(y, x, delta_ids, row_ptr, col_indices, values, max_row_entries):
+    return y, x, delta_ids, DeltaBank(row_ptr, col_indices, values, max_row_entries, x.shape[-1])
+
+
+def _mixed_delta_matmul_traced(y, x, delta_ids, row_ptr, col_indices, values, max_row_entries) -> None:
+    # Values are not read in a trace (a host sync in the graph); the eager op checks them.
+    _mixed_delta_matmul_triton(*_unpacked(y, x, delta_ids, row_ptr, col_indices, values, max_row_entries),
+                               check_values=False)
+
+
+# The raw kernel op: 2-D y and x, the bank's fields flat (mixed_delta_matmul_ below is the checked entry).
+define_schema("mixed_delta_matmul_", "mixed_delta_matmul_(Tensor(a!) y, Tensor x, Tensor delta_ids, Tensor row_ptr, "
+              "Tensor col_indices, Tensor values, int max_row_entries) -> ()", _no_output,
+              lambda *args: call("mixed_delta_matmul_", *_unpacked(*args)),
+              traced=_mixed_delta_matmul_traced)
+
+
+def mixed_delta_matmul_(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    delta_ids: torch.Tensor,
+    bank: DeltaBank,
+    *,
+    check_values: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Adds to each token's output the product of its input with the sparse delta it is served with.
+
+    `y[t, i] += sum_{(i, j, v) in delta d(t)} v * x[t, j]` with `d(t) = delta_ids[t]`, in fp32,
+    rounded once to y's dtype; tokens with id -1 keep y exactly.
+
+    Args:
+        y: `[..., R]` the base layer's output `x W^T` (fp32, bf16 or fp16), updated in place.
+        x: `[..., C]` the layer's input, y's dtype, device and token dims.
+        delta_ids: `[T]` int32/int64, T the number of tokens (y's leading dims flattened), each
+            in `[-1, bank.n_deltas)`; -1 serves the base.
+        bank: the deltas of W `[R, C]` (`DeltaBank`), on y's device.
+        check_values: read the ids' and the bank's values to check them (one host sync).
+        backend: force "torch", "cpp" or "triton" (default: the automatic choice).
+
+    Returns:
+        `y`.
+
+    Raises:
+        ValueError: a bad argument, named (see `check_mixed_delta_matmul_args`).
+
+    Example:
+        >>> w, x = torch.randn(3, 4), torch.randn(2, 4)
+        >>> bank = DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([1]), torch.tensor([2]), torch.tensor([0.5]))])
+        >>> y = mixed_delta_matmul_(x @ w.T, x, torch.tensor([0, -1]), bank)
+        >>> torch.allclose(y[0, 1], x[0] @ w[1] + 0.5 * x[0, 2]) and torch.equal(y[1], x[1] @ w.T)
+        True
+    """
+    return call("mixed_delta_matmul_", y, x, delta_ids, bank, check_values=check_values, backend=backend)

@@ -1,0 +1,316 @@
+"""mixed_delta_matmul_: each token's output gains its own sparse delta's product; every backend against
+an fp64 oracle over odd shapes and every dtype, rows with no delta exactly unchanged, empty segments,
+deltas with no entries, one delta on many rows, bad input named, and the kernels' own knobs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import cpp_available, triton_available
+from sift import _ops
+from sift._ext import extension_status
+from sift._ops import DeltaBank
+
+BACKENDS = ("torch", "cpp", "triton")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# (T, R, C): one token, odd and non-power-of-two sizes, a single row or column.
+SHAPES = [(1, 1, 1), (1, 3, 37), (7, 37, 3), (13, 65, 65), (130, 65, 37), (130, 1, 65), (41, 37, 1)]
+# fp32 units of the sum of |terms| that any fp32 summation order may lose on top of the rule.
+ATOL_UNITS = 8
+# Entries per delta as a fraction of the weight: a dense-ish one, a sparse one, none at all, one more.
+DENSITIES = (0.5, 0.05, 0.0, 0.2)
+
+
+def _require(backend: str) -> None:
+    """Skip only what this machine cannot run on purpose; a C++ build failure fails the test."""
+    if backend == "cpp":
+        if os.environ.get("SIFT_SKIP_EXT") == "1":
+            pytest.skip("SIFT_SKIP_EXT=1")
+        assert cpp_available(), f"C++ extension failed to load: {extension_status()['why']}"
+    elif backend == "triton" and not triton_available():
+        pytest.skip("triton interpreter unavailable")
+
+
+def _deltas(shape: tuple[int, int], gen: torch.Generator, densities=DENSITIES):
+    r, c = shape
+    out = []
+    for density in densities:
+        k = int(density * r * c)
+        flat = torch.randperm(r * c, generator=gen)[:k]
+        out.append((flat // c, flat % c, torch.randn(k, generator=gen)))
+    return out
+
+
+def _dense(shape, delta) -> torch.Tensor:
+    dense = torch.zeros(shape, dtype=torch.float64)
+    rows, cols, vals = delta
+    dense[rows, cols] = vals.double()
+    return dense
+
+
+def _ids(t: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Every delta id and -1 in turn over the first tokens, then random ones; delta n - 1 never (an empty segment)."""
+    ids = torch.randint(-1, n - 1, (t,), generator=gen)
+    ids[: min(t, n)] = torch.arange(-1, n - 1)[: min(t, n)]
+    return ids
+
+
+def _assert_close(got, y0, x, ids, deltas) -> None:
+    """Rows with a delta: error vs fp64 at most 2x plain torch's same-dtype sum's, plus a few fp32 units;
+    rows without one: the same bits."""
+    r, c = y0.shape[-1], x.shape[-1]
+    y2, x2 = y0.reshape(-1, r), x.reshape(-1, c)
+    got2 = got.reshape(-1, r)
+    served = ids >= 0
+    assert torch.equal(got2[~served], y2[~served])
+    if not bool(served.any()):
+        return
+    dense = [_dense((r, c), d) for d in deltas]
+    exact = torch.stack([y2[t].double() + (dense[int(d)] @ x2[t].double() if d >= 0 else 0)
+                         for t, d in enumerate(ids.tolist())])
+    same_dtype = torch.stack([y2[t] + (dense[int(d)].to(y0.dtype) @ x2[t] if d >= 0 else 0)
+                              for t, d in enumerate(ids.tolist())])
+    magnitude = torch.stack([y2[t].double().abs() + (dense[int(d)].abs() @ x2[t].double().abs() if d >= 0 else 0)
+                             for t, d in enumerate(ids.tolist())])[served].max()
+    torch_err = (same_dtype.double() - exact)[served].abs().max()
+    err = (got2.double() - exact)[served].abs().max()
+    atol = ATOL_UNITS * 2.0**-24 * magnitude
+    assert err <= 2 * torch_err + atol, f"error {err:.3g} > 2 x torch's {torch_err:.3g} + {atol:.3g}"
+
+
+def _case(t, r, c, dtype, seed=0, densities=DENSITIES):
+    gen = torch.Generator().manual_seed(seed)
+    deltas = _deltas((r, c), gen, densities)
+    x = torch.randn(t, c, generator=gen).to(dtype)
+    y0 = torch.randn(t, r, generator=gen).to(dtype)
+    return y0, x, _ids(t, len(deltas), gen), deltas, DeltaBank.from_rows_and_cols((r, c), deltas)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}xR{}xC{}".format(*s))
+def test_matches_fp64_oracle(backend, dtype, shape):
+    _require(backend)
+    y0, x, ids, deltas, bank = _case(*shape, dtype)
+    y = y0.clone()
+    got = _ops.mixed_delta_matmul_(y, x, ids, bank, backend=backend)
+    assert got is y
+    _assert_close(y, y0, x, ids, deltas)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_delta_without_entries_keeps_its_rows_exactly(backend, dtype):
+    """A delta with zero entries (and a row of a delta with none) rewrites nothing: the same bits."""
+    _require(backend)
+    y0, x, _, deltas, bank = _case(9, 21, 17, dtype, seed=1)
+    ids = torch.full((9,), 2)  # DENSITIES[2] == 0
+    y = y0.clone()
+    _ops.mixed_delta_matmul_(y, x, ids, bank, backend=backend)
+    assert torch.equal(y, y0)
+    # One entry in row 3 only: every other row keeps its bits.
+    bank = DeltaBank.from_rows_and_cols((21, 17), [(torch.tensor([3]), torch.tensor([5]), torch.tensor([0.25]))])
+    y = y0.clone()
+    _ops.mixed_delta_matmul_(y, x, torch.zeros(9, dtype=torch.int32), bank, backend=backend)
+    assert torch.equal(torch.cat([y[:, :3], y[:, 4:]], 1), torch.cat([y0[:, :3], y0[:, 4:]], 1))
+    assert not torch.equal(y[:, 3], y0[:, 3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_one_delta_on_many_rows_and_none_anywhere(backend, dtype):
+    """One delta served to every token equals a weight with the delta added; no delta leaves y alone."""
+    _require(backend)
+    y0, x, _, deltas, bank = _case(23, 19, 31, dtype, seed=2)
+    for ids in (torch.zeros(23, dtype=torch.int64), torch.full((23,), -1), torch.tensor([3, 0] * 11 + [0])):
+        y = y0.clone()
+        _ops.mixed_delta_matmul_(y, x, ids, bank, backend=backend)
+        _assert_close(y, y0, x, ids, deltas)
+        assert torch.equal(y, y0) == bool((ids < 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_and_no_deltas(backend):
+    _require(backend)
+    _, _, _, _, bank = _case(1, 6, 5, torch.float32)
+    y = torch.zeros(0, 6)
+    _ops.mixed_delta_matmul_(y, torch.zeros(0, 5), torch.zeros(0, dtype=torch.int32), bank, backend=backend)
+    empty = DeltaBank.from_rows_and_cols((6, 5), [])
+    y0 = torch.randn(4, 6)
+    y = y0.clone()
+    _ops.mixed_delta_matmul_(y, torch.randn(4, 5), torch.full((4,), -1), empty, backend=backend)
+    assert torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_are_tokens(backend):
+    """[batch, seq, features]: the ids are per token, a row's tokens all carrying the row's id."""
+    _require(backend)
+    y0, x, _, deltas, bank = _case(3 * 5, 13, 11, torch.float32, seed=3)
+    ids = torch.tensor([1, -1, 0]).repeat_interleave(5)
+    y = y0.clone().view(3, 5, 13)
+    _ops.mixed_delta_matmul_(y, x.view(3, 5, 11), ids, bank, backend=backend)
+    _assert_close(y, y0, x, ids, deltas)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_operands(backend):
+    """x with any strides (a transposed view), y a row slice of a wider buffer."""
+    _require(backend)
+    y0, x, ids, deltas, bank = _case(12, 9, 20, torch.float32, seed=4)
+    x_t = x.T.contiguous().T  # token stride 1
+    wide = torch.randn(12, 15)
+    wide[:, 2:11] = y0
+    y = wide[:, 2:11]
+    _ops.mixed_delta_matmul_(y, x_t, ids, bank, backend=backend)
+    _assert_close(y, y0, x, ids, deltas)
+
+
+def test_public_name_and_dispatch():
+    assert _ops.resolve("mixed_delta_matmul_", "cpu", "torch")[1] is _ops.mixed_delta_matmul_ref
+    assert "mixed_delta_matmul_" in _ops.ops()
+
+
+def test_bank_layout():
+    """CSR per delta, concatenated; entries sorted by (row, column) whatever order they came in."""
+    bank = DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([2, 0, 2]), torch.tensor([1, 3, 0]),
+                                                  torch.tensor([1.0, 2.0, 3.0])),
+                                                 (torch.tensor([], dtype=torch.long),) * 2 + (torch.tensor([]),),
+                                                 (torch.tensor([1]), torch.tensor([1]), torch.tensor([4.0]))])
+    assert bank.row_ptr.tolist() == [[0, 1, 1, 3], [3, 3, 3, 3], [3, 3, 4, 4]]
+    assert bank.col_indices.tolist() == [3, 0, 1, 1]
+    assert bank.values.tolist() == [2.0, 3.0, 1.0, 4.0]
+    assert (bank.max_row_entries, bank.n_deltas, bank.out_features, bank.in_features) == (2, 3, 3, 4)
+    with pytest.raises(ValueError, match="repeated"):
+        DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([1, 1]), torch.tensor([2, 2]), torch.ones(2))])
+    with pytest.raises(ValueError, match="outside the \\[3, 4\\] weight"):
+        DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([3]), torch.tensor([0]), torch.ones(1))])
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: the same ValueError, naming the argument, on every backend; y untouched.
+# ---------------------------------------------------------------------------------------
+
+def _bad_cases():
+    y, x = torch.randn(4, 3), torch.randn(4, 5)
+    ids = torch.tensor([0, -1, 1, 0])
+    bank = DeltaBank.from_rows_and_cols((3, 5), [(torch.tensor([0, 2]), torch.tensor([4, 1]), torch.ones(2))] * 2)
+
+    def edited(**fields):
+        parts = dict(row_ptr=bank.row_ptr, col_indices=bank.col_indices, values=bank.values,
+                     max_row_entries=bank.max_row_entries, in_features=bank.in_features)
+        parts.update(fields)
+        return DeltaBank(**parts)
+
+    return y, {
+        "id-too-large": ((y, x, torch.tensor([0, 2, 1, 0]), bank), r"delta_ids has 2 at position 1, outside \[-1, 2\)"),
+        "id-below-minus-one": ((y, x, torch.tensor([0, -2, 1, 0]), bank), r"delta_ids has -2 at position 1"),
+        "ids-length": ((y, x, ids[:3], bank), "delta_ids must be a 1-D int32 or int64 tensor of 4 ids"),
+        "ids-float": ((y, x, ids.float(), bank), "delta_ids must be a 1-D int32 or int64"),
+        "token-mismatch": ((y, torch.randn(5, 5), ids, bank), "same token dims"),
+        "dtype-mismatch": ((y, x.bfloat16(), ids, bank), "x must have y's dtype"),
+        "fp64": ((y.double(), x.double(), ids, bank), "y must be float32, bfloat16 or float16"),
+        "device-mismatch": ((y, x.to("meta"), ids, bank), "x must be on y's device"),
+        "not-a-bank": ((y, x, ids, (bank.row_ptr, bank.col_indices, bank.values)), "bank must be a DeltaBank"),
+        "row-ptr-width": ((y, x, ids, edited(row_ptr=bank.row_ptr[:, :3].contiguous())),
+                          r"bank.row_ptr must be a contiguous int64 \[n_deltas, 4\]"),
+        "row-ptr-int32": ((y, x, ids, edited(row_ptr=bank.row_ptr.int())), "bank.row_ptr must be a contiguous int64"),
+        "row-ptr-decreasing": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 2, 1, 2], [2, 3, 3, 4]]))),
+                               "bank.row_ptr must be non-decreasing"),
+        "row-ptr-past-entries": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 1, 1, 2], [2, 3, 3, 5]]))),
+                                 r"within \[0, 4\]"),
+        "cols-int64": ((y, x, ids, edited(col_indices=bank.col_indices.long())), "bank.col_indices must be a contiguous"),
+        "col-out-of-range": ((y, x, ids, edited(col_indices=torch.tensor([4, 5, 4, 1], dtype=torch.int32))),
+                             r"bank.col_indices must lie in \[0, 5\)"),
+        "values-length": ((y, x, ids, edited(values=torch.ones(3))), r"bank.values must be a contiguous float32 \[4\]"),
+        "values-fp64": ((y, x, ids, edited(values=torch.ones(4, dtype=torch.float64))), "bank.values must be"),
+        "in-features": ((y, x, ids, edited(in_features=6)), "bank.in_features is 6, x has 5 features"),
+        "max-row-too-small": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 2, 2, 2], [2, 3, 3, 4]]))),
+                              "bank.max_row_entries is 1, but a row holds 2 entries"),
+        "y-not-viewable": ((torch.randn(2, 4, 3).transpose(0, 1), torch.randn(4, 2, 5), ids.repeat(2), bank),
+                           r"y must be viewable as \[T, R\]"),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(_bad_cases()[1]))
+def test_bad_input_raises_value_error(backend, case):
+    _require(backend)
+    _, cases = _bad_cases()
+    args, message = cases[case]
+    y = args[0]
+    before = y.clone()
+    with pytest.raises(ValueError, match=message):
+        _ops.mixed_delta_matmul_(*args, backend=backend)
+    assert torch.equal(y, before)
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel-level: the C++ op's own checks and threads, the Triton launcher's tiles.
+# ---------------------------------------------------------------------------------------
+
+def test_cpp_op_refuses_bad_ids_and_rows_before_writing():
+    """The public torch.ops op checks what it reads through: a wild read otherwise."""
+    _require("cpp")
+    y0, x, ids, _, bank = _case(6, 7, 8, torch.float32, seed=5)
+    y = y0.clone()
+    op = torch.ops.sift.mixed_delta_matmul_
+    with pytest.raises(RuntimeError, match=r"delta_ids has 4 at position 2, outside \[-1, 4\)"):
+        op(y, x, torch.tensor([0, 1, 4, 0, 0, 0], dtype=torch.int32), bank.row_ptr, bank.col_indices, bank.values,
+           bank.max_row_entries)
+    bad_ptr = bank.row_ptr.clone()
+    bad_ptr[1, 3] = bad_ptr[1, 2] - 1
+    with pytest.raises(RuntimeError, match="row_ptr\\[1\\] decreases at row"):
+        op(y, x, ids.int(), bad_ptr, bank.col_indices, bank.values, bank.max_row_entries)
+    assert torch.equal(y, y0)
+    bad_col = bank.col_indices.clone()
+    bad_col[0] = 8
+    with pytest.raises(RuntimeError, match=r"col_indices has 8 at position 0, outside \[0, 8\)"):
+        op(y, x, torch.zeros(6, dtype=torch.int32), bank.row_ptr, bad_col, bank.values, bank.max_row_entries)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_cpp_tasks_over_tokens_and_row_blocks(threads, dtype):
+    """Tasks of (token, 256-row block) with a ragged last block, on several threads."""
+    _require("cpp")
+    y0, x, ids, deltas, bank = _case(9, 600, 33, dtype, seed=6, densities=(0.02, 0.1, 0.0))
+    y = y0.clone()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _ops.mixed_delta_matmul_(y, x, ids, bank, backend="cpp")
+    finally:
+        torch.set_num_threads(saved)
+    _assert_close(y, y0, x, ids, deltas)
+
+
+@pytest.mark.parametrize("blocks", [(1, 1), (2, 8), (16, 16), (4, 64)], ids=lambda b: "t{}r{}".format(*b))
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_triton_tiles_and_strides(blocks, dtype):
+    _require("triton")
+    from sift.triton_kernels.mixed_delta_matmul import mixed_delta_matmul_ as launch
+
+    y0, x, ids, deltas, bank = _case(19, 21, 11, dtype, seed=7)
+    wide = torch.randn(19, 2 * 21).to(dtype)
+    y = wide[:, ::2]  # feature stride 2
+    y.copy_(y0)
+    x_t = x.T.contiguous().T  # token stride 1
+    launch(y, x_t, ids.int(), bank, block_t=blocks[0], block_r=blocks[1])
+    _assert_close(y, y0, x, ids, deltas)
+
+
+def test_cpp_op_traces_with_fake_tensors():
+    """The op's fake kernel lets FakeTensor (torch.compile) trace it without running it."""
+    _require("cpp")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, _, _, _, bank = _case(1, 3, 5, torch.float32)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = torch.zeros(4, 3)
+        torch.ops.sift.mixed_delta_matmul_(y, torch.randn(4, 5), torch.zeros(4, dtype=torch.int32), bank.row_ptr,
+                                           bank.col_indices, bank.values, bank.max_row_entries)
+        assert y.shape == (4, 3)
