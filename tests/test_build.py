@@ -161,3 +161,34 @@ def test_score_heads_on_the_torch_fallback_names_the_non_finite_layer(monkeypatc
     batch = {"input_ids": torch.randint(0, 50, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)}
     with pytest.raises(ValueError, match=r"head outputs of layers \[1\] are not finite"):
         heads.score_heads(model, batch, n_samples=3, progress=False)
+
+
+def test_a_slow_build_says_it_is_compiling_and_how_long_it_took(monkeypatch, caplog):
+    """The first `import sift` that needed the C++ extension compiled for minutes with no message: it looked hung."""
+    import time
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(_ext, "_ANNOUNCE_AFTER_S", 0.05)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: time.sleep(0.3))
+    with caplog.at_level("WARNING", logger="sift"):
+        _ext._jit_build()
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "compiling the C++ extension" in messages[0] and _ext.BUILD_TIME in messages[0]
+    assert "SIFT_SKIP_EXT=1" in messages[0] and messages[1].startswith("sift: the C++ extension compiled in")
+    caplog.clear()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: None)  # a cached build: silent
+    with caplog.at_level("WARNING", logger="sift"):
+        _ext._jit_build()
+    assert caplog.records == []
+
+
+def test_python_m_sift_help_lists_the_commands(capsys):
+    """`python -m sift --help` printed the environment report instead of usage."""
+    import sift.__main__ as cli
+
+    cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m sift") and all(f"  {name} " in out for name in ("env", "bench", "demo"))
+    with pytest.raises(SystemExit, match="unknown command 'nope'"):
+        cli.main(["nope"])

