@@ -134,3 +134,24 @@ def test_device_kernel_of_a_step_op_runs_the_registry_entry(op, make, ref, monke
     for j, (gl, wl) in enumerate(zip(got, want)):
         for g, w in zip(gl, wl):
             torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6, msg=f"list {j}")
+
+
+def test_mixed_delta_matmul_compiles_with_its_mutation():
+    """The served-deltas op in a compiled graph (C++ kernel on CPU) writes y as eager does."""
+    gen = torch.Generator().manual_seed(4)
+    bank = _ops.DeltaBank.from_rows_and_cols((6, 10), [(torch.tensor([0, 5, 5]), torch.tensor([9, 0, 3]),
+                                                        torch.randn(3, generator=gen)),
+                                                       (torch.tensor([2]), torch.tensor([2]), torch.tensor([1.5]))])
+    x, w = torch.randn(5, 10, generator=gen), torch.randn(6, 10, generator=gen)
+    ids = torch.tensor([1, -1, 0, 0, 1], dtype=torch.int32)
+
+    def run(x, ids):
+        y = x @ w.T
+        torch.ops.sift.mixed_delta_matmul_(y, x, ids, bank.row_ptr, bank.col_indices, bank.values,
+                                           bank.max_row_entries)
+        return y * 2
+
+    want = run(x, ids)
+    got = _compiled(run)(x, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(want, 2 * (x @ w.T)), "the op wrote nothing"

@@ -81,6 +81,11 @@ def restore(w0, w1, i0, i1, o0, o1):
     torch.ops.sift.sparse_delta_restore_([w0, w1], [i0, i1], [o0, o1])
 
 
+def mixed(y, x, ids, row_ptr, col, val):
+    torch.ops.sift.mixed_delta_matmul_(y, x, ids, row_ptr, col, val, 3)
+    return y * 2
+
+
 HYPER = (1e-3, 0.9, 0.999, 1e-8, 0.0, False)
 
 
@@ -99,6 +104,9 @@ found = {
                    cuda(2, dtype=torch.int64), cuda(3), cuda(2), cuda(3), cuda(2, dtype=torch.bfloat16)),
     "restore": nodes(restore, cuda(50), cuda(21), cuda(3, dtype=torch.int32), cuda(2, dtype=torch.int32),
                      cuda(3), cuda(2)),
+    "mixed_delta": nodes(mixed, cuda(9, 70, dtype=torch.bfloat16), cuda(9, 33, dtype=torch.bfloat16),
+                         cuda(9, dtype=torch.int32), cuda(2, 71, dtype=torch.int64), cuda(40, dtype=torch.int32),
+                         cuda(40)),
     "singular_values": nodes(lambda x: torch.ops.sift.singular_values(x), cuda(6, 20, 7)),
     "singular_values_large": nodes(lambda x: torch.ops.sift.singular_values(x), cuda(2, 300, 200)),
     "step": nodes(step, cuda(100, dtype=torch.bfloat16), cuda(30, dtype=torch.bfloat16), cuda(5), cuda(3),
@@ -141,6 +149,15 @@ def test_sparse_weight_grad_records_its_kernel(traced):
     assert launch["inputs"] == {"dy_ptr": 0, "x_ptr": 1, "idx_ptr": 2, "out_ptr": 3}
     assert launch["scalars"]["T"] == 9 and launch["scalars"]["C"] == 10 and launch["scalars"]["k"] == 4
     assert launch["grid"] == [[1, 1, 1]]
+
+
+def test_mixed_delta_matmul_records_its_kernel(traced):
+    (launch,) = traced["mixed_delta"]
+    assert launch["kernel"] == "_mixed_delta_matmul_kernel"
+    assert launch["inputs"] == {"y_ptr": 0, "x_ptr": 1, "ids_ptr": 2, "row_ptr_ptr": 3, "col_ptr": 4, "val_ptr": 5}
+    assert (launch["scalars"]["T"], launch["scalars"]["R"], launch["scalars"]["max_row_entries"]) == (9, 70, 3)
+    assert launch["scalars"]["IS_BF16"] is True
+    assert launch["grid"] == [[1, 2, 1]]
 
 
 def test_delta_apply_and_restore_record_one_launch_per_tensor(traced):

@@ -3,10 +3,10 @@
 The public launchers of `sift.triton_kernels` are called with the argument kinds `sift._ops`,
 the optimizer and `sift.quantized` pass them (weight and gradient dtypes, compact or dense
 gradients, with and without bases, float or tensor lr, segment-table and DIRECT launches, the
-4-bit layers' lean step and weight gradient), on CPU tensors. A stand-in driver reports the
-target, and `JITFunction.run` compiles instead of launching, so each specialization Triton
-derives from those calls (dtypes, constexprs, 16-byte alignment of addresses, sizes equal to 1
-or divisible by 16) is lowered to cubin by the ptxas the Triton wheel ships.
+4-bit layers' lean step and weight gradient, a served model's mixed deltas), on CPU tensors.
+A stand-in driver reports the target, and `JITFunction.run` compiles instead of launching, so
+each specialization Triton derives from those calls (dtypes, constexprs, 16-byte alignment of
+addresses, sizes equal to 1 or divisible by 16) is lowered to cubin by the ptxas the Triton wheel ships.
 
 Addresses: CPU allocations are 64-byte aligned, so every fresh tensor is 16-byte aligned as the
 CUDA caching allocator's 256-byte blocks are; a view at an offset is not, as on the GPU. Sizes:
@@ -49,7 +49,9 @@ def _launches() -> Iterator[tuple[str, Callable[[], None]]]:
 
     from sift import _ops
     from sift.triton_kernels import _launch
+    from sift.triton_kernels._delta_bank import DeltaBank
     from sift.triton_kernels.delta import sparse_delta_apply_, sparse_delta_restore_
+    from sift.triton_kernels.mixed_delta_matmul import mixed_delta_matmul_
     from sift.triton_kernels.singular_values import singular_values
     from sift.triton_kernels.sparse_adamw import sparse_adamw_
     from sift.triton_kernels.sparse_adamw_lean import sparse_adamw_lean_
@@ -152,6 +154,20 @@ def _launches() -> Iterator[tuple[str, Callable[[], None]]]:
                     dy, x = torch.zeros(a[2], 768, dtype=a[0]), torch.zeros(a[2], 64, dtype=a[0])
                     sparse_weight_grad(dy, x, torch.zeros(entries(), dtype=a[1]))
                 yield f"sparse_weight_grad {names[dtype]} {names[i_dtype]} T={tokens}", weight_grad
+
+    for dtype in (f32, bf16, f16):
+        for tokens in (8, 4096):
+            for recorded in (False, True):
+                # A served model's layer: y [T, R] the base product, x [T, C], one delta id per token,
+                # a bank of 3 deltas of a [768, 64] weight; a decode step (one token per row) and a prefill.
+                def mixed(a=(dtype, tokens, recorded)):
+                    k = entries()
+                    bank = DeltaBank(torch.zeros(3, 769, dtype=torch.int64), torch.zeros(k, dtype=torch.int32),
+                                     torch.zeros(k), 5, 64)
+                    with _launch.recording() if a[2] else contextlib.nullcontext():
+                        mixed_delta_matmul_(torch.zeros(a[1], 768, dtype=a[0]), torch.zeros(a[1], 64, dtype=a[0]),
+                                            torch.zeros(a[1], dtype=torch.int32), bank)
+                yield (f"mixed_delta_matmul_ {names[dtype]} T={tokens}{' recorded' if recorded else ''}", mixed)
 
     for dtype in (f16, bf16, f32, torch.float64):
         for k in (16, 32, 64, 128):
