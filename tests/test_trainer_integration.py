@@ -243,7 +243,7 @@ def test_load_best_model_at_end_after_resuming_from_the_best_checkpoint(tmp_path
         assert torch.equal(p, saved[1][name]), name
 
 
-RESELECT = dict(reselect_every=1, reselect_fraction=0.5)  # re-selects at every step after the first
+RESELECT = {"reselect_every": 1, "reselect_fraction": 0.5}  # re-selects at every step after the first
 
 
 def _optimizer_of(trainer) -> SparseAdamW:
@@ -267,8 +267,8 @@ def test_integrated_trainer_takes_the_reselect_arguments(tmp_path, path):
     from sift.integrations.hf import SparseTrainer
     from sift.optim.reselection import reselect_settings
 
-    settings = dict(reselect_every=1, reselect_fraction=0.5, reselect_schedule="linear", reselect_total_steps=8,
-                    reselect_rule="magnitude", reselect_drop="revert", reselect_steps=1)
+    settings = {"reselect_every": 1, "reselect_fraction": 0.5, "reselect_schedule": "linear",
+                "reselect_total_steps": 8, "reselect_rule": "magnitude", "reselect_drop": "revert", "reselect_steps": 1}
     by_dimension = {"indices": {}} if path == "by-dimension" else {}  # given indices keep the rule by dimension
     model = _llama()
     trainer = SparseTrainer(**_trainer_kwargs("trainer", model, tmp_path, max_steps=3), density=DENSITY,

@@ -143,9 +143,9 @@ class SparseTrainerMixin:
                  **kwargs: Any) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
-        reselect = dict(reselect_every=reselect_every, reselect_fraction=reselect_fraction,
-                        reselect_schedule=reselect_schedule, reselect_total_steps=reselect_total_steps,
-                        reselect_rule=reselect_rule, reselect_drop=reselect_drop, reselect_steps=reselect_steps)
+        reselect = {"reselect_every": reselect_every, "reselect_fraction": reselect_fraction,
+                    "reselect_schedule": reselect_schedule, "reselect_total_steps": reselect_total_steps,
+                    "reselect_rule": reselect_rule, "reselect_drop": reselect_drop, "reselect_steps": reselect_steps}
         # Checked before Trainer.__init__ touches the model, as the optimizer would check them.
         reselect_settings(reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
                           reselect_drop, reselect_steps)

@@ -260,9 +260,9 @@ class SparseAdamW(torch.optim.Optimizer):
 
         `memory` picks the memory mode (`sift.optim.memory`): "low" (the default: hook mode and the
         sparse backward, plain mode's result with no dense weight gradient after selection; 16-bit
-        weights sum micro-batches in fp32, see that module), "lowest" (also the lean state and the update in backward) or "plain" (dense
-        gradients). A mode that cannot apply to this model or these arguments is dropped with one
-        log line. The explicit flags override the preset: `compact_grads`, `state`,
+        weights sum micro-batches in fp32, see that module), "lowest" (also the lean state and the
+        update in backward) or "plain" (dense gradients). A mode that cannot apply to this model or
+        these arguments is dropped with one log line. The explicit flags override the preset: `compact_grads`, `state`,
         `update_in_backward`, and `sparse_backward` (each sparse linear weight's gradient computed
         only at its chosen entries after selection, `sift.sparse_backward`; implies
         `compact_grads=True`; the handle that undoes it is `optimizer.sparse_backward_handle`).
