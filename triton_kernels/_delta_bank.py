@@ -111,3 +111,32 @@ class DeltaBank:
         col = torch.cat(cols_out) if cols_out else torch.zeros(0, dtype=torch.int32)
         val = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.float32)
         return cls(row_ptr.to(device), col.to(device), val.to(device), longest, n_cols)
+
+    def appended(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> DeltaBank:
+        """This bank with one more delta, given as `(rows, cols, values)` (any order), as the last one.
+
+        Example:
+            >>> empty = DeltaBank.from_rows_and_cols((2, 3), [])
+            >>> empty.appended(torch.tensor([1]), torch.tensor([0]), torch.tensor([2.0])).row_ptr
+            tensor([[0, 0, 1]])
+        """
+        one = DeltaBank.from_rows_and_cols((self.out_features, self.in_features), [(rows, cols, values)],
+                                           device=self.device)
+        return DeltaBank(torch.cat([self.row_ptr, one.row_ptr + self.values.numel()]),
+                         torch.cat([self.col_indices, one.col_indices]), torch.cat([self.values, one.values]),
+                         max(self.max_row_entries, one.max_row_entries), self.in_features)
+
+    def without(self, delta: int) -> DeltaBank:
+        """This bank with delta number `delta` taken out (the later ones move up by one).
+
+        Example:
+            >>> bank = DeltaBank.from_rows_and_cols((1, 2), [(torch.tensor([0]), torch.tensor([1]), torch.ones(1))] * 2)
+            >>> bank.without(0).row_ptr
+            tensor([[0, 1]])
+        """
+        start, end = (int(v) for v in self.row_ptr[delta, [0, -1]].tolist())
+        row_ptr = torch.cat([self.row_ptr[:delta], self.row_ptr[delta + 1 :] - (end - start)])
+        lengths = row_ptr[:, 1:] - row_ptr[:, :-1]
+        return DeltaBank(row_ptr, torch.cat([self.col_indices[:start], self.col_indices[end:]]),
+                         torch.cat([self.values[:start], self.values[end:]]),
+                         int(lengths.max()) if lengths.numel() else 0, self.in_features)

@@ -26,8 +26,9 @@ C++ on CPU, Triton (apply/restore) or torch (merge) on CUDA.
 
 Layout: `entry` (`DeltaEntry`, `DeltaError`), `fingerprint` (`BaseFingerprint`), `storage` (the
 safetensors file) and `directory` (the fine-tune directory), `construction` (`from_optimizer`,
-`from_diff`), `application` (`apply_`, `remove_`), and `sparse_delta` (`SparseDelta` itself, its
-arithmetic, `merge_deltas`). The names are re-exported here: `sift.delta.<name>` is the path to use.
+`from_diff`), `application` (`apply_`, `remove_`), `sparse_delta` (`SparseDelta` itself, its
+arithmetic, `merge_deltas`), and `serving` (`ServedDeltas`: many deltas in one batch, one per
+row). The names are re-exported here: `sift.delta.<name>` is the path to use.
 """
 
 
@@ -36,8 +37,9 @@ from sift.delta.entry import _dtype_name  # noqa: F401  (the directory format an
 from sift.delta.fingerprint import SAMPLES_PER_TENSOR, BaseFingerprint
 from sift.delta.fingerprint import _sample_positions, _structure_hash  # noqa: F401
 from sift.delta.sparse_delta import MERGE_METHODS, SparseDelta, merge_deltas
+from sift.delta.serving import ServedDeltas
 from sift.delta.storage import FORMAT, FORMAT_VERSION
 from sift.delta.storage import _checksum  # noqa: F401  (tests re-sign edited files with it)
 
 
-__all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "SparseDelta", "merge_deltas"]
+__all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "ServedDeltas", "SparseDelta", "merge_deltas"]

@@ -1,0 +1,317 @@
+"""Serving many sparse fine-tunes over one base model in one batch: each row of a batch names
+the delta it runs with (or None for the base), and every row gets its own fine-tune's outputs.
+
+`ServedDeltas(model)` hooks the base model's linear layers (forward hooks: the weights, the
+module tree and the state dict stay as they are) and keeps, per layer, the loaded deltas in one
+`DeltaBank` (CSR per delta). A layer's output `y = x W^T + b` is computed by the base layer as
+usual; the hook then adds, for each token of row r, the product of its input with row r's delta
+(`sift._ops.mixed_delta_matmul_`, C++ on CPU, Triton on CUDA). Rows served by the base are left
+as the base layer wrote them, bit for bit.
+
+    served = ServedDeltas(model)
+    served.load_delta("math", "runs/math")           # a fine-tune directory, or a SparseDelta
+    served.load_delta("chat", chat_delta)
+    with served.rows(["math", None, "chat"]):        # one name (or None) per row of the batch
+        logits = model(input_ids).logits
+    out = served.generate(input_ids, delta_names=["math", None, "chat"], max_new_tokens=20)
+
+What a row gets: the weights `SparseDelta.apply_` would give its delta, exactly. At load, each
+entry's value is replaced by the increment the apply really makes in the weight's dtype,
+`fp32(dtype(w + v)) - fp32(w)` (a bf16 weight keeps only what bf16 can hold of w + v). The
+outputs then differ from the fine-tune applied in place only by how the product is rounded:
+`dtype(dtype(x W^T) + x D^T)`, the base product rounded before the delta's term is added
+(fp32, a few units of fp32 rounding; bf16/fp16, about one more rounding of the output per layer).
+
+Deltas are checked against the model as `apply_` checks them (names, shapes, dtypes, the base
+fingerprint) and refused, with every problem listed and nothing changed, when they do not fit.
+What cannot differ per row is refused too, never dropped: a dense part (a trained head or norm,
+which replaces the param whole), and a sparse entry outside a linear layer's weight (an
+embedding, a norm, a bias). Serving is inference: gradients do not flow through the deltas.
+The base must not change while deltas are loaded (their increments were taken against it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sift import _ops
+from sift._ops import DeltaBank
+from sift.delta.application import _APPLIED, _base_problems
+from sift.delta.entry import DeltaError
+from sift.delta.fingerprint import _state_of, logical_state
+from sift.delta.sparse_delta import SparseDelta
+
+
+@dataclass
+class _Rows:
+    """The rows of the batch being served: one delta number (or -1) per row, per device."""
+
+    names: list[str | None]
+    ids: torch.Tensor  # [rows] int32 on the CPU
+    expand: int = 1  # each row stands for this many consecutive rows of the batch (beams, samples)
+    on_device: dict[tuple[torch.device, int], torch.Tensor] = field(default_factory=dict)
+
+    def token_ids(self, device: torch.device, batch: int, tokens: int) -> torch.Tensor:
+        """`[batch * tokens]` int32: every token of row r carries row r's delta number."""
+        if batch != len(self.names) * self.expand:
+            raise RuntimeError(f"the batch has {batch} rows, but {len(self.names)} delta names were given"
+                               + (f" (each for {self.expand} rows)" if self.expand > 1 else "")
+                               + "; pass one name (or None) per row")
+        key = (device, tokens)
+        ids = self.on_device.get(key)
+        if ids is None:
+            ids = self.ids.to(device).repeat_interleave(self.expand * tokens)
+            self.on_device[key] = ids
+        return ids
+
+
+class _ServedLayer:
+    """One linear layer's loaded deltas (its `DeltaBank`, one delta per loaded name in load order)
+    and the forward hook that adds the served rows' products to its output."""
+
+    def __init__(self, served: ServedDeltas, module: nn.Linear, bank: DeltaBank):
+        self.served = served
+        self.module = module
+        self.bank = bank
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        rows = self.served._rows
+        if rows is None or self.bank.max_row_entries == 0:
+            return None
+        x = args[0]
+        n_cols = self.bank.in_features
+        batch = x.shape[0]
+        tokens = x.numel() // max(batch * n_cols, 1)
+        ids = rows.token_ids(output.device, batch, tokens)
+        if x.dtype != output.dtype:  # autocast: the layer computed in another dtype
+            x = x.to(output.dtype)
+        with torch.no_grad():
+            _ops.mixed_delta_matmul_(output, x, ids, self.bank, check_values=False, backend=self.served.backend)
+        return None
+
+
+def _no_entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
+
+
+class ServedDeltas:
+    """Serve many sparse fine-tunes of one base model in one batch, one delta (or none) per row.
+
+    peft's habits: `load_delta(name, ...)`, `unload_delta(name)`, `list_deltas()`, and the
+    rows' delta names per call (`rows(...)` as a context, or `delta_names=` of `forward` and
+    `generate`). See the module docstring for what a row gets and what is refused.
+
+    Args:
+        model: the base model; its linear layers are hooked as deltas touching them are loaded.
+        backend: force the op's backend ("torch", "cpp", "triton"; default: the automatic choice).
+
+    Example:
+        >>> base = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> tuned = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> tuned.load_state_dict(base.state_dict())
+        <All keys matched successfully>
+        >>> with torch.no_grad():
+        ...     tuned[0].weight[1, 2] += 1.0
+        >>> served = ServedDeltas(base)
+        >>> served.load_delta("tuned", SparseDelta.from_diff(base, tuned, density=1.0))
+        >>> x = torch.randn(2, 4)
+        >>> y = served(x, delta_names=["tuned", None])
+        >>> torch.allclose(y[0], tuned(x)[0]) and torch.equal(y[1], base(x)[1])
+        True
+        >>> served.close()
+    """
+
+    def __init__(self, model: nn.Module, *, backend: str | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.backend = backend
+        self._names: list[str] = []
+        self._layers: dict[str, _ServedLayer] = {}
+        self._rows: _Rows | None = None
+
+    # -- loading --------------------------------------------------------------------------
+
+    def list_deltas(self) -> list[str]:
+        """The loaded deltas' names, in load order."""
+        return list(self._names)
+
+    def load_delta(self, name: str, delta: SparseDelta | str | os.PathLike, *, check_base: bool = True) -> None:
+        """Load a fine-tune under `name`: a `SparseDelta` or its directory (`SparseDelta.save_pretrained`).
+
+        Everything is checked first; on any problem a `DeltaError` lists them all and nothing
+        changes (no layer hooked, no delta added).
+
+        Args:
+            name: the name rows refer to it by (a new one).
+            delta: the delta, or the fine-tune directory to read it from.
+            check_base: compare the model with the delta's base fingerprint (as `apply_` does).
+
+        Raises:
+            DeltaError: the delta does not fit the model, has a dense part, or touches a weight
+                that is not a linear layer's; or `name` is taken.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if self._rows is not None:
+            raise RuntimeError("cannot load a delta while rows are being served (inside `rows(...)`)")
+        if not isinstance(delta, SparseDelta):
+            delta = SparseDelta.from_pretrained(delta)
+        state = _state_of(self.model, "model")
+        problems = [] if name not in self._names else [f"a delta named {name!r} is already loaded "
+                                                        "(unload_delta it first)"]
+        problems += delta.problems()
+        for param in delta.dense:
+            problems.append(f"{param}: a dense part (a trained head or norm replaces the param whole) cannot be "
+                            "served per row; apply this fine-tune in place (SparseDelta.apply_), or serve a copy "
+                            "of the delta without its dense parts")
+        modules = dict(self.model.named_modules())
+        targets: dict[str, nn.Linear] = {}
+        for param, e in delta.entries.items():
+            p = state.get(param)
+            if p is None:
+                problems.append(f"{param}: no such weight in the model")
+                continue
+            if tuple(p.shape) != e.shape or p.dtype != e.dtype:
+                problems.append(f"{param}: delta {e.dtype} {e.shape}, model {p.dtype} {tuple(p.shape)}")
+                continue
+            owner, _, leaf = param.rpartition(".")
+            module = modules.get(owner)
+            if leaf != "weight" or not isinstance(module, nn.Linear) or module.weight is not _param_of(self.model, param):
+                what = type(module).__name__ if module is not None else "no module"
+                problems.append(f"{param}: only linear layers' weights can be served per row ({what}.{leaf}); "
+                                "apply this fine-tune in place (SparseDelta.apply_) instead")
+                continue
+            if e.nnz:
+                targets[owner] = module
+        if check_base and delta.base is not None:
+            problems += _base_problems(delta.base, logical_state(self.model), _APPLIED.get(self.model, []))
+        if problems:
+            raise DeltaError(f"cannot load the sparse delta {name!r}; nothing changed", problems)
+        # Every check passed: build the new banks, then install them all at once.
+        new_banks: dict[str, DeltaBank] = {}
+        for owner, module in targets.items():
+            e = delta.entries[f"{owner}.weight"]
+            layer = self._layers.get(owner)
+            bank = layer.bank if layer is not None else None
+            new_banks[owner] = _increments(module.weight, e.indices, e.values, bank, len(self._names))
+        for owner, layer in self._layers.items():
+            if owner not in new_banks:
+                new_banks[owner] = layer.bank.appended(*_no_entries())
+        for owner, bank in new_banks.items():
+            if owner in self._layers:
+                self._layers[owner].bank = bank
+            else:
+                self._layers[owner] = _ServedLayer(self, targets[owner], bank)
+        self._names.append(name)
+
+    def unload_delta(self, name: str) -> None:
+        """Take the delta `name` out (its entries leave every layer; layers no delta touches are unhooked).
+
+        Raises:
+            KeyError: no delta of that name is loaded (nothing changes).
+        """
+        if name not in self._names:
+            raise KeyError(f"no delta named {name!r} is loaded (loaded: {self._names})")
+        if self._rows is not None:
+            raise RuntimeError("cannot unload a delta while rows are being served (inside `rows(...)`)")
+        number = self._names.index(name)
+        for owner in list(self._layers):
+            layer = self._layers[owner]
+            layer.bank = layer.bank.without(number)
+            if layer.bank.values.numel() == 0:
+                layer.handle.remove()
+                del self._layers[owner]
+        self._names.pop(number)
+
+    def close(self) -> None:
+        """Unload every delta and remove every hook: the model is the plain base again."""
+        for layer in self._layers.values():
+            layer.handle.remove()
+        self._layers.clear()
+        self._names.clear()
+        self._rows = None
+
+    # -- serving --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def rows(self, delta_names: Sequence[str | None], *, expand: int = 1) -> Iterator[None]:
+        """Serve the batch's rows with these deltas inside the block: one name (or None) per row.
+
+        Args:
+            delta_names: `[batch]` loaded names, None for the base model.
+            expand: each name stands for this many consecutive rows (generate's beams or samples).
+
+        Raises:
+            KeyError: a name that is not loaded (nothing changes).
+
+        Example:
+            >>> base = torch.nn.Linear(4, 3)
+            >>> served = ServedDeltas(base)
+            >>> with served.rows([None, None]):
+            ...     y = base(torch.randn(2, 4))
+        """
+        names = list(delta_names)
+        unknown = [n for n in names if n is not None and n not in self._names]
+        if unknown:
+            raise KeyError(f"no delta named {unknown[0]!r} is loaded (loaded: {self._names}; None serves the base)")
+        if not isinstance(expand, int) or expand < 1:
+            raise ValueError(f"expand must be an int >= 1, got {expand!r}")
+        ids = torch.tensor([-1 if n is None else self._names.index(n) for n in names], dtype=torch.int32)
+        outer = self._rows
+        # All rows on the base: no hook has anything to add.
+        self._rows = _Rows(names, ids, expand) if bool((ids >= 0).any()) else None
+        try:
+            yield
+        finally:
+            self._rows = outer
+
+    def forward(self, *args, delta_names: Sequence[str | None] | None = None, **kwargs):
+        """The model's forward with the rows served by `delta_names` (None: as the enclosing `rows`)."""
+        if delta_names is None:
+            return self.model(*args, **kwargs)
+        with self.rows(delta_names):
+            return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def generate(self, *args, delta_names: Sequence[str | None] | None = None, **kwargs):
+        """The model's `generate` with each row (through every decode step) served by its delta.
+
+        Beams and returned sequences: each name serves the rows generate makes of its row.
+        """
+        if delta_names is None:
+            return self.model.generate(*args, **kwargs)
+        config = getattr(self.model, "generation_config", None)
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) or 1)
+        samples = kwargs.get("num_return_sequences", getattr(config, "num_return_sequences", 1) or 1)
+        with self.rows(delta_names, expand=beams if beams > 1 else samples):
+            return self.model.generate(*args, **kwargs)
+
+
+def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def _increments(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, bank: DeltaBank | None,
+                n_before: int) -> DeltaBank:
+    """`bank` (or a new one with `n_before` empty deltas) with one more delta: the increments
+    `apply_` makes in `weight`'s dtype at `indices`, `fp32(dtype(w + v)) - fp32(w)`."""
+    n_rows, n_cols = weight.shape
+    idx = indices.to(weight.device).long()
+    with torch.no_grad():
+        old = weight.detach().reshape(-1)[idx].float()
+        made = (old + values.to(weight.device).float()).to(weight.dtype).float() - old
+    if bank is None:  # the layer's first delta: the ones loaded before have no entries in it
+        bank = DeltaBank.from_rows_and_cols((n_rows, n_cols), [_no_entries()] * n_before, device=weight.device)
+    return bank.appended(idx // n_cols, idx % n_cols, made)
