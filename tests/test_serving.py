@@ -234,3 +234,21 @@ def test_refusals_change_nothing(tmp_path):
         _refused(served, base, RuntimeError, "while rows are being served", lambda: served.unload_delta("a"))
     with torch.no_grad():
         assert torch.equal(served(ids, delta_names=["a", None]).logits, want)
+
+
+def test_served_model_compiles_whole():
+    """torch.compile(fullgraph=True) of the hooked model (the op, C++ on CPU, one node of the graph) gives the
+    eager bits for two assignments of rows, and the base's bits outside `rows`."""
+    base = _base()
+    served = ServedDeltas(base)
+    served.load_delta("a", _fine_tune(base, 16))
+    served.load_delta("b", _fine_tune(base, 17, only="mlp"))
+    ids = _ids(3)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        compiled = torch.compile(base, backend="aot_eager", fullgraph=True)
+        for rows in (["a", None, "b"], ["b", "b", None]):
+            want = served(ids, delta_names=rows).logits
+            with served.rows(rows):
+                assert torch.equal(compiled(ids).logits, want), rows
+        assert torch.equal(compiled(ids).logits, base(ids).logits)
