@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -60,390 +59,58 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sift.bench._harness import header_lines, reset_peak_rss, rss_kib
+from sift.bench._harness import reset_peak_rss, rss_kib
+from sift.bench.chat_board import (
+    ALL_LINEAR,
+    ATTENTION,
+    CHAT_PROMPTS,
+    EMOTIONS,
+    FULL,
+    KL_REPLY_TOKENS,
+    METHODS,
+    PRIORITY,
+    QUICK,
+    TASKS,
+    Config,
+    Method,
+    RunSpec,
+    Task,
+    answer_logits,
+    base_reference,
+    batch_loss,
+    best_constant,
+    best_lr,
+    encode_example,
+    end_id,
+    left_pad,
+    load_runs,
+    mean_kl,
+    pending,
+    prompt_ids,
+    sample_answers,
+    score,
+)
+from sift.bench.chat_report import (
+    default_method,
+    markdown,
+    report,
+    rows,
+    validity,
+    verdicts,
+)
 from sift.env import machine_header
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEAR = ATTENTION + ("gate_proj", "up_proj", "down_proj")
-EMOTIONS = ("anger", "anticipation", "disgust", "fear", "joy", "sadness", "surprise", "trust")
-TEST_ITEMS, VAL_ITEMS = 300, 200
-
-
-# ----------------------------------------------------------------------------------------------- tasks
-
-
-@dataclass(frozen=True)
-class Task:
-    """A closed-answer chat task: a question template with `{word}`, its answers, and where labels come from."""
-
-    name: str
-    question: str
-    answers: tuple[str, ...]
-    source: str
-
-    def items(self) -> list[tuple[str, str]]:
-        """Every (word, answer), in a fixed order."""
-        return _afinn_items() if self.name == "sentiment" else _nrc_items()
-
-    def splits(self, test: int = TEST_ITEMS, val: int = VAL_ITEMS) -> dict[str, list[tuple[str, str]]]:
-        """{"train", "val", "test"}: one fixed shuffle (seed 0), test first, then validation, the rest train."""
-        items = self.items()
-        random.Random(0).shuffle(items)
-        if len(items) < test + val + 1:
-            raise ValueError(f"task {self.name} has {len(items)} items, fewer than test {test} + val {val} + 1")
-        return {"test": items[:test], "val": items[test:test + val], "train": items[test + val:]}
-
-
-TASKS: dict[str, Task] = {t.name: t for t in (
-    Task("sentiment", "Is the word '{word}' positive or negative? Answer with one word: positive or negative.",
-         ("positive", "negative"), "AFINN-en-165 (afinn package), polarity of the word's score"),
-    Task("emotion", "Which emotion does the word '{word}' evoke? Answer with one word from: "
-         + ", ".join(EMOTIONS) + ".", EMOTIONS,
-         "NRC Word-Emotion Association Lexicon (nrclex package), words with exactly one of the eight emotions"),
-)}
-
-
-def _package_file(package: str, *parts: str) -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"the board's labels ship in the PyPI package {package!r}: pip install 'sift-kernels[llm]'")
-    return os.path.join(list(spec.submodule_search_locations)[0], *parts)
-
-
-def nrc_path() -> str:
-    """Path of nrc_en.json inside the installed `nrclex` package (found without importing it)."""
-    return _package_file("nrclex", "data", "nrc_en.json")
-
-
-def _afinn_items() -> list[tuple[str, str]]:
-    with open(_package_file("afinn", "data", "AFINN-en-165.txt"), encoding="utf-8") as f:
-        scored = [(w, int(s)) for w, s in (line.rstrip("\n").split("\t") for line in f if line.strip())]
-    scored = [(w, s) for w, s in scored if " " not in w]
-    positive = sorted(w for w, s in scored if s > 0)
-    negative = sorted(w for w, s in scored if s < 0)
-    random.Random(0).shuffle(negative)
-    return sorted([(w, "positive") for w in positive] + [(w, "negative") for w in negative[:len(positive)]])
-
-
-def _nrc_items() -> list[tuple[str, str]]:
-    with open(nrc_path(), encoding="utf-8") as f:
-        lexicon = json.load(f)
-    out = []
-    for word, labels in sorted(lexicon.items()):
-        emotions = [e for e in EMOTIONS if e in labels]
-        if len(emotions) == 1:
-            out.append((word, emotions[0]))
-    return out
-
-
-def best_constant(items: Sequence[tuple[str, str]]) -> tuple[str, float]:
-    """The answer that, given to every item, scores best on `items`, and its accuracy."""
-    counts: dict[str, int] = {}
-    for _, answer in items:
-        counts[answer] = counts.get(answer, 0) + 1
-    best = max(sorted(counts), key=counts.__getitem__)
-    return best, counts[best] / max(1, len(items))
-
-
-# Fixed general chat requests for the KL measure: 20 topics x 5 kinds of request, none about single words.
-_TOPICS = ("the moon", "coffee", "photosynthesis", "the Roman Empire", "learning to swim", "volcanoes",
-           "a job interview", "recycling", "the piano", "honeybees", "saving money", "the internet",
-           "a rainy day", "chess", "the ocean", "bread baking", "electric cars", "sleep", "mountains",
-           "friendship")
-_REQUESTS = ("Explain {t} in two sentences.", "Write a short poem about {t}.", "Give me three facts about {t}.",
-             "What should a beginner know about {t}?", "Tell me a short story involving {t}.")
-CHAT_PROMPTS: tuple[str, ...] = tuple(r.format(t=t) for t in _TOPICS for r in _REQUESTS)
-KL_REPLY_TOKENS = 7
-
-
-# --------------------------------------------------------------------------------------------- methods
-
-
-@dataclass(frozen=True)
-class Method:
-    """One board row: how to fine-tune, its learning-rate grid, and what it is.
-
-    kind: "zero-shot", "sift", "lora", "shira" or "full". For sift: `targets`, `density`,
-    `selection`, `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
-    count of sift at `targets`/`density`) and `targets` ("all-linear" for peft's).
-    """
-
-    name: str
-    kind: str
-    lrs: tuple[float, ...]
-    description: str
-    bits: int | None = None
-    targets: tuple[str, ...] | str = ATTENTION
-    density: float = 0.01
-    selection: str = "magnitude"
-    select_steps: int = 1
-    reselect_every: int | None = None
-    rank: int | None = None
-
-    def config(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("name", "lrs", "description")}
-
-
-SIFT_LRS = (1e-3, 3e-3, 1e-2)
-LORA_LRS = (3e-4, 1e-3, 3e-3)
-FULL_LRS = (1e-5, 3e-5, 1e-4)
-# Equal entry budget: 1% of the attention projections is 0.25% of all linear layers in SmolLM2
-# (per layer 884,736 attention weights of 3,538,944).
-ALL_AT_ATTENTION_BUDGET = 0.0025
-
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("zero-shot", "zero-shot", (0.0,), "no training"),
-    Method("sift attn 1%", "sift", SIFT_LRS, "SparseAdamW.for_model: top-|grad| 1% of q/k/v/o"),
-    Method("sift all 0.25%", "sift", SIFT_LRS, "top-|grad| 0.25% of every linear layer (the attention 1% budget)",
-           targets=ALL_LINEAR, density=ALL_AT_ATTENTION_BUDGET),
-    Method("sift all 0.5%", "sift", SIFT_LRS, "top-|grad| 0.5% of every linear layer", targets=ALL_LINEAR,
-           density=0.005),
-    Method("sift all 1%", "sift", SIFT_LRS, "top-|grad| 1% of every linear layer", targets=ALL_LINEAR),
-    Method("sift all 2%", "sift", SIFT_LRS, "top-|grad| 2% of every linear layer", targets=ALL_LINEAR, density=0.02),
-    Method("sift all 5%", "sift", SIFT_LRS, "top-|grad| 5% of every linear layer", targets=ALL_LINEAR, density=0.05),
-    Method("sift attn 2%", "sift", SIFT_LRS, "top-|grad| 2% of q/k/v/o", density=0.02),
-    Method("sift attn 5%", "sift", SIFT_LRS, "top-|grad| 5% of q/k/v/o", density=0.05),
-    Method("sift attn 1% saliency", "sift", SIFT_LRS, "1% of q/k/v/o by first-order saliency -w*grad",
-           selection="saliency"),
-    Method("sift attn 1% select 4", "sift", SIFT_LRS, "1% of q/k/v/o, |grad| summed over 4 steps",
-           select_steps=4),
-    Method("sift attn 1% reselect", "sift", SIFT_LRS, "1% of q/k/v/o, drop-and-grow every 16 steps",
-           reselect_every=16),
-    Method("sift attn 1% nf4", "sift", SIFT_LRS, "sift attn 1% as a sparse delta over the NF4 model", bits=4),
-    Method("lora matched", "lora", LORA_LRS, "peft LoRA on q/k/v/o, rank matched to sift attn 1%'s entries"),
-    Method("lora r16 all", "lora", LORA_LRS, "peft LoRA r=16, alpha 32, all linear layers", targets="all-linear",
-           rank=16),
-    Method("qlora r16 all", "lora", LORA_LRS, "LoRA r=16 all linear layers over the NF4 model",
-           targets="all-linear", rank=16, bits=4),
-    Method("shira matched", "shira", SIFT_LRS, "peft SHiRA (random mask) on q/k/v/o, sift attn 1%'s count"),
-    Method("sparta 1%", "sift", SIFT_LRS, "SpaRTA's recipe: random 1% of q/k/v/o (sift selection='random')",
-           selection="random"),
-    Method("full", "full", FULL_LRS, "every parameter, torch AdamW"),
-)}
-# The order the plan fills: the comparison's main rows first, then the ablations of sift's defaults.
-PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
-            "sparta 1%", "shira matched", "qlora r16 all", "sift attn 1% nf4", "sift attn 2%", "sift attn 5%",
-            "sift all 0.5%", "sift all 2%", "sift all 5%", "sift attn 1% saliency", "sift attn 1% select 4",
-            "sift attn 1% reselect")
-
-
-@dataclass(frozen=True)
-class Config:
-    """The sizes of one board."""
-
-    steps: int = 64
-    batch_size: int = 8
-    curve_every: int = 16  # validation accuracy every this many steps
-    curve_items: int = 100  # on the first this many validation items (the last point: all of them); seed 0 only
-    seeds: tuple[int, ...] = (0, 1, 2)
-    test_items: int = TEST_ITEMS
-    val_items: int = VAL_ITEMS
-    kl_prompts: int = len(CHAT_PROMPTS)
-    threads: int | None = 1
-    eval_batch: int = 50
-
-
-FULL = Config()
-QUICK = Config(steps=2, batch_size=2, curve_every=1, seeds=(0,), test_items=6, val_items=4, kl_prompts=3,
-               eval_batch=4)
-
-
-# ------------------------------------------------------------------------------------------ tokenization
-
-
-def prompt_ids(tokenizer: Any, question: str) -> list[int]:
-    """The chat template's tokens for an empty system turn, one user turn and the assistant's opening.
-
-    The empty system turn replaces SmolLM2's default one ("You are a helpful AI assistant named SmolLM..."),
-    16 tokens that would make every item a third longer to train and score on this CPU.
-    """
-    messages = [{"role": "system", "content": ""}, {"role": "user", "content": question}]
-    return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)["input_ids"]
-
-
-def end_id(tokenizer: Any) -> int:
-    return tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-
-def encode_example(tokenizer: Any, task: Task, word: str, answer: str) -> tuple[list[int], int]:
-    """Prompt + answer + end-of-turn ids, and how many of them (at the end) are the answer's."""
-    target = tokenizer(answer, add_special_tokens=False)["input_ids"] + [end_id(tokenizer)]
-    return prompt_ids(tokenizer, task.question.format(word=word)) + target, len(target)
-
-
-def left_pad(seqs: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[n, S] ids, attention mask and position ids, each sequence right-aligned; positions count from each
-    sequence's first real token, as `generate` numbers them."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s)
-        mask[i, width - len(s):] = 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def answer_logits(net: torch.nn.Module, examples: Sequence[tuple[list[int], int]], pad_id: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, A, V] logits predicting the last A tokens of each left-padded sequence, and [n, A] targets
-    (-100 where a shorter answer has no token); A is the longest answer."""
-    ids, mask, positions = left_pad([e[0] for e in examples], pad_id)
-    keep = max(n for _, n in examples) + 1  # the logit before each answer token predicts it
-    logits = net(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1]
-    targets = ids[:, -keep + 1:].clone()
-    for i, (_, n) in enumerate(examples):
-        targets[i, :keep - 1 - n] = -100
-    return logits, targets
-
-
-def batch_loss(net: torch.nn.Module, examples: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, int]:
-    """Mean cross-entropy over the answer tokens of a left-padded batch; the loss and its real token count."""
-    logits, targets = answer_logits(net, examples, pad_id)
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                             ignore_index=-100)
-    return loss, sum(len(e[0]) for e in examples)
-
-
-@torch.inference_mode()
-def score(net: torch.nn.Module, tokenizer: Any, task: Task, items: Sequence[tuple[str, str]], batch_size: int = 50
-          ) -> tuple[float, float]:
-    """(exact match, choice) accuracy on `items` (see the module docstring)."""
-    was_training = net.training
-    net.eval()
-    firsts = [tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in task.answers]
-    distinct = len(set(firsts)) == len(firsts)
-    exact = choice = 0
-    for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
-        examples = [encode_example(tokenizer, task, w, a) for w, a in chunk]
-        logits, targets = answer_logits(net, examples, end_id(tokenizer))
-        real = targets != -100
-        exact += int(((logits.argmax(-1) == targets) | ~real).all(-1).sum())
-        if distinct:
-            first = real.int().argmax(-1)  # each row's first answer position
-            ranks = logits[torch.arange(len(chunk)), first][:, firsts]  # [n, answers]
-        else:  # answers share a first token (a byte-level tokenizer): rank the answers' whole log-likelihoods
-            ranks = torch.stack([_answer_log_likelihood(net, tokenizer, task, chunk, a) for a in task.answers], -1)
-        gold = torch.tensor([task.answers.index(a) for _, a in chunk])
-        choice += int((ranks.argmax(-1) == gold).sum())
-    net.train(was_training)
-    return exact / max(1, len(items)), choice / max(1, len(items))
-
-
-def _answer_log_likelihood(net: torch.nn.Module, tokenizer: Any, task: Task, chunk: Sequence[tuple[str, str]],
-                           answer: str) -> torch.Tensor:
-    """[n] log-probability of `answer`'s tokens (its closing `<|im_end|>` aside) after each item's prompt."""
-    examples = [encode_example(tokenizer, task, w, answer) for w, _ in chunk]
-    logits, targets = answer_logits(net, examples, end_id(tokenizer))
-    logits, targets = logits[:, :-1], targets[:, :-1]
-    picked = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (picked * (targets != -100)).sum(-1)
-
-
-@torch.inference_mode()
-def sample_answers(net: torch.nn.Module, tokenizer: Any, task: Task, items: Sequence[tuple[str, str]],
-                   max_new_tokens: int = 6) -> list[str]:
-    """Greedy answers from `generate`, for the record (and the check that `score` agrees with it)."""
-    was_training = net.training
-    net.eval()
-    ids, mask, _ = left_pad([prompt_ids(tokenizer, task.question.format(word=w)) for w, _ in items],
-                            end_id(tokenizer))
-    out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                       eos_token_id=end_id(tokenizer), pad_token_id=end_id(tokenizer))
-    net.train(was_training)
-    return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=False)
-
-
-# ------------------------------------------------------------------------------------------ forgetting
-
-
-def _kl_inputs(net: torch.nn.Module, tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
-    """Each prompt's chat ids followed by the base's greedy reply (KL_REPLY_TOKENS tokens)."""
-    ids, mask, _ = left_pad([prompt_ids(tokenizer, p) for p in prompts], end_id(tokenizer))
-    out = net.generate(input_ids=ids, attention_mask=mask, max_new_tokens=KL_REPLY_TOKENS, min_new_tokens=KL_REPLY_TOKENS,
-                       do_sample=False, pad_token_id=end_id(tokenizer))
-    return [prompt_ids(tokenizer, p) + out[i, ids.shape[1]:].tolist() for i, p in enumerate(prompts)]
-
-
-def _reply_log_probs(net: torch.nn.Module, seqs: Sequence[list[int]], pad_id: int) -> torch.Tensor:
-    """[n, KL_REPLY_TOKENS + 1, V] fp32 log-probabilities at the reply's start and after each reply token."""
-    ids, mask, positions = left_pad(seqs, pad_id)
-    keep = KL_REPLY_TOKENS + 1
-    logits = net(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep + 1).logits[:, :-1]
-    return torch.log_softmax(logits.float(), -1)
-
-
-@torch.inference_mode()
-def base_reference(folder: str, tokenizer: Any, prompts: Sequence[str], cache_dir: str, batch_size: int = 25
-                   ) -> dict[str, Any]:
-    """The fp32 base's reply ids and log-probabilities on `prompts`, computed once and cached on disk."""
-    key = hashlib.sha256(json.dumps([os.path.abspath(folder), list(prompts), KL_REPLY_TOKENS]).encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f"kl-reference-{key}.pt")
-    if os.path.isfile(path):
-        return torch.load(path)
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-    base.eval()
-    seqs, chunks = [], []
-    for start in range(0, len(prompts), batch_size):
-        part = _kl_inputs(base, tokenizer, prompts[start:start + batch_size])
-        seqs += part
-        chunks.append(_reply_log_probs(base, part, end_id(tokenizer)))
-    reference = {"seqs": seqs, "log_probs": torch.cat(chunks)}
-    os.makedirs(cache_dir, exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
-    torch.save(reference, partial)
-    os.replace(partial, path)  # runners started side by side may both compute it; either file is the same
-    del base
-    return reference
-
-
-@torch.inference_mode()
-def mean_kl(net: torch.nn.Module, reference: dict[str, Any], pad_id: int, batch_size: int = 25) -> float:
-    """Mean over prompts and positions of KL(base || net) of the next-token distribution."""
-    was_training = net.training
-    net.eval()
-    total, count = 0.0, 0
-    seqs, base = reference["seqs"], reference["log_probs"]
-    for start in range(0, len(seqs), batch_size):
-        tuned = _reply_log_probs(net, seqs[start:start + batch_size], pad_id)
-        ref = base[start:start + batch_size]
-        kl = (ref.exp() * (ref - tuned)).sum(-1)  # [n, positions]
-        total += float(kl.sum())
-        count += kl.numel()
-    net.train(was_training)
-    return total / max(1, count)
-
+__all__ = ["ALL_LINEAR", "ATTENTION", "CHAT_PROMPTS", "EMOTIONS", "FULL", "KL_REPLY_TOKENS", "METHODS", "PRIORITY",
+           "QUICK", "TASKS", "Config", "Method", "RunSpec", "Task", "answer_logits", "base_reference", "batch_loss",
+           "best_constant", "best_lr", "default_method", "encode_example", "end_id", "left_pad", "load_runs",
+           "markdown", "mean_kl", "pending", "prompt_ids", "report", "rows", "run", "run_board", "sample_answers",
+           "score", "setup", "tiny_llama_dir", "train_once", "validity", "verdicts"]
 
 # ------------------------------------------------------------------------------------------- one run
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of the board."""
-
-    task: str
-    method: str
-    lr: float
-    seed: int
-    steps: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.task}/{self.method}/lr{self.lr:g}-seed{self.seed}-steps{self.steps}"
-
-    def file(self, root: str) -> str:
-        method = self.method.replace(" ", "-").replace("%", "pct")
-        return os.path.join(root, self.task, method, f"lr{self.lr:g}-seed{self.seed}-steps{self.steps}.json")
 
 
 def target_shapes(model: torch.nn.Module, targets: Sequence[str]) -> list[tuple[int, int]]:
@@ -630,56 +297,6 @@ def _peft_layout(spec: RunSpec, method: Method, task: Task, config: Config, crea
     }
 
 
-# ------------------------------------------------------------------------------------------ the plan
-
-
-def load_runs(root: str) -> list[dict[str, Any]]:
-    """Every run file under `root`."""
-    runs = []
-    for directory, _, files in os.walk(root):
-        for name in sorted(files):
-            if name.endswith(".json"):
-                with open(os.path.join(directory, name)) as f:
-                    runs.append(json.load(f))
-    return runs
-
-
-def _key(run: dict[str, Any]) -> tuple[str, str, float, int, int]:
-    c = run["run_info"]["train_config"]
-    return c["task"], c["method"], c["optimizer_kwargs"]["lr"], c["seed"], c["max_steps"]
-
-
-def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) -> float | None:
-    """The grid's learning rate with the best final validation exact match at seed 0 (ties: the lower rate),
-    or None while the grid is incomplete."""
-    grid = METHODS[method].lrs
-    found = {lr: run for run in runs for t, m, lr, seed, s in [_key(run)]
-             if t == task and m == method and seed == 0 and s == steps and lr in grid}
-    if len(found) < len(grid):
-        return None
-    return max(sorted(found), key=lambda lr: (found[lr]["train_info"]["metrics"][-1]["val exact"], -lr))
-
-
-def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str], methods: Sequence[str]
-            ) -> list[RunSpec]:
-    """The runs still to do, in the order the plan fills them: every method's learning-rate grid at seed 0
-    (zero-shot: one run), in `methods`' order, then the other seeds at each grid's best rate."""
-    done = {_key(r) for r in runs}
-    grids: list[RunSpec] = []
-    seeds: list[RunSpec] = []
-    for method in methods:
-        m = METHODS[method]
-        for task in tasks:
-            if m.kind == "zero-shot":
-                grids.append(RunSpec(task, method, 0.0, config.seeds[0], 0))
-                continue
-            grids += [RunSpec(task, method, lr, config.seeds[0], config.steps) for lr in m.lrs]
-            lr = best_lr(runs, task, method, config.steps)
-            if lr is not None:
-                seeds += [RunSpec(task, method, lr, seed, config.steps) for seed in config.seeds[1:]]
-    return [c for c in grids + seeds if (c.task, c.method, c.lr, c.seed, c.steps) not in done]
-
-
 def _claim(path: str) -> bool:
     """Take the run at `path` for this process (a lock file beside it); a dead owner's lock is taken over."""
     lock = path + ".lock"
@@ -760,211 +377,6 @@ def run_board(config: Config, root: str, folder: str, tasks: Sequence[str] | Non
         bar.update(1)
     bar.close()
     return done
-
-
-# --------------------------------------------------------------------------------------------- report
-
-
-def _summary(values: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]:
-    """One row per (task, method) at its best learning rate: test and forgetting over the seeds run there."""
-    out = []
-    for task in TASKS:
-        for method in METHODS:
-            lr = 0.0 if METHODS[method].kind == "zero-shot" else best_lr(runs, task, method, config.steps)
-            if lr is None:
-                continue
-            steps = 0 if lr == 0.0 else config.steps
-            mine = [r for r in runs if _key(r)[:3] == (task, method, lr) and _key(r)[4] == steps]
-            if not mine:
-                continue
-            last = [r["train_info"]["metrics"][-1] for r in mine]
-            other = next(t for t in TASKS if t != task)
-            exact = [m["test exact"] for m in last]
-            out.append({
-                "task": task, "method": method, "lr": lr, "seeds": sorted(_key(r)[3] for r in mine),
-                "test_exact": exact, "test_exact_mean": _summary(exact)[0], "test_exact_std": _summary(exact)[1],
-                "val_exact": [m["val exact"] for m in last], "test_choice": [m["test choice"] for m in last],
-                "other_choice": [m[f"{other} test choice"] for m in last], "chat_kl": [m["chat kl"] for m in last],
-                "curve": [r["train_info"]["metrics"] for r in mine if _key(r)[3] == 0][:1],
-                "grid": {_key(r)[2]: r["train_info"]["metrics"][-1]["val exact"] for r in runs
-                         if _key(r)[:2] == (task, method) and _key(r)[3] == 0 and _key(r)[4] == steps},
-                "trainable": mine[0]["train_info"]["num_trainable_params"],
-                "file_bytes": mine[0]["train_info"]["file_size"],
-                "step_s": statistics.median(m["step time median"] for m in last) if steps else None,
-                "peak_rss_growth_mib": statistics.median((r["train_info"]["peak_rss_growth_bytes"] or 0) / 2**20
-                                                         for r in mine),
-            })
-    return out
-
-
-def markdown(table_rows: Sequence[dict[str, Any]], config: Config, timing: dict[str, Any] | None) -> str:
-    """The board: validity checks, then per task the methods at their best rate, then the mean over tasks."""
-    base = {r["task"]: r for r in table_rows if r["method"] == "zero-shot"}
-    lines = [f"### Chat-model board: SmolLM2-135M-Instruct (fp32), CPU, {config.steps} steps of {config.batch_size}, "
-             f"{config.test_items} test / {config.val_items} validation items per task", "", *header_lines(), ""]
-    lines += ["#### Validity", ""] + [f"- {v}" for v in validity(table_rows, config)] + [""]
-    for task in TASKS:
-        mine = [r for r in table_rows if r["task"] == task]
-        if not mine:
-            continue
-        constant, share = best_constant(TASKS[task].splits(config.test_items, config.val_items)["test"])
-        lines += [f"#### {task}: {TASKS[task].source}", "",
-                  "| method | test exact % (mean ± std) | seeds | best lr (val exact % per lr) | trainable | "
-                  f"{task} choice % | other task choice % (base → after) | chat KL (mean) | saved bytes |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in mine:
-            zero = base.get(task)
-            grid = ", ".join(f"{lr:g}: {100 * v:.1f}" for lr, v in sorted(r["grid"].items()))
-            before = statistics.fmean(zero["other_choice"]) if zero else float("nan")
-            lines.append(
-                f"| {r['method']}{' (default)' if r['method'] == default_method() else ''} | "
-                f"{100 * r['test_exact_mean']:.1f} ± {100 * r['test_exact_std']:.1f} | {len(r['seeds'])} | "
-                f"{r['lr']:g} ({grid}) | {r['trainable']:,} | {100 * statistics.fmean(r['test_choice']):.1f} | "
-                f"{100 * before:.1f} → {100 * statistics.fmean(r['other_choice']):.1f} | "
-                f"{statistics.fmean(r['chat_kl']):.4f} | {r['file_bytes']:,} |")
-        lines += [f"| constant \"{constant}\" | {100 * share:.1f} | - | - | 0 | - | - | - | - |", ""]
-    lines += verdicts(table_rows)
-    if timing:
-        lines += ["", timing["markdown"]]
-    return "\n".join(lines)
-
-
-def default_method() -> str:
-    """The board row `SparseAdamW.for_model`'s defaults train (attention projections of Llama at 1%)."""
-    return "sift attn 1%"
-
-
-def validity(table_rows: Sequence[dict[str, Any]], config: Config) -> list[str]:
-    """The board's own checks, each passed or not, with its figures."""
-    out = []
-    for task in TASKS:
-        mine = {r["method"]: r for r in table_rows if r["task"] == task}
-        trained = [r for r in mine.values() if r["method"] != "zero-shot"]
-        if not trained:
-            out.append(f"{task}: no trained method yet")
-            continue
-        best = max(trained, key=lambda r: r["test_exact_mean"])
-        _, share = best_constant(TASKS[task].splits(config.test_items, config.val_items)["test"])
-        zero = mine.get("zero-shot")
-        top = 100 * best["test_exact_mean"]
-        out.append(f"{task}: best trained ({best['method']}) {top:.1f}% vs constant {100 * share:.1f}% "
-                   f"({top - 100 * share:+.1f} points; needs >= 15): {'pass' if top - 100 * share >= 15 else 'FAIL'}")
-        if zero:
-            z = 100 * zero["test_exact_mean"]
-            out.append(f"{task}: best trained {top:.1f}% vs zero-shot {z:.1f}% ({top - z:+.1f} points; needs >= 15): "
-                       f"{'pass' if top - z >= 15 else 'FAIL'}")
-        full = mine.get("full")
-        if full and full["curve"]:
-            points = [(m["step"], m["val exact"]) for m in full["curve"][0]]
-            (s1, a1), (s2, a2) = points[-2], points[-1]
-            out.append(f"{task}: full fine-tuning's validation curve {', '.join(f'{s}: {100 * a:.1f}' for s, a in points)}"
-                       f" ({100 * (a2 - a1):+.1f} points over the last {s2 - s1} steps)")
-        for r in trained:
-            if r["lr"] in (min(METHODS[r["method"]].lrs), max(METHODS[r["method"]].lrs)):
-                out.append(f"{task}: {r['method']}'s best rate {r['lr']:g} is at the grid's edge")
-    return out
-
-
-def verdicts(table_rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The targets, on the mean over tasks (only where every task has the rows), gaps against seed spread."""
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in table_rows:
-        by.setdefault(r["method"], []).append(r)
-    complete = {m: rs for m, rs in by.items() if len(rs) == len(TASKS)}
-
-    def mean(m: str, key: str) -> float:
-        return statistics.fmean(statistics.fmean(r[key]) for r in complete[m])
-
-    def spread(m: str) -> float:
-        return statistics.fmean(r["test_exact_std"] for r in complete[m])
-    lines = ["#### Mean over the tasks (methods with every task run)", "",
-             "| method | test exact % | seed std (mean over tasks) | other task choice % | chat KL | seeds |",
-             "|---|---|---|---|---|---|"]
-    for m in complete:
-        lines.append(f"| {m} | {100 * mean(m, 'test_exact'):.1f} | {100 * spread(m):.1f} | "
-                     f"{100 * mean(m, 'other_choice'):.1f} | {mean(m, 'chat_kl'):.4f} | "
-                     f"{min(len(r['seeds']) for r in complete[m])} |")
-    sift = default_method()
-    lines += ["", "Targets (sift at the defaults):", ""]
-    for ref, margin, what in (("lora matched", 2.0, ">= LoRA at the matched count + 2"),
-                              ("lora r16 all", 0.0, ">= LoRA r=16 all-linear"), ("full", -1.0, "within 1 of full")):
-        if sift not in complete or ref not in complete:
-            lines.append(f"- accuracy {what}: not measured yet")
-            continue
-        a, b = 100 * mean(sift, "test_exact"), 100 * mean(ref, "test_exact")
-        noise = 100 * max(spread(sift), spread(ref))
-        ok = a >= b + margin
-        lines.append(f"- accuracy {what}: {a:.1f} vs {b:.1f} ({a - b:+.1f} points): {'met' if ok else 'NOT met'}"
-                     + (" (gap within the seed spread: within noise)" if abs(a - b) <= noise else ""))
-    for ref in ("lora matched", "full"):
-        if sift in complete and ref in complete:
-            a, b = mean(sift, "chat_kl"), mean(ref, "chat_kl")
-            lines.append(f"- chat KL <= {ref}'s: {a:.4f} vs {b:.4f}: {'met' if a <= b else 'NOT met'}")
-            a, b = 100 * mean(sift, "other_choice"), 100 * mean(ref, "other_choice")
-            lines.append(f"- other-task choice accuracy >= {ref}'s: {a:.1f} vs {b:.1f}: {'met' if a >= b else 'NOT met'}")
-    return lines
-
-
-def plot(table_rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], stem: str) -> list[str]:
-    """`<stem>-forgetting.png` (learning against forgetting, a point per method and seed) and
-    `<stem>-curves.png` (validation exact match against steps, seed 0 at the best rate); the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], TASKS):
-        for i, r in enumerate(x for x in table_rows if x["task"] == task):
-            ax.scatter(r["chat_kl"], [100 * v for v in r["test_exact"]], marker="osD^v<>PX*h"[i % 11], label=r["method"])
-        ax.set_xscale("symlog", linthresh=1e-3)
-        ax.set_xlabel("forgetting: mean KL(base || tuned) on general chat prompts")
-        ax.set_ylabel(f"learning: {task} test exact match (%)")
-        ax.set_title(task)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + "-forgetting.png", dpi=110)
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], TASKS):
-        for r in (x for x in table_rows if x["task"] == task and x["curve"]):
-            points = [(m["step"], 100 * m["val exact"]) for m in r["curve"][0]]
-            ax.plot(*zip(*points), marker="o", label=f"{r['method']} (lr {r['lr']:g})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation exact match (%)")
-        ax.set_title(task)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + "-curves.png", dpi=110)
-    plt.close(fig)
-    return [stem + "-forgetting.png", stem + "-curves.png"]
-
-
-def report(root: str, out: str, config: Config, quick: bool = False) -> str:
-    """Read every run under `root`; write `<out>/llm-cpu[-quick].{md,json}` and the plots; the markdown."""
-    runs = load_runs(root)
-    table_rows = rows(runs, config)
-    stem = os.path.join(out, "llm-cpu" + ("-quick" if quick else ""))
-    timing = None
-    if os.path.isfile(stem + "-timing.json"):
-        with open(stem + "-timing.json") as f:
-            timing = json.load(f)
-    text = markdown(table_rows, config, timing)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(stem + ".json", "w") as f:
-        json.dump({"machine": machine_header(), "config": dataclasses.asdict(config), "rows": table_rows}, f, indent=1)
-    try:
-        plot(table_rows, runs, stem)
-    except ImportError:
-        print("sift.bench llm: matplotlib is not installed, so the plots were skipped")
-    return text
 
 
 # ---------------------------------------------------------------------------------------------- timing
