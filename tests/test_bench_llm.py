@@ -157,6 +157,10 @@ def test_plan_picks_the_best_validation_rate_and_runs_the_seeds_there():
     runs = [_run("sentiment", method, lrs[0], 0, 8, 0.5), _run("sentiment", method, lrs[1], 0, 8, 0.7)]
     todo = llm.pending(runs, config, ["sentiment"], [method])
     assert [(s.lr, s.seed) for s in todo] == [(lrs[2], 0)]
+    first = llm.pending([], config, ["sentiment", "emotion"], [method, "full"])
+    assert [(s.method, s.task, s.lr) for s in first[:4]] == [
+        (method, "sentiment", lrs[1]), (method, "emotion", lrs[1]), ("full", "sentiment", llm.METHODS["full"].lrs[1]),
+        ("full", "emotion", llm.METHODS["full"].lrs[1])]  # every method at its middle rate first
     runs.append(_run("sentiment", method, lrs[2], 0, 8, 0.7))
     assert llm.best_lr(runs, "sentiment", method, 8) == lrs[1]
     todo = llm.pending(runs, config, ["sentiment"], [method])

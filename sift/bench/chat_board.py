@@ -425,21 +425,25 @@ def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) 
 
 def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str], methods: Sequence[str]
             ) -> list[RunSpec]:
-    """The runs still to do, in the order the plan fills them: every method's learning-rate grid at seed 0
-    (zero-shot: one run), in `methods`' order, then the other seeds at each grid's best rate."""
+    """The runs still to do, in the order the plan fills them: the learning-rate grids at seed 0 (zero-shot:
+    one run), middle rate first for every method in `methods`' order, then the grids' other rates, then the
+    other seeds at each grid's best rate; a board stopped early then compares every method at one rate."""
     done = {run_key(r) for r in runs}
-    grids: list[RunSpec] = []
+    grids: list[tuple[int, RunSpec]] = []
     seeds: list[RunSpec] = []
     for method in methods:
         m = METHODS[method]
         for task in tasks:
             if m.kind == "zero-shot":
-                grids.append(RunSpec(task, method, 0.0, config.seeds[0], 0))
+                grids.append((0, RunSpec(task, method, 0.0, config.seeds[0], 0)))
                 continue
-            grids += [RunSpec(task, method, lr, config.seeds[0], config.steps) for lr in m.lrs]
+            middle = len(m.lrs) // 2
+            grids += [(0 if i == middle else 1, RunSpec(task, method, lr, config.seeds[0], config.steps))
+                      for i, lr in enumerate(m.lrs)]
             lr = best_lr(runs, task, method, config.steps)
             if lr is not None:
                 seeds += [RunSpec(task, method, lr, seed, config.steps) for seed in config.seeds[1:]]
-    return [c for c in grids + seeds if (c.task, c.method, c.lr, c.seed, c.steps) not in done]
+    grids.sort(key=lambda pair: pair[0])  # stable: methods' and tasks' order kept within each pass
+    return [c for c in [g for _, g in grids] + seeds if (c.task, c.method, c.lr, c.seed, c.steps) not in done]
 
 
