@@ -278,6 +278,18 @@ def test_report_states_validity_with_its_figures(board):
     assert "sift attn 1% (default)" in text
 
 
+def test_timing_rows_are_against_the_frozen_floor(tiny_folder, tmp_path):
+    """The cost rows: every method's step time over the frozen model's (forward and the backward through the
+    activations, nothing trained), with no scoring in the timed runs."""
+    result = llm.timing(tiny_folder, TINY_RUN, str(tmp_path), methods=("frozen", "sift attn 1%"), steps=2, rounds=1,
+                        threads=1, isolate=False)
+    frozen, sift_runs = result["runs"]["frozen"], result["runs"]["sift attn 1%"]
+    assert frozen[0]["num_trainable_params"] == 0 and frozen[0]["file_size"] == 0
+    assert sift_runs[0]["num_trainable_params"] > 0 and sift_runs[0]["metrics"][-1]["test exact"] is None
+    assert "| frozen | " in result["markdown"] and " | 1.000 | " in result["markdown"]
+    assert len(result["loads"]) == 4
+
+
 def test_each_run_is_its_own_process(tiny_folder, tmp_path):
     """A run in a reused process reads the heap a former run freed, so its peak RSS growth reads low."""
     spec = llm.RunSpec("sentiment", "sift attn 1%", 1e-3, 0, 1)

@@ -120,7 +120,7 @@ KL_REPLY_TOKENS = 7
 class Method:
     """One board row: how to fine-tune, its learning-rate grid, and what it is.
 
-    kind: "zero-shot", "sift", "lora", "shira" or "full". For sift: `targets`, `density`,
+    kind: "zero-shot", "sift", "lora", "shira", "full" or "frozen" (the timing rows' floor). For sift: `targets`, `density`,
     `selection`, `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
     count of sift at `targets`/`density`) and `targets` ("all-linear" for peft's).
     """
@@ -176,6 +176,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sparta 1%", "sift", SIFT_LRS, "SpaRTA's recipe: random 1% of q/k/v/o (sift selection='random')",
            selection="random"),
     Method("full", "full", FULL_LRS, "every parameter, torch AdamW"),
+    Method("frozen", "frozen", (0.0,), "the step's floor (timing only): forward and backward through the "
+           "activations, nothing trained"),
 )}
 # The order the plan fills: the comparison's main rows first, then the ablations of sift's defaults.
 PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
@@ -198,6 +200,7 @@ class Config:
     kl_prompts: int = len(CHAT_PROMPTS)
     threads: int | None = 1
     eval_batch: int = 50
+    evaluate: bool = True  # False: train only (the timing rows)
 
 
 FULL = Config()

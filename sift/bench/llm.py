@@ -136,6 +136,11 @@ def setup(method: Method, model: torch.nn.Module, lr: float, seed: int
         return model, None
     if method.kind == "full":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if method.kind == "frozen":
+        # The training step's floor: the same forward and the backward through the activations, nothing trained.
+        model.requires_grad_(False)
+        model.enable_input_require_grads()
+        return model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     if method.kind == "sift":
         return model, sift.SparseAdamW.for_model(
             model, density=method.density, lr=lr, target_modules=list(method.targets), selection=method.selection,
@@ -190,7 +195,7 @@ def train_once(spec: RunSpec, folder: str, config: Config, cache_dir: str,
     created = datetime.datetime.now(datetime.timezone.utc)
     total_start = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    reference = base_reference(folder, tokenizer, CHAT_PROMPTS[:config.kl_prompts], cache_dir)
+    reference = base_reference(folder, tokenizer, CHAT_PROMPTS[:config.kl_prompts], cache_dir) if config.evaluate else None
     model, tokenizer = load_smollm2(folder, bits=method.bits)
     pad_id = end_id(tokenizer)
     splits = task.splits(config.test_items, config.val_items)
@@ -230,18 +235,21 @@ def train_once(spec: RunSpec, folder: str, config: Config, cache_dir: str,
                           "train loss": statistics.fmean(losses[-config.curve_every:])})
     load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     eval_start = time.perf_counter()
-    val_exact, val_choice = score(net, tokenizer, task, splits["val"], config.eval_batch)
+    val_exact = val_choice = test_exact = test_choice = other_choice = kl = None
+    samples: list[str] = []
+    if config.evaluate:
+        val_exact, val_choice = score(net, tokenizer, task, splits["val"], config.eval_batch)
+        test_exact, test_choice = score(net, tokenizer, task, splits["test"], config.eval_batch)
+        _, other_choice = score(net, tokenizer, other, other_test, config.eval_batch)
+        kl = mean_kl(net, reference, pad_id)
+        samples = sample_answers(net, tokenizer, task, splits["test"][:4])
     curve.append({"step": steps, "val exact": val_exact, "val items": len(splits["val"]),
                   "train loss": statistics.fmean(losses[-config.curve_every:]) if losses else None})
-    test_exact, test_choice = score(net, tokenizer, task, splits["test"], config.eval_batch)
-    _, other_choice = score(net, tokenizer, other, other_test, config.eval_batch)
-    kl = mean_kl(net, reference, pad_id)
-    samples = sample_answers(net, tokenizer, task, splits["test"][:4])
     eval_time = time.perf_counter() - eval_start
     peak_kib = rss_kib("VmHWM") if reset else None
     growth = (peak_kib - loaded_kib) * 1024 if peak_kib is not None and loaded_kib is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        file_size = save_fine_tune(net, opt, os.path.join(tmp, "fine-tune"))
+        file_size = save_fine_tune(net, opt, os.path.join(tmp, "fine-tune")) if method.kind != "frozen" else 0
     metrics = {"step": steps, "val exact": val_exact, "val choice": val_choice, "test exact": test_exact,
                "test choice": test_choice, f"{other.name} test choice": other_choice, "chat kl": kl,
                "train loss": curve[-1]["train loss"], "train samples": steps * config.batch_size,
@@ -382,16 +390,17 @@ def run_board(config: Config, root: str, folder: str, tasks: Sequence[str] | Non
 # ---------------------------------------------------------------------------------------------- timing
 
 
-TIMED = ("sift attn 1%", "lora matched", "lora r16 all", "full")
+TIMED = ("frozen", "sift attn 1%", "lora matched", "lora r16 all", "full")
 
 
-def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] = TIMED, steps: int = 6,
-           rounds: int = 2, isolate: bool = True) -> dict[str, Any]:
-    """Step time, tokens/s and peak RSS growth of `methods`, interleaved `rounds` times, `steps` steps each."""
+def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] = TIMED, steps: int = 8,
+           rounds: int = 2, threads: int | None = None, isolate: bool = True) -> dict[str, Any]:
+    """Step time, tokens/s and peak RSS growth of `methods`, interleaved `rounds` times, `steps` steps each, with
+    `threads` torch threads (None: torch's default, every core), no scoring; the ratio of each to "frozen"."""
     task = next(iter(TASKS))
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     loads = []
-    short = dataclasses.replace(config, steps=steps, curve_every=steps + 1)
+    short = dataclasses.replace(config, steps=steps, curve_every=steps + 1, evaluate=False, threads=threads)
     for _ in range(rounds):
         for m in methods:
             lr = METHODS[m].lrs[len(METHODS[m].lrs) // 2]
@@ -402,12 +411,14 @@ def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] =
             loads.append(os.getloadavg()[0])
     lines = [f"#### Cost, {task} task: {rounds} interleaved rounds of {steps} steps per method, batch {config.batch_size}",
              "", f"Load average (1 min) at each run's start and end: {', '.join(f'{v:.2f}' for v in loads)}", "",
-             "| method | s/step (median) | tokens/s | peak RSS growth MiB | saved bytes |", "|---|---|---|---|---|"]
+             "| method | s/step (median) | x frozen | tokens/s | peak RSS growth MiB | saved bytes |",
+             "|---|---|---|---|---|---|"]
+    medians = {m: statistics.median(i["metrics"][-1]["step time median"] for i in infos) for m, infos in per.items()}
     for m, infos in per.items():
-        step = statistics.median(i["metrics"][-1]["step time median"] for i in infos)
         tok = statistics.median(i["metrics"][-1]["tokens / sec"] for i in infos)
         rss = statistics.median((i["peak_rss_growth_bytes"] or 0) / 2**20 for i in infos)
-        lines.append(f"| {m} | {step:.2f} | {tok:.0f} | {rss:.0f} | {infos[0]['file_size']:,} |")
+        floor = f"{medians[m] / medians['frozen']:.3f}" if "frozen" in medians else "-"
+        lines.append(f"| {m} | {medians[m]:.3f} | {floor} | {tok:.0f} | {rss:.0f} | {infos[0]['file_size']:,} |")
     return {"markdown": "\n".join(lines), "loads": loads, "runs": per}
 
 
