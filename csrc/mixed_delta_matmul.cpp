@@ -6,9 +6,12 @@
 // with y [T, R] and x [T, C] in fp32, bf16 or fp16 (S), sums in fp32 in entry order. The contract
 // and the plain-torch reference are in sift/_ops/ (mixed_delta_matmul_ref).
 //
-// Threads take (token, block of ROW_BLOCK output rows) pairs: each writes its own part of y, so
-// no two threads touch one value, and a decode step (a few tokens) still spreads over the
-// cores. Tokens with id -1 are skipped. The op is public (torch.ops.sift.*): ids and row
+// Tokens are taken in groups: up to 8 consecutive tokens with one delta (the tokens of a row of
+// the batch), their inputs packed into an fp32 panel [C, 8] so that each entry's column and value
+// are loaded once and multiplied into 8 sums (one vector). Threads take (group, block of output
+// rows) tasks: each writes its own part of y, so no two threads touch one value; with few groups
+// (a decode step, one token per row) the rows are split in blocks so every core has work.
+// Tokens with id -1 are skipped. The op is public (torch.ops.sift.*): ids and row
 // pointers are checked before anything is written (O(T + n R)), and each column index as it is
 // read (a branch that is never taken on valid input); a bad column stops the call with an error.
 #include <ATen/ATen.h>
@@ -18,12 +21,35 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace sift {
 namespace {
 
-// Output rows per task: with a few entries per row, about a microsecond of work.
+// Tokens summed together: consecutive tokens with one delta (a row's tokens in a prefill) share
+// each entry's column and value, loaded once for all of them.
+constexpr int64_t LANES = 8;
+// Output rows per task when there are too few token groups to keep every thread busy (decode
+// steps: one token per row); with enough groups a task takes all rows of its group.
 constexpr int64_t ROW_BLOCK = 256;
+
+struct TokenGroup {
+  int64_t first, count;  // tokens [first, first + count), count <= LANES
+  int32_t delta;
+};
+
+// Runs of consecutive tokens with one delta id (not -1), cut into groups of at most LANES.
+std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T) {
+  std::vector<TokenGroup> groups;
+  for (int64_t t = 0; t < T;) {
+    const int32_t d = ids[t];
+    int64_t end = t + 1;
+    while (end < T && end - t < LANES && ids[end] == d) ++end;
+    if (d >= 0) groups.push_back({t, end - t, d});
+    t = end;
+  }
+  return groups;
+}
 
 template <typename S>
 void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& row_ptr,
@@ -32,33 +58,65 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
   const int64_t ld_y = y.stride(0), ld_x = x.stride(0);
   S* __restrict yp = y.data_ptr<S>();
   const S* __restrict xp = x.data_ptr<S>();
-  const int32_t* __restrict idp = ids.data_ptr<int32_t>();
   const int64_t* __restrict ptr = row_ptr.data_ptr<int64_t>();
   const int32_t* __restrict cp = col.data_ptr<int32_t>();
   const float* __restrict vp = val.data_ptr<float>();
-  const int64_t blocks = (R + ROW_BLOCK - 1) / ROW_BLOCK;
-  at::parallel_for(0, T * blocks, 1, [&](int64_t lo, int64_t hi) {
+  const std::vector<TokenGroup> groups = token_groups(ids.data_ptr<int32_t>(), T);
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  if (n_groups == 0) return;
+  const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
+  const int64_t blocks = (R + row_block - 1) / row_block;
+  at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
+    // The group's inputs as fp32, column-major: panel[c * LANES + l] = x[first + l, c] (0 past count).
+    std::vector<float> panel;
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t t = task / blocks;
-      const int32_t d = idp[t];
-      if (d < 0) continue;
-      const int64_t r0 = (task - t * blocks) * ROW_BLOCK, r1 = std::min(R, r0 + ROW_BLOCK);
-      const int64_t* rows = ptr + static_cast<int64_t>(d) * (R + 1);
-      const S* xt = xp + t * ld_x;
-      S* yt = yp + t * ld_y;
+      const TokenGroup& g = groups[task / blocks];
+      const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
+      const int64_t* rows = ptr + static_cast<int64_t>(g.delta) * (R + 1);
+      if (g.count == 1) {  // a decode step's token: its input read where it lies, no panel
+        const S* xt = xp + g.first * ld_x;
+        S* yt = yp + g.first * ld_y;
+        for (int64_t i = r0; i < r1; ++i) {
+          const int64_t e0 = rows[i], e1 = rows[i + 1];
+          if (e0 == e1) continue;  // float(y) rounds back to y: nothing to write
+          float acc = 0.0f;
+          for (int64_t e = e0; e < e1; ++e) {
+            const int32_t c = cp[e];
+            if (static_cast<uint32_t>(c) >= static_cast<uint64_t>(C)) {
+              bad_col.store(e, std::memory_order_relaxed);
+              break;
+            }
+            acc += vp[e] * static_cast<float>(xt[c]);
+          }
+          yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
+        }
+        continue;
+      }
+      if (panel.empty()) panel.resize(C * LANES);
+      std::fill(panel.begin(), panel.end(), 0.0f);
+      for (int64_t l = 0; l < g.count; ++l) {
+        const S* xt = xp + (g.first + l) * ld_x;
+        for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
+      }
+      const float* __restrict pp = panel.data();
       for (int64_t i = r0; i < r1; ++i) {
         const int64_t e0 = rows[i], e1 = rows[i + 1];
-        if (e0 == e1) continue;  // float(y) rounds back to y: nothing to write
-        float acc = 0.0f;
+        if (e0 == e1) continue;
+        float acc[LANES] = {};
         for (int64_t e = e0; e < e1; ++e) {
           const int32_t c = cp[e];
           if (static_cast<uint32_t>(c) >= static_cast<uint64_t>(C)) {
             bad_col.store(e, std::memory_order_relaxed);
             break;
           }
-          acc += vp[e] * static_cast<float>(xt[c]);
+          const float v = vp[e];
+          const float* xc = pp + static_cast<int64_t>(c) * LANES;
+          for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
         }
-        yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
+        for (int64_t l = 0; l < g.count; ++l) {
+          S* out = yp + (g.first + l) * ld_y + i;
+          *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
+        }
       }
     }
   });

@@ -272,12 +272,21 @@ def test_cpp_op_refuses_bad_ids_and_rows_before_writing():
         op(y, x, torch.zeros(6, dtype=torch.int32), bank.row_ptr, bad_col, bank.values, bank.max_row_entries)
 
 
+# Delta ids per token: random (runs of one token), one delta for all (groups of 8 and a ragged one), runs of 3.
+CPP_ID_PATTERNS = {"random": None, "one-delta": lambda t: torch.zeros(t, dtype=torch.int64),
+                   "runs-of-3": lambda t: (torch.arange(t) // 3) % 3 - 1}
+
+
+@pytest.mark.parametrize("ids_pattern", CPP_ID_PATTERNS.values(), ids=CPP_ID_PATTERNS.keys())
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_cpp_tasks_over_tokens_and_row_blocks(threads, dtype):
-    """Tasks of (token, 256-row block) with a ragged last block, on several threads."""
+def test_cpp_token_groups_and_row_blocks(threads, dtype, ids_pattern):
+    """Groups of up to 8 consecutive tokens with one delta, a single token read in place; with fewer groups than
+    twice the threads, tasks of 256-row blocks with a ragged last one."""
     _require("cpp")
-    y0, x, ids, deltas, bank = _case(9, 600, 33, dtype, seed=6, densities=(0.02, 0.1, 0.0))
+    y0, x, ids, deltas, bank = _case(19, 600, 33, dtype, seed=6, densities=(0.02, 0.1, 0.0))
+    if ids_pattern is not None:
+        ids = ids_pattern(19)
     y = y0.clone()
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
