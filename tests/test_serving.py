@@ -252,3 +252,41 @@ def test_served_model_compiles_whole():
             with served.rows(rows):
                 assert torch.equal(compiled(ids).logits, want), rows
         assert torch.equal(compiled(ids).logits, base(ids).logits)
+
+
+def test_switch_to_puts_one_delta_in_place_and_back():
+    """switch_to: the weights apply_ gives each delta, bit for bit, one after the other, then the base's."""
+    base = _base(torch.bfloat16)
+    deltas = {"a": _fine_tune(base, 18), "b": _fine_tune(base, 19, only="self_attn")}
+    served = ServedDeltas(base)
+    for name, d in deltas.items():
+        served.load_delta(name, d)
+    original = {n: p.clone() for n, p in base.state_dict().items()}
+    want = {}
+    for name, d in deltas.items():
+        d.apply_(base)
+        want[name] = {n: p.clone() for n, p in base.state_dict().items()}
+        d.remove_(base)
+    for name in ("a", "b", "a", None):
+        served.switch_to(name)
+        assert served.in_place == name
+        expected = original if name is None else want[name]
+        assert all(torch.equal(p, expected[n]) for n, p in base.state_dict().items()), name
+    assert not all(torch.equal(want["a"][n], want["b"][n]) for n in original)
+
+
+def test_while_a_delta_is_in_place_rows_loads_and_its_unload_are_refused():
+    base = _base()
+    served = ServedDeltas(base)
+    served.load_delta("a", _fine_tune(base, 20, only="mlp"))
+    _refused(served, base, KeyError, "no delta named 'b'", lambda: served.switch_to("b"))
+    with served.rows(["a", None]):
+        _refused(served, base, RuntimeError, "while rows are being served", lambda: served.switch_to("a"))
+    served.switch_to("a")
+    _refused(served, base, RuntimeError, "'a' is applied in place", lambda: served.load_delta("b", _empty(base)))
+    _refused(served, base, RuntimeError, "it is applied in place", lambda: served.unload_delta("a"))
+    with pytest.raises(RuntimeError, match="cannot serve rows while 'a' is applied in place"):
+        with served.rows(["a", None]):
+            pass
+    served.close()
+    assert served.in_place is None and served.list_deltas() == [] and _hooks(base) == 0

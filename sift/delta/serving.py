@@ -134,8 +134,10 @@ class ServedDeltas:
         self.model = model
         self.backend = backend
         self._names: list[str] = []
+        self._deltas: dict[str, SparseDelta] = {}
         self._layers: dict[str, _ServedLayer] = {}
         self._rows: _Rows | None = None
+        self._in_place: str | None = None  # the delta applied to the weights by `switch_to`
 
     # -- loading --------------------------------------------------------------------------
 
@@ -162,6 +164,7 @@ class ServedDeltas:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if self._rows is not None:
             raise RuntimeError("cannot load a delta while rows are being served (inside `rows(...)`)")
+        self._refuse_in_place("load a delta")
         if not isinstance(delta, SparseDelta):
             delta = SparseDelta.from_pretrained(delta)
         state = _state_of(self.model, "model")
@@ -173,7 +176,7 @@ class ServedDeltas:
                             "served per row; apply this fine-tune in place (SparseDelta.apply_), or serve a copy "
                             "of the delta without its dense parts")
         modules = dict(self.model.named_modules())
-        targets: dict[str, nn.Linear] = {}
+        targets: dict[str, tuple[nn.Linear, str]] = {}  # module name -> (module, its weight's name)
         for param, e in delta.entries.items():
             p = state.get(param)
             if p is None:
@@ -190,15 +193,15 @@ class ServedDeltas:
                                 "apply this fine-tune in place (SparseDelta.apply_) instead")
                 continue
             if e.nnz:
-                targets[owner] = module
+                targets[owner] = (module, param)
         if check_base and delta.base is not None:
             problems += _base_problems(delta.base, logical_state(self.model), _APPLIED.get(self.model, []))
         if problems:
             raise DeltaError(f"cannot load the sparse delta {name!r}; nothing changed", problems)
         # Every check passed: build the new banks, then install them all at once.
         new_banks: dict[str, DeltaBank] = {}
-        for owner, module in targets.items():
-            e = delta.entries[f"{owner}.weight"]
+        for owner, (module, param) in targets.items():
+            e = delta.entries[param]
             layer = self._layers.get(owner)
             bank = layer.bank if layer is not None else None
             new_banks[owner] = _increments(module.weight, e.indices, e.values, bank, len(self._names))
@@ -209,8 +212,9 @@ class ServedDeltas:
             if owner in self._layers:
                 self._layers[owner].bank = bank
             else:
-                self._layers[owner] = _ServedLayer(self, targets[owner], bank)
+                self._layers[owner] = _ServedLayer(self, targets[owner][0], bank)
         self._names.append(name)
+        self._deltas[name] = delta
 
     def unload_delta(self, name: str) -> None:
         """Take the delta `name` out (its entries leave every layer; layers no delta touches are unhooked).
@@ -222,6 +226,8 @@ class ServedDeltas:
             raise KeyError(f"no delta named {name!r} is loaded (loaded: {self._names})")
         if self._rows is not None:
             raise RuntimeError("cannot unload a delta while rows are being served (inside `rows(...)`)")
+        if self._in_place == name:
+            raise RuntimeError(f"cannot unload {name!r}: it is applied in place (switch_to(None) first)")
         number = self._names.index(name)
         for owner in list(self._layers):
             layer = self._layers[owner]
@@ -230,14 +236,70 @@ class ServedDeltas:
                 layer.handle.remove()
                 del self._layers[owner]
         self._names.pop(number)
+        del self._deltas[name]
 
     def close(self) -> None:
         """Unload every delta and remove every hook: the model is the plain base again."""
+        self.switch_to(None)
         for layer in self._layers.values():
             layer.handle.remove()
         self._layers.clear()
         self._names.clear()
+        self._deltas.clear()
         self._rows = None
+
+    # -- one delta for the whole model, in place ----------------------------------------------
+
+    def switch_to(self, name: str | None) -> None:
+        """Put the loaded delta `name` into the weights in place (None: back to the base), replacing
+        the one put there before: `remove_` of that one, `apply_` of this one, O(entries of both).
+
+        A batch served by one fine-tune then runs at the base model's speed, with no hook work, and
+        gives exactly what `apply_` gives. While a delta is in place, `rows(...)`, `load_delta` and
+        unloading it are refused (the served increments are taken against the base).
+
+        Raises:
+            KeyError: `name` is not loaded (nothing changes).
+            RuntimeError: inside `rows(...)` (nothing changes).
+
+        Example:
+            >>> base = torch.nn.Linear(4, 3, bias=False)
+            >>> tuned = torch.nn.Linear(4, 3, bias=False)
+            >>> served = ServedDeltas(base)
+            >>> served.load_delta("t", SparseDelta.from_diff(base, tuned, density=1.0))
+            >>> served.switch_to("t")
+            >>> torch.equal(base.weight, tuned.weight)
+            True
+            >>> served.switch_to(None)
+        """
+        if name is not None and name not in self._names:
+            raise KeyError(f"no delta named {name!r} is loaded (loaded: {self._names}; None is the base)")
+        if self._rows is not None:
+            raise RuntimeError("cannot switch the weights while rows are being served (inside `rows(...)`)")
+        if name == self._in_place:
+            return
+        previous = self._in_place
+        if previous is not None:
+            self._deltas[previous].remove_(self.model)
+            self._in_place = None
+        if name is not None:
+            try:
+                self._deltas[name].apply_(self.model, check_base=False)  # checked at load
+            except Exception:
+                if previous is not None:  # back to where the call started
+                    self._deltas[previous].apply_(self.model, check_base=False)
+                    self._in_place = previous
+                raise
+            self._in_place = name
+
+    @property
+    def in_place(self) -> str | None:
+        """The delta `switch_to` put into the weights, or None."""
+        return self._in_place
+
+    def _refuse_in_place(self, what: str) -> None:
+        if self._in_place is not None:
+            raise RuntimeError(f"cannot {what} while {self._in_place!r} is applied in place (switch_to(None) first)")
 
     # -- serving --------------------------------------------------------------------------
 
@@ -259,6 +321,7 @@ class ServedDeltas:
             ...     y = base(torch.randn(2, 4))
         """
         names = list(delta_names)
+        self._refuse_in_place("serve rows")
         unknown = [n for n in names if n is not None and n not in self._names]
         if unknown:
             raise KeyError(f"no delta named {unknown[0]!r} is loaded (loaded: {self._names}; None serves the base)")
