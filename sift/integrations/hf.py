@@ -73,8 +73,9 @@ class SparseTrainerMixin:
     (`sift.trainable_summary`). bf16 or fp16 on the CPU (TRL's configs default to bf16=True) trains as asked,
     with one warning when the trainer is built: that autocast is many times slower than fp32 there.
     `save_model` and checkpoints write the fine-tune (the delta directory, `SparseDelta.save_pretrained`),
-    checkpoints also the optimizer state: `resume_from_checkpoint` continues bit for bit, and `load_best_model_at_end` puts the best
-    checkpoint's fine-tune on the model (and `save_model` then writes that one).
+    checkpoints also the optimizer state: `resume_from_checkpoint` continues bit for bit, and
+    `load_best_model_at_end` puts the best checkpoint's fine-tune on the model (and `save_model` then writes
+    that one).
 
     A model loaded in 4 or 8 bits by bitsandbytes (`quantization_config=BitsAndBytesConfig(...)`) trains a
     sparse delta over each packed target layer (`sift.quantized`), with its packed weights and every other
