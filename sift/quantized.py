@@ -469,51 +469,64 @@ def bind_deltas(model: nn.Module, names: list[str], optimizer: Any) -> list[Quan
 
 
 def attach_delta_(model: nn.Module, delta: Any) -> None:
-    """Put a `SparseDelta` from a 4-bit fine-tune back on a freshly loaded 4-bit model, for inference.
-
-    Each entry of a 4-bit layer's weight becomes that layer's sparse delta (its values frozen, its
-    indices fixed: the packed weights stay as they are); entries of 16-bit weights (a head trained
-    with the base given) are applied with `SparseDelta.apply_`. Everything is checked first; on
-    error nothing changes.
+    """Put a `SparseDelta` from a 4-bit or 8-bit fine-tune back on a freshly loaded quantized model, for
+    inference: `delta.apply_(model)`, which hands each quantized layer's entries to `attach_frozen_delta_`
+    (its values frozen, its indices fixed: the packed weights stay as they are) and applies the entries
+    of 16-bit weights (a head trained with the base given) in place. Everything is checked first; on
+    error nothing changes, and `delta.remove_(model)` takes it all off again.
 
     Args:
-        model: the 4-bit model, loaded as the fine-tune's base was.
-        delta: the `SparseDelta` (`SparseDelta.from_optimizer` of the 4-bit fine-tune).
+        model: the quantized model, loaded as the fine-tune's base was.
+        delta: the `SparseDelta` (`SparseDelta.from_optimizer` of the quantized fine-tune).
 
     Raises:
-        ValueError: a 4-bit layer's entry of another shape, or invalid indices or values.
+        DeltaError: a quantized layer's entry of another shape, a layer that already has a delta, or
+            invalid indices or values.
 
     Example:
         >>> delta = sift.SparseDelta.from_optimizer(opt, model4bit)  # doctest: +SKIP
-        >>> sift.quantized.attach_delta_(fresh_model4bit, delta)  # doctest: +SKIP
+        >>> sift.quantized.attach_delta_(fresh_model4bit, delta)  # same as delta.apply_(fresh_model4bit)  # doctest: +SKIP
     """
-    from sift.delta import DeltaError, SparseDelta
+    delta.apply_(model)
 
-    modules = dict(model.named_modules())
-    quantized, rest, problems = {}, {}, []
-    for name, entry in delta.entries.items():
-        module_name = name[: -len(".weight")] if name.endswith(".weight") else None
-        module = modules.get(module_name) if module_name is not None else None
-        if module is None or not is_quantized_linear(module):
-            rest[name] = entry
-            continue
-        shape = (module.out_features, module.in_features)
-        problems += entry.problems(name)
-        if tuple(entry.shape) != shape:
-            problems.append(f"{name}: shape mismatch: delta {tuple(entry.shape)}, 4-bit layer {shape}")
-        if hasattr(module, "_sift_quantized"):
-            problems.append(f"{name}: the 4-bit layer already has a sparse delta")
-        quantized[module_name] = entry
-    if problems:
-        raise DeltaError("cannot attach the sparse delta; the model is unchanged", problems)
-    if rest or delta.dense:
-        SparseDelta(rest, delta.base, delta.dense).apply_(model)
-    for module_name, entry in quantized.items():
-        module = modules[module_name]
-        device = module.weight.device
-        module.register_parameter(DELTA, nn.Parameter(entry.values.to(device=device, dtype=torch.float32).clone(),
-                                                      requires_grad=False))
-        route = QuantizedRoute(module, module_name, None, 0, entry.nnz)
-        route.fixed_indices = entry.indices.to(device=device, dtype=index_dtype(route.numel)).clone()
-        module._sift_quantized = route
+
+def frozen_delta_problems(module: nn.Module, name: str, shape: tuple[int, ...]) -> list[str]:
+    """Why `module` cannot take a frozen delta of a weight of `shape` ([] when it can)."""
+    problems = []
+    if not is_quantized_linear(module):
+        problems.append(f"{name}: not a bitsandbytes 4-bit or 8-bit linear layer")
+        return problems
+    expected = (module.out_features, module.in_features)
+    if tuple(shape) != expected:
+        problems.append(f"{name}: shape mismatch: delta {tuple(shape)}, quantized layer {expected}")
+    if hasattr(module, "_sift_quantized"):
+        problems.append(f"{name}: the quantized layer already has a sparse delta")
+    return problems
+
+
+def attach_frozen_delta_(module: nn.Module, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Route a quantized layer's forward through a fixed sparse delta: `indices` [k] sorted flat positions
+    into its [out, in] weight, `values` [k] fp32 increments (frozen). `frozen_delta_problems` first."""
+    device = module.weight.device
+    module.register_parameter(DELTA, nn.Parameter(values.to(device=device, dtype=torch.float32).clone(),
+                                                  requires_grad=False))
+    route = QuantizedRoute(module, name, None, 0, values.numel())
+    route.fixed_indices = indices.to(device=device, dtype=index_dtype(route.numel)).clone()
+    module._sift_quantized = route
+    set_delta_enabled(module, True)
+
+
+def set_delta_enabled(module: nn.Module, enabled: bool) -> None:
+    """Compute a quantized layer that has a sparse delta with it (`enabled`) or as its bare base layer, whose
+    own forward is then the one that runs: its outputs are the base's, bit for bit."""
+    if enabled:
         module.forward = types.MethodType(_forward, module)
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def detach_frozen_delta_(module: nn.Module) -> None:
+    """Take a delta `attach_frozen_delta_` put on a quantized layer off again: the layer is as it was loaded."""
+    module._parameters.pop(DELTA, None)
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("_sift_quantized", None)

@@ -17,6 +17,7 @@ from sift._index import top_k_positions
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
 from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of, logical_state,
                                     sharded_fingerprint)
+from sift.delta.identity import model_identity
 from sift.delta.packing import HALF_DTYPES, shortest_increments
 from sift._params import (full_tensor, gather_entries, increments, is_dense_stepped, is_dtensor, local_shard_of,
                           quantized_routes)
@@ -173,6 +174,7 @@ class DeltaConstructionMixin:
                             fingerprint.samples[alias][pos] = float(values[j]).hex()
         delta = cls(entries, fingerprint, dense)
         delta.info = _optimizer_info(optimizer)
+        delta.info["base_model"] = model_identity(model)
         return delta
 
     @classmethod
@@ -241,7 +243,10 @@ class DeltaConstructionMixin:
                 entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), values)
         if problems:
             raise DeltaError("cannot diff these state dicts", problems)
-        return cls(entries, BaseFingerprint.of(base_state))
+        delta = cls(entries, BaseFingerprint.of(base_state))
+        if isinstance(base, nn.Module):
+            delta.info = {"base_model": model_identity(base)}
+        return delta
 
 
 def _dequantized_samples(route: Any) -> tuple[dict[int, str], dict[int, str]]:
