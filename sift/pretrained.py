@@ -21,13 +21,19 @@ from sift.delta.directory import CARD_NAME, CONFIG_FORMAT, CONFIG_NAME, CONFIG_V
 from sift.delta.directory import read_directory, write_directory
 
 
-def save_pretrained(delta: SparseDelta, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
+def save_pretrained(delta: SparseDelta, directory: str | os.PathLike, model: nn.Module | None = None, *,
+                    base_model: str | os.PathLike | None = None) -> None:
     """Write `delta` as a fine-tune directory (see the module docstring).
+
+    The config records the base model by the name `model`'s config gives (`name_or_path`: a Hub name, or
+    the local folder it was loaded from, which `sift.from_pretrained(directory)` can only find on this
+    machine: saving then warns), or by `base_model`.
 
     Args:
         delta: the fine-tune (`SparseDelta.from_optimizer(opt, model)`).
         directory: created if missing; the three files are replaced.
         model: the base (or tuned) model, whose config names the base checkpoint.
+        base_model: the base's name on the Hub (or a folder), recorded instead of what `model` says.
 
     Raises:
         DeltaError: the delta is invalid (nothing is written).
@@ -35,7 +41,7 @@ def save_pretrained(delta: SparseDelta, directory: str | os.PathLike, model: nn.
     Example:
         >>> delta.save_pretrained("my-fine-tune", model)  # doctest: +SKIP
     """
-    write_directory(delta, directory, model)
+    write_directory(delta, directory, model, base_model)
 
 
 def from_pretrained(directory: str | os.PathLike) -> SparseDelta:

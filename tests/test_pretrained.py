@@ -61,7 +61,7 @@ def test_minilm_fine_tune_saves_loads_onto_a_fresh_base_and_merges(tmp_path):
     assert config["dense_modules"] == ["classifier"] and len(config["target_modules"]) == 24
     assert config["entries"] == 24 * -(-384 * 384 // 100)
     card = (tmp_path / "tune" / "README.md").read_text()
-    assert "SparseDelta.from_pretrained" in card and "classifier" in card
+    assert "sift.from_pretrained(" in card and "classifier" in card
 
     fresh = _minilm(seed=1)  # the same checkpoint, another head initialisation
     loaded = SparseDelta.from_pretrained(tmp_path / "tune")

@@ -5,8 +5,9 @@
 
     delta.safetensors   the sparse entries, the dense parts (a trained head) and the base
                         fingerprint, checksummed (`SparseDelta.save`'s file)
-    sift_config.json    what the fine-tune is: the base model's `name_or_path` and commit (when
-                        known), the sparse weights and dense params with their shapes, dtypes and
+    sift_config.json    what the fine-tune is: the base model's `name_or_path` (a Hub name, or a
+                        local folder: then `local` is true and saving warns), commit, class and
+                        type (when known), the sparse weights and dense params with their shapes, dtypes and
                         entry counts, the density and selection rule, the package version
     README.md           a short model card: base model, method, what was trained, size, how to load
 
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from sift._version import __version__
 from sift.delta.entry import DeltaError, _dtype_name
+from sift.delta.identity import model_identity
 
 if TYPE_CHECKING:
     from sift.delta.sparse_delta import SparseDelta
@@ -37,16 +40,16 @@ CONFIG_FORMAT = "sift.fine_tune"
 CONFIG_VERSION = 1
 
 
-def _base_identity(model: nn.Module | None) -> dict[str, Any]:
-    config = getattr(model, "config", None)
-    if config is None:
-        return {"name_or_path": None, "commit_hash": None, "model_type": None}
-    return {"name_or_path": getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None) or None,
-            "commit_hash": getattr(config, "_commit_hash", None),
-            "model_type": getattr(config, "model_type", None)}
+def _base_of(delta: SparseDelta, model: nn.Module | None, base_model: str | os.PathLike | None) -> dict[str, Any]:
+    """The base a fine-tune's config records: `base_model` if given, else what `model` says, else what the
+    delta knows (the model it was made from, or the config it was read from)."""
+    if model is not None or base_model is not None:
+        return model_identity(model, base_model)
+    known = delta.info.get("base_model")
+    return dict(known) if isinstance(known, dict) else model_identity(None)
 
 
-def _config(delta: SparseDelta, model: nn.Module | None) -> dict[str, Any]:
+def _config(delta: SparseDelta, base: dict[str, Any]) -> dict[str, Any]:
     sparse = {name: {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "entries": e.nnz}
               for name, e in delta.entries.items()}
     dense = {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "entries": t.numel()}
@@ -57,7 +60,7 @@ def _config(delta: SparseDelta, model: nn.Module | None) -> dict[str, Any]:
         "format": CONFIG_FORMAT,
         "format_version": CONFIG_VERSION,
         "sift_version": __version__,
-        "base_model": _base_identity(model),
+        "base_model": base,
         "method": "SIFT sparse fine-tuning" + (" over a 4-bit base" if delta.info.get("quantized") else ""),
         "density": densities[0] if len(densities) == 1 else densities or None,
         "selection": delta.info.get("selection"),
@@ -98,16 +101,22 @@ in this directory: {size / 1024:.1f} KiB in all.
 {rows}
 {f'| ... {more} more | | |' if more > 0 else ''}
 
-Load it onto the base model:
+Load it with the `sift-kernels` package: the base model with the fine-tune applied, in one call.
 
 ```python
-delta = sift.SparseDelta.from_pretrained("path/to/this/directory")
-delta.apply_(base_model)  # base_model: {base}, loaded as for the fine-tune
+import sift
+
+model = sift.from_pretrained("path/to/this/directory")  # loads {base}
+# or onto a base already loaded (16-bit, or bitsandbytes 4-bit or 8-bit):
+model = sift.from_pretrained(base_model, "path/to/this/directory")
+with sift.disabled(model):  # the base model's outputs, exactly
+    ...
 ```
 """
 
 
-def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
+def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.Module | None = None,
+                    base_model: str | os.PathLike | None = None) -> None:
     """Write `delta` as a fine-tune directory (`sift.pretrained.save_pretrained` documents it)."""
     problems = delta.problems()
     if problems:
@@ -115,7 +124,12 @@ def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     delta.save(os.path.join(directory, WEIGHTS_NAME))
-    config = _config(delta, model)
+    config = _config(delta, _base_of(delta, model, base_model))
+    base = config["base_model"]
+    if base.get("local"):
+        warnings.warn(f"the fine-tune in {directory!r} points at its base model in the local folder "
+                      f"{base['name_or_path']!r}, which loads it nowhere else: pass the base's name on the Hub, "
+                      "save_pretrained(directory, model, base_model='org/name')", stacklevel=3)
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
         json.dump(config, f, indent=1)
         f.write("\n")
@@ -144,7 +158,7 @@ def read_directory(delta_cls: type[SparseDelta], directory: str | os.PathLike) -
         raise DeltaError(what, [f"config format version {config.get('format_version')!r} is newer than this "
                                 f"sift reads ({CONFIG_VERSION})"])
     delta = delta_cls.load(os.path.join(directory, WEIGHTS_NAME))
-    saved = _config(delta, None)
+    saved = _config(delta, {})
     problems = []
     for key in ("sparse", "dense", "checksum"):
         if config.get(key) != saved[key]:

@@ -103,14 +103,17 @@ class DeltaFileMixin:
                 os.remove(tmp)
             raise
 
-    def save_pretrained(self, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, model: nn.Module | None = None, *,
+                        base_model: str | os.PathLike | None = None) -> None:
         """Write the fine-tune as a directory: tensors, `sift_config.json`, a model card
-        (`sift.pretrained.save_pretrained`).
+        (`sift.pretrained.save_pretrained`). The config names the base `model` came from; `base_model`
+        (its name on the Hub) overrides that, as for a base loaded from a local folder.
 
         Example:
             >>> delta.save_pretrained("my-fine-tune", model)  # doctest: +SKIP
+            >>> delta.save_pretrained("my-fine-tune", model, base_model="org/name")  # doctest: +SKIP
         """
-        write_directory(self, directory, model)
+        write_directory(self, directory, model, base_model)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> SparseDelta:
