@@ -27,8 +27,11 @@ C++ on CPU, Triton (apply/restore) or torch (merge) on CUDA.
 Layout: `entry` (`DeltaEntry`, `DeltaError`), `fingerprint` (`BaseFingerprint`), `storage` (the
 safetensors file) and `directory` (the fine-tune directory), `construction` (`from_optimizer`,
 `from_diff`), `application` (`apply_`, `remove_`), `sparse_delta` (`SparseDelta` itself, its
-arithmetic, `merge_deltas`), and `serving` (`ServedDeltas`: many deltas in one batch, one per
-row). The names are re-exported here: `sift.delta.<name>` is the path to use.
+arithmetic, `merge_deltas`), `loading` (`from_pretrained`: a fine-tune directory onto its base in one
+call, the base loaded from the name the directory records when not given), `identity` (which model a
+delta belongs to, in words) and `serving` (`ServedDeltas`: many deltas in one batch, one per row).
+`disabled(model)` switches the deltas applied to a model off for a `with` block, exactly. The names are
+re-exported here: `sift.delta.<name>` is the path to use.
 """
 
 
@@ -36,10 +39,13 @@ from sift.delta.entry import MAX_LISTED_PROBLEMS, SUPPORTED_DTYPES, DeltaEntry, 
 from sift.delta.entry import _dtype_name  # noqa: F401  (the directory format and sharded fingerprints use it)
 from sift.delta.fingerprint import SAMPLES_PER_TENSOR, BaseFingerprint
 from sift.delta.fingerprint import _sample_positions, _structure_hash  # noqa: F401
+from sift.delta.application import disabled
+from sift.delta.loading import from_pretrained
 from sift.delta.sparse_delta import MERGE_METHODS, SparseDelta, merge_deltas
 from sift.delta.serving import ServedDeltas
 from sift.delta.storage import FORMAT, FORMAT_VERSION
 from sift.delta.storage import _checksum  # noqa: F401  (tests re-sign edited files with it)
 
 
-__all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "ServedDeltas", "SparseDelta", "merge_deltas"]
+__all__ = ["BaseFingerprint", "DeltaEntry", "DeltaError", "ServedDeltas", "SparseDelta", "disabled", "from_pretrained",
+           "merge_deltas"]
