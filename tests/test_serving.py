@@ -290,3 +290,36 @@ def test_while_a_delta_is_in_place_rows_loads_and_its_unload_are_refused():
             pass
     served.close()
     assert served.in_place is None and served.list_deltas() == [] and _hooks(base) == 0
+
+
+def test_gpt2_conv1d_layers_are_served():
+    """transformers' Conv1D keeps W as [in, out]: its entries serve output row `out`, input column `in`."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=24, n_layer=2, n_head=4, n_positions=32)
+    base = transformers.GPT2LMHeadModel(config).eval()
+    deltas = {"a": _fine_tune_conv1d(base, 21), "b": _fine_tune_conv1d(base, 22)}
+    served = ServedDeltas(base)
+    for name, d in deltas.items():
+        served.load_delta(name, d)
+    rows, ids = ["b", None, "a"], _ids(3)
+    with torch.no_grad():
+        got = served(ids, delta_names=rows).logits
+        plain = base(ids).logits
+        for r, name in enumerate(rows):
+            if name is None:
+                assert torch.equal(got[r], plain[r])
+                continue
+            deltas[name].apply_(base)
+            want = base(ids).logits[r]
+            deltas[name].remove_(base)
+            assert (got[r] - want).abs().max() < 1e-5 and not torch.equal(got[r], plain[r])
+
+
+def _fine_tune_conv1d(model: torch.nn.Module, seed: int) -> SparseDelta:
+    gen = torch.Generator().manual_seed(seed)
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in tuned.modules():
+            if type(m).__name__ == "Conv1D":
+                m.weight += (torch.rand(m.weight.shape, generator=gen) < 0.05) * torch.randn(m.weight.shape, generator=gen)
+    return SparseDelta.from_diff(model, tuned, density=1.0)

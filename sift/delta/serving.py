@@ -1,9 +1,9 @@
 """Serving many sparse fine-tunes over one base model in one batch: each row of a batch names
 the delta it runs with (or None for the base), and every row gets its own fine-tune's outputs.
 
-`ServedDeltas(model)` hooks the base model's linear layers (forward hooks: the weights, the
-module tree and the state dict stay as they are) and keeps, per layer, the loaded deltas in one
-`DeltaBank` (CSR per delta). A layer's output `y = x W^T + b` is computed by the base layer as
+`ServedDeltas(model)` hooks the base model's linear layers (nn.Linear, and transformers' Conv1D
+of GPT-2) with forward hooks, so the weights, the module tree and the state dict stay as they
+are, and keeps, per layer, the loaded deltas in one `DeltaBank` (CSR per delta). A layer's output `y = x W^T + b` is computed by the base layer as
 usual; the hook then adds, for each token of row r, the product of its input with row r's delta
 (`sift._ops.mixed_delta_matmul_`, C++ on CPU, Triton on CUDA). Rows served by the base are left
 as the base layer wrote them, bit for bit.
@@ -72,10 +72,11 @@ class _Rows:
 
 
 class _ServedLayer:
-    """One linear layer's loaded deltas (its `DeltaBank`, one delta per loaded name in load order)
-    and the forward hook that adds the served rows' products to its output."""
+    """One linear layer's (nn.Linear or transformers' Conv1D) loaded deltas (its `DeltaBank`, one
+    delta per loaded name in load order) and the forward hook that adds the served rows' products
+    to its output."""
 
-    def __init__(self, served: ServedDeltas, module: nn.Linear, bank: DeltaBank):
+    def __init__(self, served: ServedDeltas, module: nn.Module, bank: DeltaBank):
         self.served = served
         self.module = module
         self.bank = bank
@@ -176,7 +177,7 @@ class ServedDeltas:
                             "served per row; apply this fine-tune in place (SparseDelta.apply_), or serve a copy "
                             "of the delta without its dense parts")
         modules = dict(self.model.named_modules())
-        targets: dict[str, tuple[nn.Linear, str]] = {}  # module name -> (module, its weight's name)
+        targets: dict[str, tuple[nn.Module, str]] = {}  # module name -> (module, its weight's name)
         for param, e in delta.entries.items():
             p = state.get(param)
             if p is None:
@@ -187,7 +188,7 @@ class ServedDeltas:
                 continue
             owner, _, leaf = param.rpartition(".")
             module = modules.get(owner)
-            if leaf != "weight" or not isinstance(module, nn.Linear) or module.weight is not _param_of(self.model, param):
+            if leaf != "weight" or not _is_linear(module) or module.weight is not _param_of(self.model, param):
                 what = type(module).__name__ if module is not None else "no module"
                 problems.append(f"{param}: only linear layers' weights can be served per row ({what}.{leaf}); "
                                 "apply this fine-tune in place (SparseDelta.apply_) instead")
@@ -204,7 +205,8 @@ class ServedDeltas:
             e = delta.entries[param]
             layer = self._layers.get(owner)
             bank = layer.bank if layer is not None else None
-            new_banks[owner] = _increments(module.weight, e.indices, e.values, bank, len(self._names))
+            new_banks[owner] = _increments(module.weight, _is_conv1d(module), e.indices, e.values, bank,
+                                           len(self._names))
         for owner, layer in self._layers.items():
             if owner not in new_banks:
                 new_banks[owner] = layer.bank.appended(*_no_entries())
@@ -359,6 +361,16 @@ class ServedDeltas:
             return self.model.generate(*args, **kwargs)
 
 
+def _is_conv1d(module: nn.Module | None) -> bool:
+    # transformers.pytorch_utils.Conv1D (GPT-2), matched by name so transformers stays optional here.
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _is_linear(module: nn.Module | None) -> bool:
+    """A layer computing `x W^T + b` (nn.Linear) or `x W + b` (transformers' Conv1D)."""
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
 def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
     try:
         return model.get_parameter(name)
@@ -366,15 +378,17 @@ def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
         return None
 
 
-def _increments(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, bank: DeltaBank | None,
-                n_before: int) -> DeltaBank:
+def _increments(weight: torch.Tensor, transposed: bool, indices: torch.Tensor, values: torch.Tensor,
+                bank: DeltaBank | None, n_before: int) -> DeltaBank:
     """`bank` (or a new one with `n_before` empty deltas) with one more delta: the increments
-    `apply_` makes in `weight`'s dtype at `indices`, `fp32(dtype(w + v)) - fp32(w)`."""
-    n_rows, n_cols = weight.shape
+    `apply_` makes in `weight`'s dtype at `indices`, `fp32(dtype(w + v)) - fp32(w)`. A transposed
+    weight (Conv1D's `[in, out]`) gives its entry at flat `in * out_features + out` to output row `out`."""
     idx = indices.to(weight.device).long()
     with torch.no_grad():
         old = weight.detach().reshape(-1)[idx].float()
         made = (old + values.to(weight.device).float()).to(weight.dtype).float() - old
+    n_rows, n_cols = reversed(weight.shape) if transposed else weight.shape
+    rows, cols = (idx % n_rows, idx // n_rows) if transposed else (idx // n_cols, idx % n_cols)
     if bank is None:  # the layer's first delta: the ones loaded before have no entries in it
         bank = DeltaBank.from_rows_and_cols((n_rows, n_cols), [_no_entries()] * n_before, device=weight.device)
-    return bank.appended(idx // n_cols, idx % n_cols, made)
+    return bank.appended(rows, cols, made)
