@@ -41,11 +41,11 @@ def _prompts() -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": w}] for w in words]})
 
 
-def _trainer(cls, folder: str, out, model=None, **kwargs):
-    settings = dict(max_steps=4, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
-                    learning_rate=1e-2, max_grad_norm=MAX_NORM, lr_scheduler_type="constant", bf16=False,
-                    use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0, data_seed=0)
-    args = trl.GRPOConfig(output_dir=str(out), **{**settings, **kwargs})
+def _trainer(cls, folder: str, out, model=None, save_strategy: str = "no", **kwargs):
+    args = trl.GRPOConfig(
+        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+        learning_rate=1e-2, max_grad_norm=MAX_NORM, lr_scheduler_type="constant", bf16=False, use_cpu=True,
+        report_to=[], logging_steps=1, save_strategy=save_strategy, seed=0, data_seed=0, **kwargs)
     model = model if model is not None else transformers.AutoModelForCausalLM.from_pretrained(folder)
     extra = {"density": DENSITY} if issubclass(cls, sift.integrations.hf.SparseTrainerMixin) else {}
     return cls(model=model, reward_funcs=closeness_to_a, args=args, train_dataset=_prompts(),
