@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import cpp_available, triton_available
+
 from sift import _ops
 from sift._ext import extension_status
 from sift._ops import DeltaBank
@@ -106,7 +106,7 @@ def test_matches_fp64_oracle(backend, dtype, shape):
 def test_delta_without_entries_keeps_its_rows_exactly(backend, dtype):
     """A delta with zero entries (and a row of a delta with none) rewrites nothing: the same bits."""
     _require(backend)
-    y0, x, _, deltas, bank = _case(9, 21, 17, dtype, seed=1)
+    y0, x, _, _, bank = _case(9, 21, 17, dtype, seed=1)
     ids = torch.full((9,), 2)  # DENSITIES[2] == 0
     y = y0.clone()
     _ops.mixed_delta_matmul_(y, x, ids, bank, backend=backend)
@@ -200,8 +200,8 @@ def _bad_cases():
     bank = DeltaBank.from_rows_and_cols((3, 5), [(torch.tensor([0, 2]), torch.tensor([4, 1]), torch.ones(2))] * 2)
 
     def edited(**fields):
-        parts = dict(row_ptr=bank.row_ptr, col_indices=bank.col_indices, values=bank.values,
-                     max_row_entries=bank.max_row_entries, in_features=bank.in_features)
+        parts = {"row_ptr": bank.row_ptr, "col_indices": bank.col_indices, "values": bank.values,
+                 "max_row_entries": bank.max_row_entries, "in_features": bank.in_features}
         parts.update(fields)
         return DeltaBank(**parts)
 
@@ -222,7 +222,8 @@ def _bad_cases():
                                "bank.row_ptr must be non-decreasing"),
         "row-ptr-past-entries": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 1, 1, 2], [2, 3, 3, 5]]))),
                                  r"within \[0, 4\]"),
-        "cols-int64": ((y, x, ids, edited(col_indices=bank.col_indices.long())), "bank.col_indices must be a contiguous"),
+        "cols-int64": ((y, x, ids, edited(col_indices=bank.col_indices.long())),
+                       "bank.col_indices must be a contiguous"),
         "col-out-of-range": ((y, x, ids, edited(col_indices=torch.tensor([4, 5, 4, 1], dtype=torch.int32))),
                              r"bank.col_indices must lie in \[0, 5\)"),
         "values-length": ((y, x, ids, edited(values=torch.ones(3))), r"bank.values must be a contiguous float32 \[4\]"),

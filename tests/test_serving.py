@@ -132,7 +132,7 @@ def test_greedy_generation_of_a_mixed_batch_equals_each_fine_tunes_own():
         served.load_delta(name, d)
     ids, mask = _padded_prompts()
     rows = ["a", "b", None, "a"]
-    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         got = served.generate(ids, delta_names=rows, **kwargs)
         own = {None: base.generate(ids, **kwargs)}
@@ -153,8 +153,8 @@ def test_beams_and_samples_follow_their_row():
     served = ServedDeltas(base)
     served.load_delta("d", d)
     ids, mask = _padded_prompts()
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=2, num_return_sequences=2, do_sample=False,
-                  pad_token_id=0)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "num_beams": 2, "num_return_sequences": 2,
+              "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         got = served.generate(ids, delta_names=["d", None, None, "d"], **kwargs)
         plain = base.generate(ids, **kwargs)
@@ -218,8 +218,8 @@ def test_refusals_change_nothing(tmp_path):
              lambda: served.load_delta("head", head))
     embed = _fine_tune(base, 14)
     w = base.model.embed_tokens.weight
-    embed.entries["model.embed_tokens.weight"] = DeltaEntry(tuple(w.shape), w.dtype, torch.tensor([3], dtype=torch.int32),
-                                                            torch.tensor([0.5]))
+    embed.entries["model.embed_tokens.weight"] = DeltaEntry(tuple(w.shape), w.dtype,
+                                                            torch.tensor([3], dtype=torch.int32), torch.tensor([0.5]))
     _refused(served, base, DeltaError, r"model.embed_tokens.weight: only linear layers' weights .*\(Embedding.weight\)",
              lambda: served.load_delta("embed", embed))
     norm = _fine_tune(base, 15)
@@ -285,9 +285,8 @@ def test_while_a_delta_is_in_place_rows_loads_and_its_unload_are_refused():
     served.switch_to("a")
     _refused(served, base, RuntimeError, "'a' is applied in place", lambda: served.load_delta("b", _empty(base)))
     _refused(served, base, RuntimeError, "it is applied in place", lambda: served.unload_delta("a"))
-    with pytest.raises(RuntimeError, match="cannot serve rows while 'a' is applied in place"):
-        with served.rows(["a", None]):
-            pass
+    with pytest.raises(RuntimeError, match="cannot serve rows while 'a' is applied in place"), served.rows(["a", None]):
+        pass
     served.close()
     assert served.in_place is None and served.list_deltas() == [] and _hooks(base) == 0
 
@@ -321,5 +320,6 @@ def _fine_tune_conv1d(model: torch.nn.Module, seed: int) -> SparseDelta:
     with torch.no_grad():
         for m in tuned.modules():
             if type(m).__name__ == "Conv1D":
-                m.weight += (torch.rand(m.weight.shape, generator=gen) < 0.05) * torch.randn(m.weight.shape, generator=gen)
+                mask = torch.rand(m.weight.shape, generator=gen) < 0.05
+                m.weight += mask * torch.randn(m.weight.shape, generator=gen)
     return SparseDelta.from_diff(model, tuned, density=1.0)

@@ -60,7 +60,8 @@ class DeltaBank:
                          self.max_row_entries, self.in_features)
 
     @classmethod
-    def from_rows_and_cols(cls, shape: tuple[int, int], deltas: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    def from_rows_and_cols(cls, shape: tuple[int, int],
+                           deltas: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                            device: torch.device | str | None = None) -> DeltaBank:
         """A bank of `[R, C]` deltas given as `(rows, cols, values)` triples (any order; unique positions).
 

@@ -59,7 +59,7 @@ def _mixed_delta_matmul_kernel(
     end = tl.load(bounds + 1, mask=mask, other=0)
     x_rows = x_ptr + offs_t[:, None] * stride_x_t
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for j in range(0, max_row_entries):
+    for j in range(max_row_entries):
         entry = start + j
         live = entry < end
         col = tl.load(col_ptr + entry, mask=live, other=0).to(tl.int64)

@@ -11,7 +11,6 @@ import torch
 from sift._ops.registry import _no_output, call, define, define_schema, register
 from sift.triton_kernels._delta_bank import DeltaBank
 
-
 # ---------------------------------------------------------------------------------------
 # mixed_delta_matmul_(y, x, delta_ids, bank): for y = x W^T over T tokens, W [R, C], and a bank
 # of n sparse deltas of W (`DeltaBank`: CSR per delta, concatenated), with d = delta_ids[t]:

@@ -3,10 +3,11 @@ the delta it runs with (or None for the base), and every row gets its own fine-t
 
 `ServedDeltas(model)` hooks the base model's linear layers (nn.Linear, and transformers' Conv1D
 of GPT-2) with forward hooks, so the weights, the module tree and the state dict stay as they
-are, and keeps, per layer, the loaded deltas in one `DeltaBank` (CSR per delta). A layer's output `y = x W^T + b` is computed by the base layer as
-usual; the hook then adds, for each token of row r, the product of its input with row r's delta
-(`sift._ops.mixed_delta_matmul_`, C++ on CPU, Triton on CUDA). Rows served by the base are left
-as the base layer wrote them, bit for bit.
+are, and keeps, per layer, the loaded deltas in one `DeltaBank` (CSR per delta). A layer's
+output `y = x W^T + b` is computed by the base layer as usual; the hook then adds, for each
+token of row r, the product of its input with row r's delta (`sift._ops.mixed_delta_matmul_`,
+C++ on CPU, Triton on CUDA). Rows served by the base are left as the base layer wrote them, bit
+for bit.
 
     served = ServedDeltas(model)
     served.load_delta("math", "runs/math")           # a fine-tune directory, or a SparseDelta
@@ -85,7 +86,7 @@ class _ServedLayer:
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         rows = self.served._rows
         if rows is None or self.bank.max_row_entries == 0:
-            return None
+            return
         x = args[0]
         n_cols = self.bank.in_features
         batch = x.shape[0]
@@ -95,7 +96,7 @@ class _ServedLayer:
             x = x.to(output.dtype)
         with torch.no_grad():
             _ops.mixed_delta_matmul_(output, x, ids, self.bank, check_values=False, backend=self.served.backend)
-        return None
+        return
 
 
 def _no_entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,8 +170,7 @@ class ServedDeltas:
         if not isinstance(delta, SparseDelta):
             delta = SparseDelta.from_pretrained(delta)
         state = _state_of(self.model, "model")
-        problems = [] if name not in self._names else [f"a delta named {name!r} is already loaded "
-                                                        "(unload_delta it first)"]
+        problems = [] if name not in self._names else [f"a delta named {name!r} is already loaded (unload it first)"]
         problems += delta.problems()
         for param in delta.dense:
             problems.append(f"{param}: a dense part (a trained head or norm replaces the param whole) cannot be "
