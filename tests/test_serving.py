@@ -323,3 +323,25 @@ def _fine_tune_conv1d(model: torch.nn.Module, seed: int) -> SparseDelta:
                 mask = torch.rand(m.weight.shape, generator=gen) < 0.05
                 m.weight += mask * torch.randn(m.weight.shape, generator=gen)
     return SparseDelta.from_diff(model, tuned, density=1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_every_backend_serves_the_same_rows(backend):
+    """The hooks run the op on the backend asked for (Triton through the interpreter on CPU)."""
+    from conftest import cpp_available, triton_available
+
+    if (backend == "cpp" and not cpp_available()) or (backend == "triton" and not triton_available()):
+        pytest.skip(f"{backend} unavailable here")
+    base = _base()
+    d = _fine_tune(base, 23)
+    served = ServedDeltas(base, backend=backend)
+    served.load_delta("d", d)
+    ids = _ids(3)
+    with torch.no_grad():
+        got = served(ids, delta_names=[None, "d", "d"]).logits
+        plain = base(ids).logits
+        d.apply_(base)
+        want = base(ids).logits
+        d.remove_(base)
+    assert torch.equal(got[0], plain[0])
+    assert (got[1:] - want[1:]).abs().max() < 1e-5 and not torch.equal(got[1:], plain[1:])
