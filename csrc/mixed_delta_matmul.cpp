@@ -6,14 +6,15 @@
 // with y [T, R] and x [T, C] in fp32, bf16 or fp16 (S), sums in fp32 in entry order. The contract
 // and the plain-torch reference are in sift/_ops/ (mixed_delta_matmul_ref).
 //
-// Tokens are taken in groups: up to 8 consecutive tokens with one delta (the tokens of a row of
-// the batch), their inputs packed into an fp32 panel [C, 8] so that each entry's column and value
-// are loaded once and multiplied into 8 sums (one vector). Threads take (group, block of output
-// rows) tasks: each writes its own part of y, so no two threads touch one value; with few groups
-// (a decode step, one token per row) the rows are split in blocks so every core has work.
-// Tokens with id -1 are skipped. The op is public (torch.ops.sift.*): ids and row
-// pointers are checked before anything is written (O(T + n R)), and each column index as it is
-// read (a branch that is never taken on valid input); a bad column stops the call with an error.
+// Tokens are taken in groups: up to 8 tokens with one delta (the tokens of a row of the batch, or
+// the rows of a decode step that share a delta), their inputs packed into an fp32 panel [C, 8] so
+// that each entry's column and value are loaded once and multiplied into 8 sums (one vector); a
+// token alone with its delta is read where it lies. Threads take (group, block of output rows)
+// tasks: each writes its own part of y, so no two threads touch one value; with few groups (a
+// decode step) the rows are split in blocks so every core has work. Tokens with id -1 are
+// skipped. The op is public (torch.ops.sift.*): ids and row pointers are checked before anything
+// is written (O(T + n R)), and each column index as it is read (a branch that is never taken on
+// valid input); a bad column stops the call with an error.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,27 +27,37 @@
 namespace sift {
 namespace {
 
-// Tokens summed together: consecutive tokens with one delta (a row's tokens in a prefill) share
-// each entry's column and value, loaded once for all of them.
+// Tokens summed together: tokens with one delta share each entry's column and value, loaded once
+// for all of them.
 constexpr int64_t LANES = 8;
 // Output rows per task when there are too few token groups to keep every thread busy (decode
 // steps: one token per row); with enough groups a task takes all rows of its group.
 constexpr int64_t ROW_BLOCK = 256;
 
 struct TokenGroup {
-  int64_t first, count;  // tokens [first, first + count), count <= LANES
+  int64_t begin, count;  // tokens order[begin, begin + count), count <= LANES
   int32_t delta;
 };
 
-// Runs of consecutive tokens with one delta id (not -1), cut into groups of at most LANES.
-std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T) {
+// The tokens with a delta (id != -1) ordered by delta, in token order within one (a counting
+// sort), and cut into groups of at most LANES tokens of one delta: the tokens of a row in a
+// prefill, or the rows of a decode step that share a delta.
+std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T, int64_t n, std::vector<int64_t>& order) {
+  std::vector<int64_t> start(n + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) ++start[ids[t] + 1];
+  }
+  for (int64_t d = 0; d < n; ++d) start[d + 1] += start[d];
+  order.resize(start[n]);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) order[next[ids[t]]++] = t;
+  }
   std::vector<TokenGroup> groups;
-  for (int64_t t = 0; t < T;) {
-    const int32_t d = ids[t];
-    int64_t end = t + 1;
-    while (end < T && end - t < LANES && ids[end] == d) ++end;
-    if (d >= 0) groups.push_back({t, end - t, d});
-    t = end;
+  for (int64_t d = 0; d < n; ++d) {
+    for (int64_t b = start[d]; b < start[d + 1]; b += LANES) {
+      groups.push_back({b, std::min(LANES, start[d + 1] - b), static_cast<int32_t>(d)});
+    }
   }
   return groups;
 }
@@ -61,21 +72,23 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
   const int64_t* __restrict ptr = row_ptr.data_ptr<int64_t>();
   const int32_t* __restrict cp = col.data_ptr<int32_t>();
   const float* __restrict vp = val.data_ptr<float>();
-  const std::vector<TokenGroup> groups = token_groups(ids.data_ptr<int32_t>(), T);
+  std::vector<int64_t> order;
+  const std::vector<TokenGroup> groups = token_groups(ids.data_ptr<int32_t>(), T, row_ptr.size(0), order);
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   if (n_groups == 0) return;
   const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
   const int64_t blocks = (R + row_block - 1) / row_block;
   at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
-    // The group's inputs as fp32, column-major: panel[c * LANES + l] = x[first + l, c] (0 past count).
+    // The group's inputs as fp32, column-major: panel[c * LANES + l] = x[order[begin + l], c] (0 past count).
     std::vector<float> panel;
     for (int64_t task = lo; task < hi; ++task) {
       const TokenGroup& g = groups[task / blocks];
       const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
       const int64_t* rows = ptr + static_cast<int64_t>(g.delta) * (R + 1);
-      if (g.count == 1) {  // a decode step's token: its input read where it lies, no panel
-        const S* xt = xp + g.first * ld_x;
-        S* yt = yp + g.first * ld_y;
+      if (g.count == 1) {  // a token alone with its delta: its input read where it lies, no panel
+        const int64_t t = order[g.begin];
+        const S* xt = xp + t * ld_x;
+        S* yt = yp + t * ld_y;
         for (int64_t i = r0; i < r1; ++i) {
           const int64_t e0 = rows[i], e1 = rows[i + 1];
           if (e0 == e1) continue;  // float(y) rounds back to y: nothing to write
@@ -95,7 +108,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
       if (panel.empty()) panel.resize(C * LANES);
       std::fill(panel.begin(), panel.end(), 0.0f);
       for (int64_t l = 0; l < g.count; ++l) {
-        const S* xt = xp + (g.first + l) * ld_x;
+        const S* xt = xp + order[g.begin + l] * ld_x;
         for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
       }
       const float* __restrict pp = panel.data();
@@ -114,7 +127,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
           for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
         }
         for (int64_t l = 0; l < g.count; ++l) {
-          S* out = yp + (g.first + l) * ld_y + i;
+          S* out = yp + order[g.begin + l] * ld_y + i;
           *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
         }
       }

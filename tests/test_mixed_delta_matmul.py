@@ -273,17 +273,19 @@ def test_cpp_op_refuses_bad_ids_and_rows_before_writing():
         op(y, x, torch.zeros(6, dtype=torch.int32), bank.row_ptr, bad_col, bank.values, bank.max_row_entries)
 
 
-# Delta ids per token: random (runs of one token), one delta for all (groups of 8 and a ragged one), runs of 3.
+# Delta ids per token: random, one delta for all (groups of 8 and a ragged one), runs of 3, and a decode step's
+# rows sharing deltas out of order (groups of tokens that are not neighbours).
 CPP_ID_PATTERNS = {"random": None, "one-delta": lambda t: torch.zeros(t, dtype=torch.int64),
-                   "runs-of-3": lambda t: (torch.arange(t) // 3) % 3 - 1}
+                   "runs-of-3": lambda t: (torch.arange(t) // 3) % 3 - 1,
+                   "interleaved": lambda t: torch.arange(t) % 3 - 1}
 
 
 @pytest.mark.parametrize("ids_pattern", CPP_ID_PATTERNS.values(), ids=CPP_ID_PATTERNS.keys())
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cpp_token_groups_and_row_blocks(threads, dtype, ids_pattern):
-    """Groups of up to 8 consecutive tokens with one delta, a single token read in place; with fewer groups than
-    twice the threads, tasks of 256-row blocks with a ragged last one."""
+    """Groups of up to 8 tokens with one delta (neighbours or not), a token alone read in place; with fewer groups
+    than twice the threads, tasks of 256-row blocks with a ragged last one."""
     _require("cpp")
     y0, x, ids, deltas, bank = _case(19, 600, 33, dtype, seed=6, densities=(0.02, 0.1, 0.0))
     if ids_pattern is not None:
