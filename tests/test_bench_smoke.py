@@ -288,3 +288,14 @@ def test_all_suites_skip_the_llm_suite_when_its_packages_are_missing(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     assert bench_main.unavailable_suites() == {"llm": ["gguf"]}
     assert bench_main.unavailable_suites(quick=True) == {}  # --quick: a tiny random Llama, no GGUF
+
+
+def test_serving_quick(tmp_path, monkeypatch):
+    from sift.bench import serving
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    markdown = serving.run(quick=True)
+    assert "Mixed deltas in one batch" in markdown and "switch_to between two deltas" in markdown
+    saved = _saved(tmp_path, "serving")
+    assert len(saved["rows"]) == 3 * len(serving.DENSITIES) and len(saved["switch"]) == len(serving.DENSITIES)
+    assert all(r["deltas median ms"] > 0 and r["dense x W^T median ms"] > 0 for r in saved["rows"])

@@ -27,6 +27,7 @@ SUITES = {
     "llm": "sift.bench.llm",
     "memory": "sift.bench.memory",
     "quantized": "sift.bench.quantized",
+    "serving": "sift.bench.serving",
 }
 
 
@@ -46,6 +47,7 @@ DURATIONS = {
            "--report only rewrites the tables (--quick: about 2 min, a tiny random Llama)",
     "memory": "under 1 min (--quick: about 1 min)",
     "quantized": "about 25 min (--quick: about 2 min)",
+    "serving": "about 3 min (--quick: under 1 min)",
 }
 
 
