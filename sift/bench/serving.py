@@ -61,7 +61,7 @@ def bench_op(size: int, layers: int, repeat: int, quick: bool, gen: torch.Genera
             x = torch.randn(ids.numel(), size, generator=gen)
             outs = [x @ w.T for w in weights]
 
-            def deltas(x=x, ids=ids, outs=outs):
+            def deltas(x=x, ids=ids, outs=outs, banks=banks):
                 for y, (bank, _) in zip(outs, banks):
                     _ops.mixed_delta_matmul_(y, x, ids, bank, check_values=False)
 
@@ -74,7 +74,6 @@ def bench_op(size: int, layers: int, repeat: int, quick: bool, gen: torch.Genera
                          "deltas median ms": t["deltas"]["median_ms"], "p20 ms": t["deltas"]["p20_ms"],
                          "p80 ms": t["deltas"]["p80_ms"], "dense x W^T median ms": t["dense"]["median_ms"],
                          "deltas / dense": t["deltas"]["median_ms"] / t["dense"]["median_ms"]})
-        del banks
     return rows
 
 
@@ -89,7 +88,7 @@ def bench_switch(size: int, layers: int, repeat: int, gen: torch.Generator) -> l
     for density in DENSITIES:
         k = max(1, int(density * size * size))
 
-        def delta() -> SparseDelta:
+        def delta(k: int = k) -> SparseDelta:
             entries = {f"{i}.weight": DeltaEntry((size, size), torch.bfloat16,
                                                  torch.randperm(size * size, generator=gen)[:k].sort().values.int(),
                                                  torch.randn(k, generator=gen) * 1e-2) for i in range(layers)}
@@ -100,7 +99,8 @@ def bench_switch(size: int, layers: int, repeat: int, gen: torch.Generator) -> l
         served.load_delta("b", delta())
         served.switch_to("a")
         names = iter(["b", "a"] * (repeat + 2))
-        t = time_interleaved({"switch": lambda: served.switch_to(next(names))}, warmup=1, repeat=repeat)["switch"]
+        t = time_interleaved({"switch": lambda served=served, names=names: served.switch_to(next(names))},
+                             warmup=1, repeat=repeat)["switch"]
         served.close()
         rows.append({"density": f"{density:.1%}", "entries per delta": k * layers, "switch_to median ms": t["median_ms"],
                      "p20 ms": t["p20_ms"], "p80 ms": t["p80_ms"]})
@@ -132,9 +132,9 @@ def run(quick: bool = False) -> str:
     suffix = " [quick: sizes not comparable]" if quick else ""
     notes = [
         "",
-        f"CPU timing: perf_counter medians with warm-up, the two timed functions in rotation, "
-        f"{torch.get_num_threads()} threads; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
-        f"(the machine is shared: figures move with it).",
+        (f"CPU timing: perf_counter medians with warm-up, the two timed functions in rotation, "
+         f"{torch.get_num_threads()} threads; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after "
+         f"(the machine is shared: figures move with it)."),
     ]
     markdown = "\n".join([
         markdown_table(f"Mixed deltas in one batch, {layers} fp32 layers of [{size}, {size}], 8 deltas each{suffix}",
