@@ -162,7 +162,7 @@ def test_plan_picks_the_best_validation_rate_and_runs_the_seeds_there():
         (method, "sentiment", lrs[1]), (method, "emotion", lrs[1]), ("full", "sentiment", llm.METHODS["full"].lrs[1]),
         ("full", "emotion", llm.METHODS["full"].lrs[1])]  # every method at its middle rate first
     runs.append(_run("sentiment", method, lrs[2], 0, 8, 0.7))
-    assert llm.best_lr(runs, "sentiment", method, 8) == lrs[1]
+    assert llm.best_lr(runs, "sentiment", method, 8) == lrs[1]  # interior: no extension
     todo = llm.pending(runs, config, ["sentiment"], [method])
     assert [(s.lr, s.seed) for s in todo] == [(lrs[1], 1), (lrs[1], 2)]
     runs.append(_run("sentiment", method, lrs[1], 1, 8, 0.6))
@@ -170,6 +170,24 @@ def test_plan_picks_the_best_validation_rate_and_runs_the_seeds_there():
     assert llm.best_lr(runs, "sentiment", method, 16) is None  # another length is another grid
     grids_first = llm.pending([], config, ["sentiment", "emotion"], ["zero-shot", method])
     assert [s.method for s in grids_first][:2] == ["zero-shot", "zero-shot"] and all(s.seed == 0 for s in grids_first)
+
+
+def test_a_best_rate_at_the_grids_end_extends_the_grid_before_any_seed():
+    """A method whose best validation rate is the grid's lowest (or highest) runs the next rate past it first, at
+    most twice a side, so the rate the seeds use is an interior one."""
+    config = llm.Config(steps=8, seeds=(0, 1))
+    method = "sift attn 1%"
+    low, mid, high = llm.METHODS[method].lrs
+    runs = [_run("emotion", method, low, 0, 8, 0.4), _run("emotion", method, mid, 0, 8, 0.3),
+            _run("emotion", method, high, 0, 8, 0.2)]
+    assert llm.best_lr(runs, "emotion", method, 8) is None
+    assert [(s.lr, s.seed) for s in llm.pending(runs, config, ["emotion"], [method])] == [(3e-4, 0)]
+    runs.append(_run("emotion", method, 3e-4, 0, 8, 0.35))  # worse below: the low end is interior now
+    assert llm.best_lr(runs, "emotion", method, 8) == low
+    assert [(s.lr, s.seed) for s in llm.pending(runs, config, ["emotion"], [method])] == [(low, 1)]
+    rising = [_run("emotion", method, lr, 0, 8, v) for lr, v in ((low, 0.1), (mid, 0.2), (high, 0.3), (3e-2, 0.4),
+                                                                   (1e-1, 0.5))]
+    assert llm.best_lr(rising, "emotion", method, 8) == 1e-1  # two extensions up, then the board stops asking
 
 
 def test_every_run_file_keeps_peft_method_comparison_layout(board):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 from collections.abc import Sequence
@@ -415,15 +416,46 @@ def run_key(run: dict[str, Any]) -> tuple[str, str, float, int, int]:
     return c["task"], c["method"], c["optimizer_kwargs"]["lr"], c["seed"], c["max_steps"]
 
 
-def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) -> float | None:
-    """The grid's learning rate with the best final validation exact match at seed 0 (ties: the lower rate),
-    or None while the grid is incomplete."""
+MAX_GRID_EXTENSIONS = 2  # rates added past each end of a method's grid when its best rate sits at that end
+
+
+def _neighbour(lr: float, up: bool) -> float:
+    """The next rate on the 1-3-10 ladder the grids use (3e-3 -> 1e-2 up, 1e-3 -> 3e-4 down)."""
+    exponent = math.floor(math.log10(lr) + 1e-9)
+    mantissa = round(lr / 10**exponent)
+    if up:
+        return float(f"{3 if mantissa == 1 else 1}e{exponent if mantissa == 1 else exponent + 1}")
+    return float(f"{1 if mantissa == 3 else 3}e{exponent if mantissa == 3 else exponent - 1}")
+
+
+def grid_state(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int
+               ) -> tuple[dict[float, float], list[float]]:
+    """({rate: final validation exact match} of the seed-0 runs so far, the rates still to run).
+
+    The rates to run are the method's grid, then, while the best rate found sits at an end of the rates tried,
+    the next rate past that end (at most `MAX_GRID_EXTENSIONS` a side), so the chosen rate is an interior one.
+    """
     grid = METHODS[method].lrs
-    found = {lr: run for run in runs for t, m, lr, seed, s in [run_key(run)]
-             if t == task and m == method and seed == 0 and s == steps and lr in grid}
-    if len(found) < len(grid):
+    tried = {lr: run["train_info"]["metrics"][-1]["val exact"] for run in runs for t, m, lr, seed, s in [run_key(run)]
+             if t == task and m == method and seed == 0 and s == steps}
+    missing = [lr for lr in grid if lr not in tried]
+    if missing or len(grid) < 2:
+        return tried, missing
+    best = max(sorted(tried), key=lambda lr: (tried[lr], -lr))
+    for end, up in ((min(tried), False), (max(tried), True)):
+        past = [lr for lr in tried if (lr > max(grid) if up else lr < min(grid))]
+        if best == end and len(past) < MAX_GRID_EXTENSIONS:
+            return tried, [_neighbour(end, up)]
+    return tried, []
+
+
+def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) -> float | None:
+    """The rate with the best final validation exact match at seed 0 (ties: the lower rate), or None while the
+    grid (with its extensions, `grid_state`) is incomplete."""
+    tried, todo = grid_state(runs, task, method, steps)
+    if todo or not tried:
         return None
-    return max(sorted(found), key=lambda lr: (found[lr]["train_info"]["metrics"][-1]["val exact"], -lr))
+    return max(sorted(tried), key=lambda lr: (tried[lr], -lr))
 
 
 def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str], methods: Sequence[str]
@@ -443,6 +475,8 @@ def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str]
             middle = len(m.lrs) // 2
             grids += [(0 if i == middle else 1, RunSpec(task, method, lr, config.seeds[0], config.steps))
                       for i, lr in enumerate(m.lrs)]
+            grids += [(2, RunSpec(task, method, lr, config.seeds[0], config.steps))
+                      for lr in grid_state(runs, task, method, config.steps)[1] if lr not in m.lrs]
             lr = best_lr(runs, task, method, config.steps)
             if lr is not None:
                 seeds += [RunSpec(task, method, lr, seed, config.steps) for seed in config.seeds[1:]]

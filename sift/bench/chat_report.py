@@ -134,8 +134,8 @@ def validity(table_rows: Sequence[dict[str, Any]], config: Config) -> list[str]:
             out.append(f"{task}: full fine-tuning's validation curve {', '.join(f'{s}: {100 * a:.1f}' for s, a in points)}"
                        f" ({100 * (a2 - a1):+.1f} points over the last {s2 - s1} steps)")
         for r in trained:
-            if not r.get("partial") and r["lr"] in (min(METHODS[r["method"]].lrs), max(METHODS[r["method"]].lrs)):
-                out.append(f"{task}: {r['method']}'s best rate {r['lr']:g} is at the grid's edge")
+            if not r.get("partial") and len(r["grid"]) > 1 and r["lr"] in (min(r["grid"]), max(r["grid"])):
+                out.append(f"{task}: {r['method']}'s best rate {r['lr']:g} is at the grid's edge after its extensions")
     return out
 
 
