@@ -187,33 +187,33 @@ def plot(table_rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], TASKS):
+    def forgetting(ax: Any, task: str) -> None:
         for i, r in enumerate(x for x in table_rows if x["task"] == task):
             ax.scatter(r["chat_kl"], [100 * v for v in r["test_exact"]], marker="osD^v<>PX*h"[i % 11], label=r["method"])
         ax.set_xscale("symlog", linthresh=1e-3)
         ax.set_xlabel("forgetting: mean KL(base || tuned) on general chat prompts")
         ax.set_ylabel(f"learning: {task} test exact match (%)")
-        ax.set_title(task)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + "-forgetting.png", dpi=110)
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], TASKS):
+
+    def curves(ax: Any, task: str) -> None:
         for r in (x for x in table_rows if x["task"] == task and x["curve"]):
             points = [(m["step"], 100 * m["val exact"]) for m in r["curve"][0]]
             ax.plot(*zip(*points), marker="o", label=f"{r['method']} (lr {r['lr']:g})")
         ax.set_xlabel("step")
         ax.set_ylabel("validation exact match (%)")
-        ax.set_title(task)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + "-curves.png", dpi=110)
-    plt.close(fig)
-    return [stem + "-forgetting.png", stem + "-curves.png"]
+
+    paths = []
+    for suffix, draw in (("-forgetting.png", forgetting), ("-curves.png", curves)):
+        fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5), squeeze=False)
+        for ax, task in zip(axes[0], TASKS):
+            draw(ax, task)
+            ax.set_title(task)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + suffix, dpi=110)
+        plt.close(fig)
+        paths.append(stem + suffix)
+    return paths
 
 
 def report(root: str, out: str, config: Config, quick: bool = False) -> str:
