@@ -221,3 +221,30 @@ def assert_best_checkpoint_loaded(trainer, model, saved: dict) -> int:
     for name, p in model.named_parameters():
         assert torch.equal(p, saved[best][name]), name
     return best
+
+
+def assert_only_chosen_entries_moved(model, before: dict, opt) -> None:
+    """Every param of `model` equals `before[name]` except at the entries `opt` chose; some chosen entry moved."""
+    moved = 0
+    for name, p in model.named_parameters():
+        changed = (p.detach() != before[name].detach()).reshape(-1)
+        if "indices" in opt.state.get(p, {}):
+            outside = torch.ones_like(changed)
+            outside[opt.state[p]["indices"].long()] = False
+            assert not changed[outside].any(), name
+            moved += int(changed.any())
+        else:
+            assert not changed.any(), name
+    assert moved > 0
+
+
+def require_backend(backend: str) -> None:
+    """Skip only what this machine cannot run on purpose; a C++ build failure fails the test."""
+    if backend == "cpp":
+        if os.environ.get("SIFT_SKIP_EXT") == "1":
+            pytest.skip("SIFT_SKIP_EXT=1")
+        from sift._ext import extension_status
+
+        assert cpp_available(), f"C++ extension failed to load: {extension_status()['why']}"
+    elif backend == "triton" and not triton_available():
+        pytest.skip("triton interpreter unavailable")

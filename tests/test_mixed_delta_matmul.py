@@ -4,14 +4,12 @@ deltas with no entries, one delta on many rows, bad input named, and the kernels
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from conftest import cpp_available, triton_available
+from conftest import require_backend
 
 from sift import _ops
-from sift._ext import extension_status
 from sift._ops import DeltaBank
 
 BACKENDS = ("torch", "cpp", "triton")
@@ -22,16 +20,6 @@ SHAPES = [(1, 1, 1), (1, 3, 37), (7, 37, 3), (13, 65, 65), (130, 65, 37), (130, 
 ATOL_UNITS = 8
 # Entries per delta as a fraction of the weight: a dense-ish one, a sparse one, none at all, one more.
 DENSITIES = (0.5, 0.05, 0.0, 0.2)
-
-
-def _require(backend: str) -> None:
-    """Skip only what this machine cannot run on purpose; a C++ build failure fails the test."""
-    if backend == "cpp":
-        if os.environ.get("SIFT_SKIP_EXT") == "1":
-            pytest.skip("SIFT_SKIP_EXT=1")
-        assert cpp_available(), f"C++ extension failed to load: {extension_status()['why']}"
-    elif backend == "triton" and not triton_available():
-        pytest.skip("triton interpreter unavailable")
 
 
 def _deltas(shape: tuple[int, int], gen: torch.Generator, densities=DENSITIES):
@@ -93,7 +81,7 @@ def _case(t, r, c, dtype, seed=0, densities=DENSITIES):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}xR{}xC{}".format(*s))
 def test_matches_fp64_oracle(backend, dtype, shape):
-    _require(backend)
+    require_backend(backend)
     y0, x, ids, deltas, bank = _case(*shape, dtype)
     y = y0.clone()
     got = _ops.mixed_delta_matmul_(y, x, ids, bank, backend=backend)
@@ -105,7 +93,7 @@ def test_matches_fp64_oracle(backend, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_delta_without_entries_keeps_its_rows_exactly(backend, dtype):
     """A delta with zero entries (and a row of a delta with none) rewrites nothing: the same bits."""
-    _require(backend)
+    require_backend(backend)
     y0, x, _, _, bank = _case(9, 21, 17, dtype, seed=1)
     ids = torch.full((9,), 2)  # DENSITIES[2] == 0
     y = y0.clone()
@@ -123,7 +111,7 @@ def test_delta_without_entries_keeps_its_rows_exactly(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_one_delta_on_many_rows_and_none_anywhere(backend, dtype):
     """One delta served to every token equals a weight with the delta added; no delta leaves y alone."""
-    _require(backend)
+    require_backend(backend)
     y0, x, _, deltas, bank = _case(23, 19, 31, dtype, seed=2)
     for ids in (torch.zeros(23, dtype=torch.int64), torch.full((23,), -1), torch.tensor([3, 0] * 11 + [0])):
         y = y0.clone()
@@ -134,7 +122,7 @@ def test_one_delta_on_many_rows_and_none_anywhere(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_tokens_and_no_deltas(backend):
-    _require(backend)
+    require_backend(backend)
     _, _, _, _, bank = _case(1, 6, 5, torch.float32)
     y = torch.zeros(0, 6)
     _ops.mixed_delta_matmul_(y, torch.zeros(0, 5), torch.zeros(0, dtype=torch.int32), bank, backend=backend)
@@ -148,7 +136,7 @@ def test_no_tokens_and_no_deltas(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_leading_dims_are_tokens(backend):
     """[batch, seq, features]: the ids are per token, a row's tokens all carrying the row's id."""
-    _require(backend)
+    require_backend(backend)
     y0, x, _, deltas, bank = _case(3 * 5, 13, 11, torch.float32, seed=3)
     ids = torch.tensor([1, -1, 0]).repeat_interleave(5)
     y = y0.clone().view(3, 5, 13)
@@ -159,7 +147,7 @@ def test_leading_dims_are_tokens(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_operands(backend):
     """x with any strides (a transposed view), y a row slice of a wider buffer."""
-    _require(backend)
+    require_backend(backend)
     y0, x, ids, deltas, bank = _case(12, 9, 20, torch.float32, seed=4)
     x_t = x.T.contiguous().T  # token stride 1
     wide = torch.randn(12, 15)
@@ -239,7 +227,7 @@ def _bad_cases():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(_bad_cases()[1]))
 def test_bad_input_raises_value_error(backend, case):
-    _require(backend)
+    require_backend(backend)
     _, cases = _bad_cases()
     args, message = cases[case]
     y = args[0]
@@ -255,7 +243,7 @@ def test_bad_input_raises_value_error(backend, case):
 
 def test_cpp_op_refuses_bad_ids_and_rows_before_writing():
     """The public torch.ops op checks what it reads through: a wild read otherwise."""
-    _require("cpp")
+    require_backend("cpp")
     y0, x, ids, _, bank = _case(6, 7, 8, torch.float32, seed=5)
     y = y0.clone()
     op = torch.ops.sift.mixed_delta_matmul_
@@ -286,7 +274,7 @@ CPP_ID_PATTERNS = {"random": None, "one-delta": lambda t: torch.zeros(t, dtype=t
 def test_cpp_token_groups_and_row_blocks(threads, dtype, ids_pattern):
     """Groups of up to 8 tokens with one delta (neighbours or not), a token alone read in place; with fewer groups
     than twice the threads, tasks of 256-row blocks with a ragged last one."""
-    _require("cpp")
+    require_backend("cpp")
     y0, x, ids, deltas, bank = _case(19, 600, 33, dtype, seed=6, densities=(0.02, 0.1, 0.0))
     if ids_pattern is not None:
         ids = ids_pattern(19)
@@ -303,7 +291,7 @@ def test_cpp_token_groups_and_row_blocks(threads, dtype, ids_pattern):
 @pytest.mark.parametrize("blocks", [(1, 1), (2, 8), (16, 16), (4, 64)], ids=lambda b: "t{}r{}".format(*b))
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_triton_tiles_and_strides(blocks, dtype):
-    _require("triton")
+    require_backend("triton")
     from sift.triton_kernels.mixed_delta_matmul import mixed_delta_matmul_ as launch
 
     y0, x, ids, deltas, bank = _case(19, 21, 11, dtype, seed=7)
@@ -317,7 +305,7 @@ def test_triton_tiles_and_strides(blocks, dtype):
 
 def test_cpp_op_traces_with_fake_tensors():
     """The op's fake kernel lets FakeTensor (torch.compile) trace it without running it."""
-    _require("cpp")
+    require_backend("cpp")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _, _, _, _, bank = _case(1, 3, 5, torch.float32)

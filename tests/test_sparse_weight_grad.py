@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 
-from conftest import cpp_available, triton_available
+from conftest import cpp_available, require_backend
 from sift import _ops
-from sift._ext import extension_status
 
 BACKENDS = ("torch", "cpp", "triton")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -18,16 +17,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(1, 1, 1), (1, 3, 37), (7, 37, 3), (7, 65, 65), (130, 65, 37), (130, 1, 65), (130, 37, 1)]
 # fp32 units of the sum of |terms| that any fp32 summation order may lose on top of the rule.
 ATOL_UNITS = 8
-
-
-def _require(backend: str) -> None:
-    """Skip only what this machine cannot run on purpose; a C++ build failure fails the test."""
-    if backend == "cpp":
-        if os.environ.get("SIFT_SKIP_EXT") == "1":
-            pytest.skip("SIFT_SKIP_EXT=1")
-        assert cpp_available(), f"C++ extension failed to load: {extension_status()['why']}"
-    elif backend == "triton" and not triton_available():
-        pytest.skip("triton interpreter unavailable")
 
 
 def _oracle(dy: torch.Tensor, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -62,7 +51,7 @@ def _inputs(t: int, r: int, c: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}xR{}xC{}".format(*s))
 def test_matches_fp64_oracle(backend, dtype, shape):
-    _require(backend)
+    require_backend(backend)
     t, r, c = shape
     dy, x, gen = _inputs(t, r, c, dtype)
     idx = _random_indices(r * c, max(1, r * c // 3), gen)
@@ -83,7 +72,7 @@ INDEX_SETS = {
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("which", INDEX_SETS.values(), ids=INDEX_SETS.keys())
 def test_index_sets(backend, index_dtype, which):
-    _require(backend)
+    require_backend(backend)
     dy, x, _ = _inputs(13, 5, 7, torch.float32, seed=1)
     idx = torch.tensor(which(5 * 7), dtype=index_dtype)
     got = _ops.sparse_weight_grad(dy, x, idx, backend=backend)
@@ -92,7 +81,7 @@ def test_index_sets(backend, index_dtype, which):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_tokens_gives_zeros(backend):
-    _require(backend)
+    require_backend(backend)
     dy, x = torch.randn(0, 4), torch.randn(0, 6)
     got = _ops.sparse_weight_grad(dy, x, torch.tensor([0, 5, 23]), backend=backend)
     assert torch.equal(got, torch.zeros(3))
@@ -101,7 +90,7 @@ def test_no_tokens_gives_zeros(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_accumulates_into_out(backend, dtype):
-    _require(backend)
+    require_backend(backend)
     dy, x, gen = _inputs(33, 9, 11, dtype, seed=2)
     idx = _random_indices(99, 40, gen, torch.int32)
     before = torch.randn(40, generator=gen)
@@ -113,7 +102,7 @@ def test_accumulates_into_out(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_leading_batch_dims_are_tokens(backend):
-    _require(backend)
+    require_backend(backend)
     dy, x, gen = _inputs(2 * 3 * 5, 6, 10, torch.float32, seed=3)
     idx = _random_indices(60, 20, gen)
     got = _ops.sparse_weight_grad(dy.view(2, 3, 5, 6), x.view(2, 3, 5, 10), idx, backend=backend)
@@ -122,7 +111,7 @@ def test_leading_batch_dims_are_tokens(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_inputs(backend):
-    _require(backend)
+    require_backend(backend)
     gen = torch.Generator().manual_seed(4)
     dy = torch.randn(12, 40, generator=gen)[:, ::2]  # [12, 20], feature stride 2
     x = torch.randn(9, 12, generator=gen).T  # [12, 9], token stride 1
@@ -135,7 +124,7 @@ def test_non_contiguous_inputs(backend):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_linear_autograd(backend, dtype):
     """The op at all entries equals autograd's weight gradient of nn.Linear."""
-    _require(backend)
+    require_backend(backend)
     layer = torch.nn.Linear(7, 5).to(dtype)
     x = torch.randn(3, 4, 7).to(dtype)
     dy = torch.randn(3, 4, 5).to(dtype)
@@ -149,7 +138,7 @@ def test_linear_autograd(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_conv1d_swapped_operands(backend):
     """transformers' Conv1D keeps W as [in, out]: (input, grad_output) swapped gives its gradient."""
-    _require(backend)
+    require_backend(backend)
     from transformers.pytorch_utils import Conv1D
 
     layer = Conv1D(nf=5, nx=7)  # weight [7, 5]
@@ -196,7 +185,7 @@ def _bad_cases():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(_bad_cases()))
 def test_bad_input_raises_value_error(backend, case):
-    _require(backend)
+    require_backend(backend)
     args, message = _bad_cases()[case]
     out = args[3]
     before = out.clone()
@@ -223,7 +212,7 @@ def _cpp_isas() -> list[str]:
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_cpp_isa_and_token_blocks(isa, token_block, dtype, index_dtype):
     """Several token blocks (with a ragged last one), each instruction set, both index types."""
-    _require("cpp")
+    require_backend("cpp")
     dy, x, gen = _inputs(301, 19, 45, dtype, seed=5)
     idx = _random_indices(19 * 45, 300, gen, index_dtype)
     out = torch.zeros(300)
@@ -247,7 +236,7 @@ def _assert_adds_into_out(dy, x, idx, gen, isa: str, token_block: int, threads: 
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
 def test_cpp_token_ranges_per_thread(threads):
     """Each thread sums its own range of tokens into a partial sum; the ranges add up to all tokens."""
-    _require("cpp")
+    require_backend("cpp")
     dy, x, gen = _inputs(1001, 41, 33, torch.float32, seed=7)
     idx = _random_indices(41 * 33, 1300, gen, torch.int32)
     _assert_adds_into_out(dy, x, idx, gen, "auto", 16, threads)
@@ -259,7 +248,7 @@ def test_cpp_token_ranges_per_thread(threads):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_cpp_several_column_blocks(dtype, isa, threads):
     """A wide X is packed in L2-sized column blocks whose entries are summed out of idx order."""
-    _require("cpp")
+    require_backend("cpp")
     dy, x, gen = _inputs(150, 7, 3001, dtype, seed=8)  # 64-token blocks: X in 1024-column blocks
     idx = _random_indices(7 * 3001, 2000, gen, torch.int32)
     _assert_adds_into_out(dy, x, idx, gen, isa, 64, threads)
@@ -267,7 +256,7 @@ def test_cpp_several_column_blocks(dtype, isa, threads):
 
 def test_cpp_op_refuses_bad_indices():
     """The public torch.ops op checks indices itself: a wild read or a race otherwise."""
-    _require("cpp")
+    require_backend("cpp")
     dy, x, out = torch.randn(4, 3), torch.randn(4, 5), torch.zeros(2)
     with pytest.raises(RuntimeError, match="outside"):
         torch.ops.sift.sparse_weight_grad_(dy, x, torch.tensor([1, 15]), out)
@@ -279,7 +268,7 @@ def test_cpp_op_refuses_bad_indices():
 @pytest.mark.parametrize("blocks", [(1, 1), (4, 8), (16, 16), (32, 4)], ids=lambda b: "k{}t{}".format(*b))
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_triton_block_sizes_and_strides(blocks, dtype):
-    _require("triton")
+    require_backend("triton")
     from sift.triton_kernels.sparse_weight_grad import sparse_weight_grad as launch
 
     gen = torch.Generator().manual_seed(6)
@@ -292,7 +281,7 @@ def test_triton_block_sizes_and_strides(blocks, dtype):
 
 def test_cpp_op_traces_with_fake_tensors():
     """The op's Meta kernel lets FakeTensor (torch.compile) trace it without running it."""
-    _require("cpp")
+    require_backend("cpp")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

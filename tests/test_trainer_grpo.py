@@ -11,6 +11,7 @@ import torch
 
 import sift
 from sift import SparseAdamW, SparseDelta
+from conftest import assert_only_chosen_entries_moved
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -78,17 +79,7 @@ def test_integrated_grpo_trainer_trains_clips_saves_and_resumes(tmp_path, folder
     assert isinstance(opt, SparseAdamW)
 
     # Only the chosen entries of the sparse weights move.
-    moved = 0
-    for (name, p), b in zip(model.named_parameters(), base.parameters()):
-        changed = (p.detach() != b.detach()).reshape(-1)
-        if "indices" in opt.state.get(p, {}):
-            outside = torch.ones_like(changed)
-            outside[opt.state[p]["indices"].long()] = False
-            assert not changed[outside].any(), name
-            moved += int(changed.any())
-        else:
-            assert not changed.any(), name
-    assert moved > 0
+    assert_only_chosen_entries_moved(model, dict(base.named_parameters()), opt)
 
     # The logged grad_norm is the clipped norm of the manual loop over the recorded completions.
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder)

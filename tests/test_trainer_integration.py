@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sift
-from conftest import assert_best_checkpoint_loaded
+from conftest import assert_best_checkpoint_loaded, assert_only_chosen_entries_moved
 from sift import SparseAdamW, SparseDelta
 
 transformers = pytest.importorskip("transformers")
@@ -381,14 +381,4 @@ def test_integrated_dpo_trainer_trains(tmp_path):
     assert isinstance(opt, SparseAdamW)
     norms = _grad_norms(trainer)
     assert len(norms) == 2 and all(n > 0 for n in norms)
-    moved = 0
-    for name, p in model.named_parameters():
-        changed = (p.detach() != before[name]).reshape(-1)
-        if "indices" in opt.state.get(p, {}):
-            outside = torch.ones_like(changed)
-            outside[opt.state[p]["indices"].long()] = False
-            assert not changed[outside].any(), name
-            moved += int(changed.any())
-        else:
-            assert not changed.any(), name
-    assert moved > 0
+    assert_only_chosen_entries_moved(model, before, opt)
