@@ -428,6 +428,11 @@ def _neighbour(lr: float, up: bool) -> float:
     return float(f"{1 if mantissa == 3 else 3}e{exponent if mantissa == 3 else exponent - 1}")
 
 
+def best_of(tried: dict[float, float]) -> float:
+    """The rate with the best validation exact match in {rate: score} (ties: the lower rate)."""
+    return max(sorted(tried), key=lambda lr: (tried[lr], -lr))
+
+
 def grid_state(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int
                ) -> tuple[dict[float, float], list[float]]:
     """({rate: final validation exact match} of the seed-0 runs so far, the rates still to run).
@@ -441,7 +446,7 @@ def grid_state(runs: Sequence[dict[str, Any]], task: str, method: str, steps: in
     missing = [lr for lr in grid if lr not in tried]
     if missing or len(grid) < 2:
         return tried, missing
-    best = max(sorted(tried), key=lambda lr: (tried[lr], -lr))
+    best = best_of(tried)
     for end, up in ((min(tried), False), (max(tried), True)):
         past = [lr for lr in tried if (lr > max(grid) if up else lr < min(grid))]
         if best == end and len(past) < MAX_GRID_EXTENSIONS:
@@ -453,9 +458,7 @@ def best_lr(runs: Sequence[dict[str, Any]], task: str, method: str, steps: int) 
     """The rate with the best final validation exact match at seed 0 (ties: the lower rate), or None while the
     grid (with its extensions, `grid_state`) is incomplete."""
     tried, todo = grid_state(runs, task, method, steps)
-    if todo or not tried:
-        return None
-    return max(sorted(tried), key=lambda lr: (tried[lr], -lr))
+    return None if todo or not tried else best_of(tried)
 
 
 def pending(runs: Sequence[dict[str, Any]], config: Config, tasks: Sequence[str], methods: Sequence[str]

@@ -15,7 +15,8 @@ from sift.bench.chat_board import (
     TASKS,
     Config,
     best_constant,
-    best_lr,
+    best_of,
+    grid_state,
     load_runs,
     run_key,
 )
@@ -34,15 +35,11 @@ def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]
     out = []
     for task in TASKS:
         for method in METHODS:
-            lr = 0.0 if METHODS[method].kind == "zero-shot" else best_lr(runs, task, method, config.steps)
-            partial = lr is None
-            if partial:
-                tried = {run_key(r)[2]: r["train_info"]["metrics"][-1]["val exact"] for r in runs
-                         if run_key(r)[:2] == (task, method) and run_key(r)[3] == 0 and run_key(r)[4] == config.steps}
-                if not tried:
-                    continue
-                lr = max(sorted(tried), key=lambda rate: (tried[rate], -rate))
-            steps = 0 if lr == 0.0 else config.steps
+            steps = 0 if METHODS[method].kind == "zero-shot" else config.steps
+            tried, todo = grid_state(runs, task, method, steps)
+            if not tried:
+                continue
+            lr, partial = best_of(tried), bool(todo)
             mine = [r for r in runs if run_key(r)[:3] == (task, method, lr) and run_key(r)[4] == steps]
             if not mine:
                 continue
@@ -55,8 +52,7 @@ def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]
                 "val_exact": [m["val exact"] for m in last], "test_choice": [m["test choice"] for m in last],
                 "other_choice": [m[f"{other} test choice"] for m in last], "chat_kl": [m["chat kl"] for m in last],
                 "curve": [r["train_info"]["metrics"] for r in mine if run_key(r)[3] == 0][:1],
-                "grid": {run_key(r)[2]: r["train_info"]["metrics"][-1]["val exact"] for r in runs
-                         if run_key(r)[:2] == (task, method) and run_key(r)[3] == 0 and run_key(r)[4] == steps},
+                "grid": tried,
                 "trainable": mine[0]["train_info"]["num_trainable_params"],
                 "file_bytes": mine[0]["train_info"]["file_size"],
                 "step_s": statistics.median(m["step time median"] for m in last) if steps else None,
