@@ -502,8 +502,8 @@ def run(quick: bool = False, argv: Sequence[str] | None = None) -> str:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sift.bench.llm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="*", default=None, help=f"any of {list(TASKS)}")
-    parser.add_argument("--methods", nargs="*", default=None, help=f"any of {list(METHODS)}")
+    parser.add_argument("--tasks", nargs="*", default=None, help=f"any of {list(TASKS)}".replace("%", "%%"))
+    parser.add_argument("--methods", nargs="*", default=None, help=f"any of {list(METHODS)}".replace("%", "%%"))
     parser.add_argument("--minutes", type=float, default=None, help="start no run after this many minutes")
     parser.add_argument("--max-runs", type=int, default=None)
     parser.add_argument("--shard", default="0/1", help="i/n: this runner's share of the plan")
