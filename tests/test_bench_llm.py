@@ -392,3 +392,12 @@ def test_real_smollm2_folder_is_plain_fp32():
     for task in llm.TASKS.values():  # the fast choice path: every answer's first token differs
         firsts = [tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in task.answers]
         assert len(set(firsts)) == len(firsts)
+
+
+def test_help_lists_every_method(capsys):
+    # Method names carry "%", which argparse reads as a format character in help text.
+    with pytest.raises(SystemExit) as exit_:
+        llm.parse_args(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sift attn 1%" in out and "--shard" in out
