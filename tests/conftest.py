@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker takes its share of the cores: OpenMP threads beyond them spin against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # One tolerance table for every dtype: (rtol, atol) of a kernel against its fp32 reference.
 TOLERANCES = {
     torch.float32: (1e-5, 1e-6),

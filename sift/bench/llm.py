@@ -55,6 +55,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -447,8 +448,14 @@ def tiny_llama_dir(folder: str) -> str:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    # Written aside and renamed: processes started side by side (test workers, runners) never read a half folder.
+    partial = f"{folder}.{os.getpid()}.partial"
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    try:
+        os.rename(partial, folder)
+    except OSError:  # another process finished first; its folder is the same
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 
