@@ -154,11 +154,42 @@ def _disagreement(rank: int, world: int, mode: str) -> dict:
             "state": any(opt.state.get(p) for p in model.parameters())}
 
 
+def _scaled_disagreement(rank: int, world: int, mode: str) -> dict:
+    """Under GradScaler, with one weight's entries chosen (its compact buffer loss-scaled) and one still pending: a
+    backward that did not reach the pending weight on rank 1 must be refused before the step unscales, links the
+    scaler or marks the optimizer loss-scaled."""
+    net, model, opt = _build(mode)
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    x, y = _data(0)
+    torch.nn.functional.cross_entropy(net(x[shard]), y[shard]).backward()
+    model[2].weight.grad = None  # on every rank: "0" chooses its entries, "2" stays pending
+    opt.step()
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    x, y = _data(1)
+    scaler.scale(torch.nn.functional.cross_entropy(net(x[shard]), y[shard])).backward()
+    if rank == 1:
+        model[2].weight.grad = None
+    buffer = opt.grads.compact[model[0].weight]
+    before = buffer.clone()
+    scaled_before = set(opt.amp.scaled_compact)
+    try:
+        scaler.step(opt)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "selected": "indices" in opt.state[model[0].weight],
+            "buffer": torch.equal(buffer, before) and bool(before.abs().sum() > 0),
+            "scaled": opt.amp.scaled_compact == scaled_before and model[0].weight in scaled_before,
+            "loss_scaled": opt.loss_scaled, "linked": opt.grad_scaler is not None}
+
+
 @gloo_rank(timeout_s=30)
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
     results = {case: _scaled_run(rank, world, mode, case) for case in CASES}
     results["head-reductions"] = _head_reductions(rank, world, mode)
     results["disagreement"] = _disagreement(rank, world, mode)
+    results["scaled-disagreement"] = _scaled_disagreement(rank, world, mode)
     torch.save(results, f"{out}.{rank}")
 
 
@@ -236,3 +267,14 @@ def test_ranks_selecting_different_weights_refuse_together(ranks):
         result = r["disagreement"]
         assert result["error"] is not None and "disagree" in result["error"], (rank, result)
         assert not result["changed"] and not result["state"], (rank, result)
+
+
+def test_a_refused_scaled_step_leaves_the_scale_state_untouched(ranks):
+    """Regression: the ranks' refusal came after the step had unscaled the compact buffers, linked the scaler and
+    marked the optimizer loss-scaled, so the refused step changed state (a retry would unscale twice)."""
+    _, per_rank = ranks
+    for rank, r in enumerate(per_rank):
+        result = r["scaled-disagreement"]
+        assert result["error"] is not None and "disagree" in result["error"], (rank, result)
+        assert result["selected"] and result["buffer"] and result["scaled"], (rank, result)
+        assert not result["loss_scaled"] and not result["linked"], (rank, result)

@@ -21,7 +21,7 @@ from the call itself when `optimizer.grad_scaler` was not set (and, in the compa
 link); a compact-mode step that cannot find it refuses before changing anything rather than stall.
 
 Across ranks (a `process_group`, the default group adopted under DDP, an FSDP2 mesh) the step agrees
-once, in `_agree`, before anything branches: one small all-reduce (MAX) of this rank's inf/NaN flag
+once, in `agree`, before anything branches or changes: one small all-reduce (MAX) of this rank's inf/NaN flag
 (the scaler's `.grad` check and the compact buffers') and of how many weights it takes into a
 cross-rank selection. Each rank checks only its own gradients before the optimizer averages them, so
 without it one rank would skip while another stepped on the averaged inf, or entered the selection's
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,6 +61,29 @@ def _unscale_(tensors: list[torch.Tensor], inv_scale: torch.Tensor,
         if device not in found:
             found[device] = torch.zeros((), dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, found[device], inv_scale.to(device))
+
+
+@dataclass(frozen=True)
+class ScaledStep:
+    """What `ScalerLink.prepare` found at the start of a step, for `begin` to act on once the ranks agree.
+
+    Attributes:
+        under_scaler: a GradScaler drives the step.
+        link: the scaler the optimizer keeps linked from now on.
+        grad_inv_scale: 1 / `grad_scale`, None without one.
+        compact_inv: the inverse scale the compact buffers are unscaled by now, None: not now.
+        scored: a 4-bit layer's selection score was checked in backward.
+        checked: the compact buffers' and scores' inf/NaN flags, per device.
+        found_inf: this rank's inf/NaN flags for `agree`, None when nothing was checked.
+    """
+
+    under_scaler: bool
+    link: torch.amp.GradScaler | None
+    grad_inv_scale: torch.Tensor | None
+    compact_inv: torch.Tensor | None
+    scored: bool
+    checked: dict[torch.device, torch.Tensor]
+    found_inf: list[torch.Tensor] | None
 
 
 class ScalerLink(Part):
@@ -93,23 +117,26 @@ class ScalerLink(Part):
         protocol = getattr(self.opt, "found_inf", None) is not None and getattr(self.opt, "grad_scale", None) is None
         return protocol or self.scaler_inverse_scale() is not None
 
+    def scaled_buffers(self) -> list[torch.Tensor]:
+        """The compact buffers that hold this step's gradients still loss-scaled."""
+        return [self.opt.grads.compact[p] for p in self.scaled_compact if p in self.opt.grads.ready]
+
     def unscale_compact(self, inv_scale: torch.Tensor) -> None:
         """Unscale (and check for inf/NaN) the compact buffers still holding scaled gradients."""
-        buffers = [self.opt.grads.compact[p] for p in self.scaled_compact if p in self.opt.grads.ready]
-        _unscale_(buffers, inv_scale, self.compact_found_inf)
+        _unscale_(self.scaled_buffers(), inv_scale, self.compact_found_inf)
         self.scaled_compact.clear()
 
     def check(self, update_in_backward: bool | None = None) -> tuple[
             bool, torch.Tensor | None, torch.amp.GradScaler | None, torch.Tensor | None, torch.Tensor | None]:
         """Refuse what cannot run under GradScaler, changing nothing (`step()` calls it with the other checks,
-        before anything changes; `begin` again).
+        before anything changes; `prepare` again).
 
         Args:
             update_in_backward: the mode the step runs in (memory="lowest" may still drop the update in
                 backward at this step); default: the optimizer's.
 
         Returns:
-            What `begin` acts on: whether a GradScaler drives the step, its inf flag of `.grad` (None when it
+            What `prepare` and `begin` act on: whether a GradScaler drives the step, its inf flag of `.grad` (None when it
             checked nothing), the scaler to link, the inverse `grad_scale`, and the inverse scale of the compact
             buffers (None: they are not unscaled now).
 
@@ -144,35 +171,52 @@ class ScalerLink(Part):
                                "clip_grad_norm_ and step() unscale them")
         return under_scaler, found_inf, link, grad_inv_scale, compact_inv
 
-    def begin(self) -> list[torch.Tensor] | None:
-        """Start of a step under GradScaler: refuse what cannot run under it (`check`), then unscale (checking for
-        inf/NaN) the compact buffers written in backward. Nothing is averaged or decided here.
-
-        Returns:
-            This rank's inf/NaN flags (the scaler's `.grad` check, the compact buffers' per device), or
-            None when no GradScaler drives the step.
+    def prepare(self) -> ScaledStep:
+        """Start of a step: refuse what cannot run under GradScaler (`check`) and find this rank's inf/NaN flags,
+        changing nothing, so that the agreement across ranks (`agree`) may still refuse before any change.
 
         Raises:
-            RuntimeError: see `check`; raised before anything changes.
+            RuntimeError: see `check`.
         """
-        under_scaler, found_inf, link, self.grad_inv_scale, compact_inv = self.check()
-        # Nothing was refused: from here on the step changes state.
-        if under_scaler:
-            self.opt.loss_scaled = True
-        self.opt.grad_scaler = link
+        under_scaler, found_inf, link, grad_inv_scale, compact_inv = self.check()
+        checked = dict(self.compact_found_inf)
         if compact_inv is not None:
-            self.unscale_compact(compact_inv)
+            # The check alone: multiplying by one leaves every buffer's bits as they are (GradScaler's kernel
+            # skips the product then); `begin` unscales them once the step is agreed.
+            one = torch.ones((), dtype=torch.float32)
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+            for buffer in self.scaled_buffers():
+                by_device[buffer.device].append(buffer)
+            for device, buffers in by_device.items():
+                found = checked[device].clone() if device in checked else torch.zeros((), dtype=torch.float32,
+                                                                                      device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(buffers, found, one.to(device))
+                checked[device] = found
         # The 4-bit layers' selection scores (sift.quantized) are formed in backward, where no `.grad` shows them.
-        routes = self.opt.grads.quantized.values()
-        scored = [flag for flag in (route.found_inf() for route in routes) if flag is not None]
-        if under_scaler and scored:
+        scored = [flag for flag in (route.found_inf() for route in self.opt.grads.quantized.values())
+                  if flag is not None]
+        if under_scaler:
             for flag in scored:
-                held = self.compact_found_inf.get(flag.device)
-                self.compact_found_inf[flag.device] = flag if held is None else held + flag
-            if self.opt.grad_scaler is None:  # kept: a later selecting backward unscales its score by it
-                self.opt.grad_scaler = self.calling_scaler()
-        flags = [t for t in (found_inf, *self.compact_found_inf.values()) if t is not None]
-        return flags if under_scaler or flags else None
+                held = checked.get(flag.device)
+                checked[flag.device] = flag if held is None else held + flag
+        flags = [t for t in (found_inf, *checked.values()) if t is not None]
+        return ScaledStep(under_scaler, link, grad_inv_scale, compact_inv, bool(scored), checked,
+                          flags if under_scaler or flags else None)
+
+    def begin(self, scaled: ScaledStep) -> None:
+        """The step is agreed and runs (or is skipped): link the scaler, and unscale the compact buffers written in
+        backward (their inf/NaN flags are `scaled.checked` already). Nothing is averaged or decided here."""
+        self.grad_inv_scale = scaled.grad_inv_scale
+        self.compact_found_inf = scaled.checked
+        if scaled.under_scaler:
+            self.opt.loss_scaled = True
+        self.opt.grad_scaler = scaled.link
+        if scaled.compact_inv is not None:
+            _unscale_(self.scaled_buffers(), scaled.compact_inv, None)
+            self.scaled_compact.clear()
+        if scaled.under_scaler and scaled.scored and self.opt.grad_scaler is None:
+            # Kept: a later selecting backward unscales its score by it.
+            self.opt.grad_scaler = self.calling_scaler()
 
     def agree(self, found_inf: list[torch.Tensor] | None) -> bool:
         """The step's one agreement across ranks, reached by every rank on every path before anything
@@ -183,7 +227,7 @@ class ScalerLink(Part):
         scaler drives the step or a selection is still pending; none otherwise.
 
         Args:
-            found_inf: this rank's inf/NaN flags (`_amp_begin`), None without GradScaler.
+            found_inf: this rank's inf/NaN flags (`prepare`), None without GradScaler.
 
         Returns:
             Whether the step is skipped (the same on every rank).
@@ -207,14 +251,13 @@ class ScalerLink(Part):
         for t in found_inf or ():
             votes[0] += t.to(device).sum()  # FSDP2's check is a [1] tensor
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
-        flag = votes[0]
-        if found_inf is not None:
-            self.report_found_inf(flag)
         inf, most, least = votes.tolist()  # the step's one host read
-        if most != -least:
+        if most != -least:  # before the scaler hears of the step: a refused step changes nothing
             raise RuntimeError(f"the ranks of this SparseAdamW disagree on the sparse weights that choose their "
                                f"entries together in this step (from {int(-least)} to {int(most)}): every rank must "
                                "run backward over the same trained weights, as DDP requires")
+        if found_inf is not None:
+            self.report_found_inf(votes[0])
         return inf > 0
 
     def selecting_together(self) -> int:

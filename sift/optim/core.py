@@ -524,8 +524,10 @@ class SparseAdamW(torch.optim.Optimizer):
         self._validate_grads()
         self.memory.settle()
         self.grads.hook_new_params()
-        # Every rank agrees, once, before anything is averaged, selected or skipped.
-        self.last_step_skipped = self.amp.agree(self.amp.begin())
+        # Every rank agrees, once, before anything changes: averaged, unscaled, selected or skipped.
+        scaled = self.amp.prepare()
+        self.last_step_skipped = self.amp.agree(scaled.found_inf)
+        self.amp.begin(scaled)
         if self.last_step_skipped:
             # GradScaler's inf/NaN: nothing changes (a pending selection stays pending); this
             # step's gradients are used up as by a step that ran.
