@@ -24,12 +24,15 @@ The kernels (k-way merge, scatter-add with the gather of the overwritten values,
 the ops `merge_sorted_deltas`, `sparse_delta_apply_` and `sparse_delta_restore_` of `sift._ops`:
 C++ on CPU, Triton (apply/restore) or torch (merge) on CUDA.
 
-Layout: `entry` (`DeltaEntry`, `DeltaError`), `fingerprint` (`BaseFingerprint`), `storage` (the
-safetensors file) and `directory` (the fine-tune directory), `construction` (`from_optimizer`,
-`from_diff`), `application` (`apply_`, `remove_`), `sparse_delta` (`SparseDelta` itself, its
-arithmetic, `merge_deltas`), `loading` (`from_pretrained`: a fine-tune directory onto its base in one
-call, the base loaded from the name the directory records when not given), `identity` (which model a
-delta belongs to, in words) and `serving` (`ServedDeltas`: many deltas in one batch, one per row).
+Layout, one data class with plain functions around it, imports pointing down only: `entry`
+(`DeltaEntry`, `DeltaError`), `fingerprint` (`BaseFingerprint`), `packing` (the file's encodings) and
+`identity` (which model a delta belongs to, in words) at the bottom; `contents` (`DeltaContents`: what
+the functions read of a delta); the functions `construction` (`from_optimizer`, `from_diff`),
+`application` (`apply_`, `remove_`, `disabled`), `storage` (the safetensors file), `directory` (the
+fine-tune directory) and `merging`; above them `sparse_delta` (`SparseDelta`, the data class, whose
+methods call those functions, and `merge_deltas`); on top `loading` (`from_pretrained`: a fine-tune
+directory onto its base in one call, the base loaded from the name the directory records when not
+given) and `serving` (`ServedDeltas`: many deltas in one batch, one per row).
 `disabled(model)` switches the deltas applied to a model off for a `with` block, exactly. The names are
 re-exported here: `sift.delta.<name>` is the path to use.
 """

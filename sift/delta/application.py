@@ -1,7 +1,7 @@
 """Putting a delta on a model and taking it off again: `apply_` (every check first, then the
 scatter-add that keeps the overwritten values; a bitsandbytes 4-bit or 8-bit layer's entries become
 its frozen sparse delta, `sift.quantized.attach_frozen_delta_`) and `remove_` (writes them back, bit
-for bit). `DeltaApplicationMixin` gives `SparseDelta` these methods; `disabled(model)` switches every
+for bit), behind `SparseDelta.apply_` and `SparseDelta.remove_`; `disabled(model)` switches every
 delta applied to a model off for the length of a `with` block."""
 
 from __future__ import annotations
@@ -11,20 +11,17 @@ import math
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from sift import _ops
+from sift.delta.contents import DeltaContents
 from sift.delta.entry import DeltaError
 from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _quantized_layers, _state_of,
                                     _structure_hash, logical_state)
 from sift.delta.identity import describe, model_identity
 from sift.quantized import attach_frozen_delta_, detach_frozen_delta_, frozen_delta_problems, set_delta_enabled
-
-if TYPE_CHECKING:
-    from sift.delta.sparse_delta import SparseDelta
 
 
 # Applications currently on each model, in order: remove_ undoes the last one only.
@@ -37,7 +34,7 @@ LISTED_PER_KIND = 3
 
 @dataclass
 class _Application:
-    delta: SparseDelta
+    delta: DeltaContents
     scale: float
     names: list[str]
     params: list[torch.Tensor]
@@ -50,157 +47,134 @@ class _Application:
     quantized_modules: list[nn.Module] = field(default_factory=list)  # layers holding a frozen delta
 
 
-class DeltaApplicationMixin:
-    """`SparseDelta` on a model: `apply_`, `remove_`."""
+def apply_(delta: DeltaContents, model: nn.Module, scale: float = 1.0, *, check_base: bool = True,
+           stack: bool = False) -> None:
+    """`delta.apply_(model, ...)` (`SparseDelta.apply_` documents it): every check first, then the
+    scatter-add that keeps the overwritten values, and the dense parts put in place.
 
-    def apply_(self, model: nn.Module, scale: float = 1.0, *, check_base: bool = True, stack: bool = False) -> None:
-        """Adds `scale * values` to the model's weights in place, and puts the dense parts in place.
+    Example:
+        >>> from sift import SparseDelta
+        >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        >>> apply_(SparseDelta.from_diff(base, tuned, density=1.0), base)
+        >>> torch.equal(base.weight, tuned.weight)
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    state = _state_of(model, "model")
+    problems = delta.problems()
+    if model in _SWITCHED_OFF:
+        problems.append("the model's deltas are switched off (inside `disabled`): apply after the block")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+        problems.append(f"scale must be a finite number, got {scale!r}")
+    checksum = delta.checksum() if not problems else None  # a hash of every tensor: once per apply
+    if not stack and any(a.delta is delta or a.checksum == checksum for a in _APPLIED.get(model, [])):
+        problems.append("this delta is already applied to the model (pass stack=True to add it again)")
+    for name, t in delta.dense.items():
+        p = state.get(name)
+        if p is None:
+            problems.append(f"{name}: no such param in the model (a dense part)")
+        elif tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
+            problems.append(f"{name}: the dense part is {t.dtype} {tuple(t.shape)}, the model's param "
+                            f"{p.dtype} {tuple(p.shape)}")
+    # A quantized layer's weight is packed bytes: its entries become the layer's frozen sparse delta.
+    quantized = {f"{n}.weight": n for n in _quantized_layers(model)}
+    modules = dict(model.named_modules()) if quantized else {}
+    missing, mismatched, retyped = [], [], []
+    owners: dict[tuple, str] = {}
+    for name, e in delta.entries.items():
+        if name in quantized:
+            problems += frozen_delta_problems(modules[quantized[name]], name, e.shape)
+            continue
+        p = state.get(name)
+        if p is None:
+            missing.append((name, "no such weight in the model"))
+            continue
+        if tuple(p.shape) != e.shape:
+            mismatched.append((name, f"shape mismatch: delta {e.shape}, model {tuple(p.shape)}"))
+        if p.dtype != e.dtype:
+            retyped.append((name, f"dtype mismatch: delta {e.dtype}, model {p.dtype}"))
+        if not p.is_contiguous():
+            problems.append(f"{name}: the model's weight is not contiguous")
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), p.device)
+        if e.nnz and key in owners:
+            problems.append(f"{name}: the same tensor as {owners[key]} (tied weights); keep one entry")
+        owners[key] = name
+    foreign = _counted(f"of the delta's {len(delta.entries)} weights are not in the model", missing)
+    foreign += _counted("weights have another shape", mismatched)
+    foreign += _counted("weights have another dtype", retyped)
+    if check_base and delta.base is not None:
+        foreign += _base_problems(delta.base, logical_state(model), _APPLIED.get(model, []))
+    if foreign:
+        given = describe(model_identity(model), "an unnamed model")
+        made_for = describe(delta.info.get("base_model"), "another base model")
+        raise DeltaError(f"cannot apply the sparse delta: it was made for {made_for}, and the given model is "
+                         f"{given}; the model is unchanged", foreign + problems)
+    if problems:
+        raise DeltaError("cannot apply the sparse delta; the model is unchanged", problems)
+    names = [n for n, e in delta.entries.items() if e.nnz and n not in quantized]
+    params = [state[n].detach() for n in names]
+    # The kernels read flat buffers; a user-built entry may hold strided views.
+    indices = [delta.entries[n].indices.to(p.device).contiguous() for n, p in zip(names, params)]
+    values = [delta.entries[n].values.to(p.device).contiguous() for n, p in zip(names, params)]
+    originals = _ops.originals_like(params, indices)
+    dense_names = list(delta.dense)
+    dense_params = [state[n].detach() for n in dense_names]
+    with torch.no_grad():
+        for device, members in _by_device(params).items():
+            _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
+                      [values[i] for i in members], float(scale), [originals[i] for i in members], device=device)
+        dense_originals = [p.clone() for p in dense_params]
+        for p, name in zip(dense_params, dense_names):
+            p.copy_(delta.dense[name])
+    quantized_modules = []
+    for name in [n for n in delta.entries if n in quantized]:
+        e, module = delta.entries[name], modules[quantized[name]]
+        attach_frozen_delta_(module, quantized[name], e.indices, e.values * float(scale))
+        quantized_modules.append(module)
+    _APPLIED.setdefault(model, []).append(_Application(delta, float(scale), names, params, indices, originals,
+                                                       dense_names, dense_params, dense_originals,
+                                                       checksum, quantized_modules))
 
-        Everything is validated first (names, shapes, dtypes, contiguity, index range and
-        order, finite values and scale, the base fingerprint); on any problem a `DeltaError`
-        lists all of them and no weight is touched. The overwritten values are kept so that
-        `remove_` restores them exactly; they cost one element of the weight's dtype per entry
-        until then.
 
-        Args:
-            model: the base model (its `state_dict(keep_vars=True)` names the weights).
-            scale: multiplier of the values (computed in fp32).
-            check_base: compare the model with the delta's base fingerprint. Positions changed
-                by deltas already applied to `model` are not compared.
-            stack: allow applying a delta that is already applied to `model` (its increments then
-                count twice); without it that is refused.
+def remove_(delta: DeltaContents, model: nn.Module) -> None:
+    """`delta.remove_(model)` (`SparseDelta.remove_` documents it): writes back the values `apply_(delta,
+    model)` overwrote, once nothing applied after it is left on the model.
 
-        Example:
-            >>> from sift import SparseDelta
-            >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-            >>> d = SparseDelta.from_diff(base, tuned, density=1.0)
-            >>> d.apply_(base)
-            >>> torch.equal(base.weight, tuned.weight)
-            True
-        """
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        state = _state_of(model, "model")
-        problems = self.problems()
-        if model in _SWITCHED_OFF:
-            problems.append("the model's deltas are switched off (inside `disabled`): apply after the block")
-        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
-            problems.append(f"scale must be a finite number, got {scale!r}")
-        checksum = self.checksum() if not problems else None  # a hash of every tensor: once per apply
-        if not stack and any(a.delta is self or a.checksum == checksum for a in _APPLIED.get(model, [])):
-            problems.append("this delta is already applied to the model (pass stack=True to add it again)")
-        for name, t in self.dense.items():
-            p = state.get(name)
-            if p is None:
-                problems.append(f"{name}: no such param in the model (a dense part)")
-            elif tuple(p.shape) != tuple(t.shape) or p.dtype != t.dtype:
-                problems.append(f"{name}: the dense part is {t.dtype} {tuple(t.shape)}, the model's param "
-                                f"{p.dtype} {tuple(p.shape)}")
-        # A quantized layer's weight is packed bytes: its entries become the layer's frozen sparse delta.
-        quantized = {f"{n}.weight": n for n in _quantized_layers(model)}
-        modules = dict(model.named_modules()) if quantized else {}
-        missing, mismatched, retyped = [], [], []
-        owners: dict[tuple, str] = {}
-        for name, e in self.entries.items():
-            if name in quantized:
-                problems += frozen_delta_problems(modules[quantized[name]], name, e.shape)
-                continue
-            p = state.get(name)
-            if p is None:
-                missing.append((name, "no such weight in the model"))
-                continue
-            if tuple(p.shape) != e.shape:
-                mismatched.append((name, f"shape mismatch: delta {e.shape}, model {tuple(p.shape)}"))
-            if p.dtype != e.dtype:
-                retyped.append((name, f"dtype mismatch: delta {e.dtype}, model {p.dtype}"))
-            if not p.is_contiguous():
-                problems.append(f"{name}: the model's weight is not contiguous")
-            key = (p.untyped_storage().data_ptr(), p.storage_offset(), p.device)
-            if e.nnz and key in owners:
-                problems.append(f"{name}: the same tensor as {owners[key]} (tied weights); keep one entry")
-            owners[key] = name
-        foreign = _counted(f"of the delta's {len(self.entries)} weights are not in the model", missing)
-        foreign += _counted("weights have another shape", mismatched)
-        foreign += _counted("weights have another dtype", retyped)
-        if check_base and self.base is not None:
-            foreign += _base_problems(self.base, logical_state(model), _APPLIED.get(model, []))
-        if foreign:
-            given = describe(model_identity(model), "an unnamed model")
-            made_for = describe(self.info.get("base_model"), "another base model")
-            raise DeltaError(f"cannot apply the sparse delta: it was made for {made_for}, and the given model is "
-                             f"{given}; the model is unchanged", foreign + problems)
-        if problems:
-            raise DeltaError("cannot apply the sparse delta; the model is unchanged", problems)
-        names = [n for n, e in self.entries.items() if e.nnz and n not in quantized]
-        params = [state[n].detach() for n in names]
-        # The kernels read flat buffers; a user-built entry may hold strided views.
-        indices = [self.entries[n].indices.to(p.device).contiguous() for n, p in zip(names, params)]
-        values = [self.entries[n].values.to(p.device).contiguous() for n, p in zip(names, params)]
-        originals = _ops.originals_like(params, indices)
-        dense_names = list(self.dense)
-        dense_params = [state[n].detach() for n in dense_names]
-        with torch.no_grad():
-            for device, members in _by_device(params).items():
-                _ops.call("sparse_delta_apply_", [params[i] for i in members], [indices[i] for i in members],
-                          [values[i] for i in members], float(scale), [originals[i] for i in members], device=device)
-            dense_originals = [p.clone() for p in dense_params]
-            for p, name in zip(dense_params, dense_names):
-                p.copy_(self.dense[name])
-        quantized_modules = []
-        for name in [n for n in self.entries if n in quantized]:
-            e, module = self.entries[name], modules[quantized[name]]
-            attach_frozen_delta_(module, quantized[name], e.indices, e.values * float(scale))
-            quantized_modules.append(module)
-        _APPLIED.setdefault(model, []).append(_Application(self, float(scale), names, params, indices, originals,
-                                                           dense_names, dense_params, dense_originals,
-                                                           checksum, quantized_modules))
-
-    def remove_(self, model: nn.Module) -> None:
-        """Takes the delta off `model` again, restoring the exact values `apply_` overwrote.
-
-        Exactness comes from writing back the values saved at apply time, not from subtracting,
-        so it holds bit for bit in every dtype. Deltas on one model come off in reverse order of
-        application; removing this one needs the same `SparseDelta` object that applied it (for
-        an approximate inverse of a delta applied elsewhere, use `apply_(model, scale=-scale)`).
-
-        Args:
-            model: the model this delta was applied to.
-
-        Example:
-            >>> from sift import SparseDelta
-            >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-            >>> before = base.weight.clone()
-            >>> d = SparseDelta.from_diff(base, tuned, density=1.0)
-            >>> d.apply_(base); d.remove_(base)
-            >>> torch.equal(base.weight, before)
-            True
-        """
-        stack = _APPLIED.get(model, []) if isinstance(model, nn.Module) else []
-        mine = [a for a in stack if a.delta is self]
-        if not mine:
-            raise DeltaError("cannot remove the sparse delta; the model is unchanged",
-                             ["this delta is not applied to this model (never applied, or already removed)"])
-        if stack[-1].delta is not self:
-            raise DeltaError("cannot remove the sparse delta; the model is unchanged",
-                             [f"{len(stack) - 1 - stack.index(mine[-1])} delta(s) applied after it must be removed "
-                              f"first (deltas come off in reverse order of application)"])
-        app = stack[-1]
-        state = _state_of(model, "model")
-        problems = ["the model's deltas are switched off (inside `disabled`): remove after the block"] if (
-            model in _SWITCHED_OFF) else []
-        for name, p in zip(app.names + app.dense_names, app.params + app.dense_params):
-            now = state.get(name)
-            if now is None or now.data_ptr() != p.data_ptr() or now.shape != p.shape or now.dtype != p.dtype:
-                problems.append(f"{name}: the weight was replaced since the delta was applied")
-        if problems:
-            raise DeltaError("cannot remove the sparse delta; the model is unchanged", problems)
-        with torch.no_grad():
-            _write(app.params, app.indices, app.originals)
-            for p, original in zip(app.dense_params, app.dense_originals):
-                p.copy_(original)
-        for module in app.quantized_modules:
-            detach_frozen_delta_(module)
-        stack.pop()
+    Example:
+        >>> from sift import SparseDelta
+        >>> base, tuned = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        >>> before, delta = base.weight.clone(), SparseDelta.from_diff(base, tuned, density=1.0)
+        >>> apply_(delta, base); remove_(delta, base)
+        >>> torch.equal(base.weight, before)
+        True
+    """
+    stack = _APPLIED.get(model, []) if isinstance(model, nn.Module) else []
+    mine = [a for a in stack if a.delta is delta]
+    if not mine:
+        raise DeltaError("cannot remove the sparse delta; the model is unchanged",
+                         ["this delta is not applied to this model (never applied, or already removed)"])
+    if stack[-1].delta is not delta:
+        raise DeltaError("cannot remove the sparse delta; the model is unchanged",
+                         [f"{len(stack) - 1 - stack.index(mine[-1])} delta(s) applied after it must be removed "
+                          f"first (deltas come off in reverse order of application)"])
+    app = stack[-1]
+    state = _state_of(model, "model")
+    problems = ["the model's deltas are switched off (inside `disabled`): remove after the block"] if (
+        model in _SWITCHED_OFF) else []
+    for name, p in zip(app.names + app.dense_names, app.params + app.dense_params):
+        now = state.get(name)
+        if now is None or now.data_ptr() != p.data_ptr() or now.shape != p.shape or now.dtype != p.dtype:
+            problems.append(f"{name}: the weight was replaced since the delta was applied")
+    if problems:
+        raise DeltaError("cannot remove the sparse delta; the model is unchanged", problems)
+    with torch.no_grad():
+        _write(app.params, app.indices, app.originals)
+        for p, original in zip(app.dense_params, app.dense_originals):
+            p.copy_(original)
+    for module in app.quantized_modules:
+        detach_frozen_delta_(module)
+    stack.pop()
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
 """How deltas are made: `from_optimizer` (a trained SparseAdamW's exact increments, FSDP2 shards
-gathered) and `from_diff` (the largest differences of two state dicts). `DeltaConstructionMixin`
-gives `SparseDelta` these classmethods."""
+gathered) and `from_diff` (the largest differences of two state dicts), behind the classmethods of
+`SparseDelta` of the same names. Each is given the class to make (`SparseDelta`, which sits above)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from sift import _ops
 from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._index import top_k_positions
+from sift.delta.contents import DeltaT
 from sift.delta.entry import SUPPORTED_DTYPES, DeltaEntry, DeltaError
 from sift.delta.fingerprint import (BaseFingerprint, _find, _float_tensors, _sample_positions, _state_of, logical_state,
                                     sharded_fingerprint)
@@ -22,231 +23,173 @@ from sift.delta.packing import HALF_DTYPES, shortest_increments
 from sift._params import (full_tensor, gather_entries, increments, is_dense_stepped, is_dtensor, local_shard_of,
                           quantized_routes)
 
-if TYPE_CHECKING:
-    from sift.delta.sparse_delta import SparseDelta
 
+def from_optimizer(cls: type[DeltaT], optimizer: torch.optim.Optimizer, model: nn.Module,
+                   base: nn.Module | Mapping[str, torch.Tensor] | None = None) -> DeltaT:
+    """`cls.from_optimizer(optimizer, model, base)` (`SparseDelta.from_optimizer` documents it): the
+    trained optimizer's exact increments, dense groups' params whole, and the base values it can know.
 
-class DeltaConstructionMixin:
-    """`SparseDelta`'s constructors from training: `from_optimizer`, `from_diff`."""
+    Example:
+        >>> from sift import SparseAdamW, SparseDelta
+        >>> model = torch.nn.Linear(16, 8)
+        >>> opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
+        >>> model(torch.randn(4, 16)).square().mean().backward()
+        >>> opt.step()
+        >>> from_optimizer(SparseDelta, opt, model).nnz
+        14
+    """
+    lean = getattr(optimizer, "state_layout", "exact") == "lean"
+    if lean and base is None:
+        raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
+                         "needs base= (the model's state before training); or use SparseDelta.from_diff")
+    def fingerprint_of(tensors: Mapping[str, torch.Tensor]) -> BaseFingerprint:
+        if any(is_dtensor(t) for t in tensors.values() if isinstance(t, torch.Tensor)):
+            return sharded_fingerprint(tensors)
+        return BaseFingerprint.of(tensors)
 
-    @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, model: nn.Module,
-                       base: nn.Module | Mapping[str, torch.Tensor] | None = None) -> SparseDelta:
-        """The delta a trained `SparseAdamW` applied to `model`: its exact increments.
-
-        Sparse weights give their chosen `indices` and `delta` state (the total increment
-        since selection), merged with the entries `set_indices` retired (`retired_indices`,
-        `retired_delta`), so a selection changed mid-training loses nothing. Params of dense
-        groups (`density=1.0`, a task head) are stored whole as dense parts: `apply_` puts the
-        trained tensor in place (whatever the base holds there, a freshly initialised head
-        included) and `remove_` restores the replaced one.
-
-        A lean optimizer (`SparseAdamW(state="lean")`) keeps no increments: give `base` (the
-        state before training), and its chosen entries' increments are the tuned values minus
-        the base values there (in fp32: exact for bf16/fp16 weights).
-
-        For a bf16/fp16 weight whose base is known, each increment is the 16-bit value nearest
-        tuned minus base that gives the same tuned value (`apply_` rounds the sum to the weight's
-        dtype), where one exists: the file then stores it in 2 bytes. The tuned model is the same.
-
-        The deltas of 4-bit layers (`for_model` on a bitsandbytes 4-bit model) become entries of
-        `<layer>.weight` in the dtype the weight had before quantization: `apply_` merges them
-        into the 16-bit model, `sift.quantized.attach_delta_` puts them back on the 4-bit one. Its
-        base fingerprint fits both: the quantized weights are sampled dequantized, and a 16-bit
-        weight matches within the quantization step there (`sift.delta.fingerprint`).
-
-        Args:
-            optimizer: a `sift.SparseAdamW` (any optimizer with that state layout).
-            model: the trained model; names come from `model.named_parameters()`.
-            base: the model's state before training (optional): fingerprints the base from it
-                instead of from the untouched entries of `model`.
-
-        Returns:
-            The delta, fingerprinted with the base values it can know: untouched entries of
-            `model`'s parameters (not its buffers), the `base` state of weights that keep one
-            (every weight's chosen entries, in the exact state), and
-            `base` if given.
-
-        Example:
-            >>> from sift import SparseAdamW, SparseDelta
-            >>> model = torch.nn.Linear(16, 8)
-            >>> opt = SparseAdamW(model.parameters(), lr=1e-2, density=0.1)
-            >>> model(torch.randn(4, 16)).square().mean().backward()
-            >>> opt.step()
-            >>> SparseDelta.from_optimizer(opt, model).nnz
-            14
-        """
-        lean = getattr(optimizer, "state_layout", "exact") == "lean"
-        if lean and base is None:
-            raise ValueError("SparseDelta.from_optimizer of a lean optimizer (state='lean', which keeps no increments) "
-                             "needs base= (the model's state before training); or use SparseDelta.from_diff")
-        def fingerprint_of(tensors: Mapping[str, torch.Tensor]) -> BaseFingerprint:
-            if any(is_dtensor(t) for t in tensors.values() if isinstance(t, torch.Tensor)):
-                return sharded_fingerprint(tensors)
-            return BaseFingerprint.of(tensors)
-
-        names = {p: n for n, p in model.named_parameters()}
-        tied: dict[str, tuple[str, ...]] = {}  # a param's name -> every name it has in the model
-        for name, p in model.named_parameters(remove_duplicate=False):
-            tied[names[p]] = (*tied.get(names[p], ()), name)
-        state = model.state_dict(keep_vars=True)
-        base_state = _state_of(base, "base") if base is not None else None
-        entries, problems = {}, []
-        dense: dict[str, torch.Tensor] = {}
-        # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
-        quantized = quantized_routes(optimizer)
-        for values, route in quantized.items():
-            indices = route.indices
-            if indices is not None:
-                entries[f"{route.name}.weight"] = DeltaEntry((route.module.out_features, route.module.in_features),
-                                                             route.base_dtype, indices.cpu().clone(),
-                                                             values.detach().float().cpu().clone())
-        known: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (positions, base values)
-        unknown: dict[str, torch.Tensor | None] = {}  # name -> positions of unknown base (None: all)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p in quantized:
-                    continue
-                name = names.get(p)
-                if name is None:
-                    problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
-                    continue
-                st = optimizer.state.get(p, {})
-                numel = p.numel()
-                if is_dtensor(p):
-                    # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
-                    # gathered (collective: every rank walks the same params), never the weight itself.
-                    local = p.to_local()
-                    exact = gather_entries(p, _short(local, increments(st, local.numel()) if not lean else
-                                                             _lean_increments(local, st, local_shard_of(
-                                                                 p, base_state.get(name)))))
-                else:
-                    exact = _short(p, increments(st, numel) if not lean else
-                                   _lean_increments(p, st, base_state.get(name)))
-                if exact is not None:
-                    idx, values, base_values = exact
-                    entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
-                    if base_values is not None:
-                        known[name] = (idx, base_values)
-                    else:
-                        unknown[name] = idx
-                elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
-                    dense[name] = full_tensor(p)
-                    unknown[name] = None
-                # else: never stepped, or sparse selection still accumulating: nothing changed.
-        if problems:
-            raise DeltaError("cannot build a delta from this optimizer and model", problems)
-        if quantized and any(is_dtensor(t) for t in state.values() if isinstance(t, torch.Tensor)):
-            # FSDP2 shards the packed bytes (read only inside a forward, gathered): no base sampled.
-            fingerprint = None
-        elif base_state is not None and not quantized:
-            fingerprint = fingerprint_of(base_state)
-            for name in dense:  # replaced whole: the base may hold anything there (a new head)
-                for alias in tied.get(name, (name,)):
-                    fingerprint.samples.pop(alias, None)
-        else:
-            # A quantized base is read as the 16-bit model it was quantized from (its packed weights never
-            # change in training): the fingerprint then fits both.
-            fingerprint = fingerprint_of(logical_state(model) if quantized else state)
-            for route in quantized.values():
-                samples, tolerances = _dequantized_samples(route)
-                fingerprint.samples[f"{route.name}.weight"] = samples
-                fingerprint.tolerances[f"{route.name}.weight"] = tolerances
-            # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
-            # so the trained model does not know their base values.
-            param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-            for name in [n for n in fingerprint.samples if n not in param_names]:
-                del fingerprint.samples[name]
-            # A tied param (a head tied to the embedding) trained under one name changed under all of its names.
-            for name, positions in unknown.items():
-                for alias in tied.get(name, (name,)):
-                    if positions is None:
-                        fingerprint.samples.pop(alias, None)
-                        continue
-                    for pos in list(fingerprint.samples.get(alias, {})):
-                        if _find(positions, pos) is not None:
-                            del fingerprint.samples[alias][pos]
-            for name, (positions, values) in known.items():
-                for alias in tied.get(name, (name,)):
-                    for pos in fingerprint.samples.get(alias, {}):
-                        j = _find(positions, pos)
-                        if j is not None:
-                            fingerprint.samples[alias][pos] = float(values[j]).hex()
-        delta = cls(entries, fingerprint, dense)
-        delta.info = _optimizer_info(optimizer)
-        delta.info["base_model"] = model_identity(model)
-        return delta
-
-    @classmethod
-    def from_diff(cls, base: nn.Module | Mapping[str, torch.Tensor], tuned: nn.Module | Mapping[str, torch.Tensor],
-                  *, density: float | None = None, threshold: float | None = None) -> SparseDelta:
-        """The largest differences between two state dicts, per tensor.
-
-        Args:
-            base: the base model or its state dict.
-            tuned: the fine-tuned model or its state dict (same names, shapes and dtypes).
-            density: keep the top `ceil(density * numel)` |tuned - base| entries per tensor
-                (nonzero ones only), in (0, 1].
-            threshold: or keep every entry with |tuned - base| > threshold (>= 0).
-
-        Returns:
-            The delta over the floating-point tensors of `tuned` (the first name of tied
-            tensors only), values `fp32(tuned) - fp32(base)` (for bf16/fp16 tensors the
-            16-bit value nearest it that gives the same tuned value, where one exists),
-            fingerprinted with `base`. Tensors without a kept entry are left out. Applied to
-            `base`, a kept entry gives `tuned` back exactly for bf16/fp16 weights, within one
-            rounding for fp32 ones.
-
-        Example:
-            >>> from sift import SparseDelta
-            >>> base = {"w": torch.zeros(2, 3)}
-            >>> tuned = {"w": torch.tensor([[0.0, 2.0, 0.0], [-5.0, 0.0, 0.1]])}
-            >>> d = SparseDelta.from_diff(base, tuned, density=0.3)
-            >>> d["w"].indices, d["w"].values
-            (tensor([1, 3], dtype=torch.int32), tensor([ 2., -5.]))
-        """
-        if (density is None) == (threshold is None):
-            raise ValueError("pass exactly one of density= or threshold=")
-        if density is not None and not (isinstance(density, (int, float)) and 0 < density <= 1):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
-        if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
-            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-        base_state, tuned_state = _state_of(base, "base"), _state_of(tuned, "tuned")
-        problems, entries, seen = [], {}, set()
-        for name, t in _float_tensors(tuned_state).items():
-            b = base_state.get(name)
-            if b is None:
-                problems.append(f"{name}: in tuned but missing from base")
+    names = {p: n for n, p in model.named_parameters()}
+    tied: dict[str, tuple[str, ...]] = {}  # a param's name -> every name it has in the model
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied[names[p]] = (*tied.get(names[p], ()), name)
+    state = model.state_dict(keep_vars=True)
+    base_state = _state_of(base, "base") if base is not None else None
+    entries, problems = {}, []
+    dense: dict[str, torch.Tensor] = {}
+    # 4-bit layers' deltas (sift.quantized): entries of the weight the packed one was quantized from.
+    quantized = quantized_routes(optimizer)
+    for values, route in quantized.items():
+        indices = route.indices
+        if indices is not None:
+            entries[f"{route.name}.weight"] = DeltaEntry((route.module.out_features, route.module.in_features),
+                                                         route.base_dtype, indices.cpu().clone(),
+                                                         values.detach().float().cpu().clone())
+    known: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (positions, base values)
+    unknown: dict[str, torch.Tensor | None] = {}  # name -> positions of unknown base (None: all)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in quantized:
                 continue
-            if b.shape != t.shape or b.dtype != t.dtype:
-                problems.append(f"{name}: base is {b.dtype} {tuple(b.shape)}, tuned is {t.dtype} {tuple(t.shape)}")
+            name = names.get(p)
+            if name is None:
+                problems.append(f"an optimizer param of shape {tuple(p.shape)} is not a parameter of the model")
                 continue
-            if t.dtype not in SUPPORTED_DTYPES:
-                problems.append(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16, float16)")
-                continue
-            # Tied weights appear under several names; one entry applies them once.
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.device)
-            if t.numel() and key in seen:
-                continue
-            seen.add(key)
-            diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
-            if density is not None:
-                k = min(_entries_for(density, diff.numel()), int(diff.count_nonzero()))
-                idx = top_k_positions(diff.abs(), k)  # ties: the lower flat index, as the optimizer
+            st = optimizer.state.get(p, {})
+            numel = p.numel()
+            if is_dtensor(p):
+                # FSDP2: this rank's state holds positions in its own shard; every rank's k entries are
+                # gathered (collective: every rank walks the same params), never the weight itself.
+                local = p.to_local()
+                exact = gather_entries(p, _short(local, increments(st, local.numel()) if not lean else
+                                                         _lean_increments(local, st, local_shard_of(
+                                                             p, base_state.get(name)))))
             else:
-                idx = (diff.abs() > threshold).nonzero().view(-1)
-            if idx.numel():
-                values = diff[idx]
-                if t.dtype in HALF_DTYPES:
-                    flat_t, flat_b = t.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
-                    values = shortest_increments(flat_b[idx], flat_t[idx], values)
-                entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), values)
-        if problems:
-            raise DeltaError("cannot diff these state dicts", problems)
-        delta = cls(entries, BaseFingerprint.of(base_state))
-        if isinstance(base, nn.Module):
-            delta.info = {"base_model": model_identity(base)}
-        return delta
+                exact = _short(p, increments(st, numel) if not lean else
+                               _lean_increments(p, st, base_state.get(name)))
+            if exact is not None:
+                idx, values, base_values = exact
+                entries[name] = DeltaEntry(tuple(p.shape), p.dtype, idx, values)
+                if base_values is not None:
+                    known[name] = (idx, base_values)
+                else:
+                    unknown[name] = idx
+            elif is_dense_stepped(st) and group.get("density", 1.0) >= 1.0:
+                dense[name] = full_tensor(p)
+                unknown[name] = None
+            # else: never stepped, or sparse selection still accumulating: nothing changed.
+    if problems:
+        raise DeltaError("cannot build a delta from this optimizer and model", problems)
+    if quantized and any(is_dtensor(t) for t in state.values() if isinstance(t, torch.Tensor)):
+        # FSDP2 shards the packed bytes (read only inside a forward, gathered): no base sampled.
+        fingerprint = None
+    elif base_state is not None and not quantized:
+        fingerprint = fingerprint_of(base_state)
+        for name in dense:  # replaced whole: the base may hold anything there (a new head)
+            for alias in tied.get(name, (name,)):
+                fingerprint.samples.pop(alias, None)
+    else:
+        # A quantized base is read as the 16-bit model it was quantized from (its packed weights never
+        # change in training): the fingerprint then fits both.
+        fingerprint = fingerprint_of(logical_state(model) if quantized else state)
+        for route in quantized.values():
+            samples, tolerances = _dequantized_samples(route)
+            fingerprint.samples[f"{route.name}.weight"] = samples
+            fingerprint.tolerances[f"{route.name}.weight"] = tolerances
+        # Buffers (BatchNorm's running statistics) change in training outside the optimizer,
+        # so the trained model does not know their base values.
+        param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        for name in [n for n in fingerprint.samples if n not in param_names]:
+            del fingerprint.samples[name]
+        # A tied param (a head tied to the embedding) trained under one name changed under all of its names.
+        for name, positions in unknown.items():
+            for alias in tied.get(name, (name,)):
+                if positions is None:
+                    fingerprint.samples.pop(alias, None)
+                    continue
+                for pos in list(fingerprint.samples.get(alias, {})):
+                    if _find(positions, pos) is not None:
+                        del fingerprint.samples[alias][pos]
+        for name, (positions, values) in known.items():
+            for alias in tied.get(name, (name,)):
+                for pos in fingerprint.samples.get(alias, {}):
+                    j = _find(positions, pos)
+                    if j is not None:
+                        fingerprint.samples[alias][pos] = float(values[j]).hex()
+    info = _optimizer_info(optimizer)
+    info["base_model"] = model_identity(model)
+    return cls(entries, fingerprint, dense, info)
+
+def from_diff(cls: type[DeltaT], base: nn.Module | Mapping[str, torch.Tensor],
+              tuned: nn.Module | Mapping[str, torch.Tensor], *, density: float | None = None,
+              threshold: float | None = None) -> DeltaT:
+    """`cls.from_diff(base, tuned, ...)` (`SparseDelta.from_diff` documents it): the largest differences
+    of two state dicts, per tensor.
+
+    Example:
+        >>> from sift import SparseDelta
+        >>> d = from_diff(SparseDelta, {"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 2.0, -5.0])}, density=0.5)
+        >>> d["w"].indices, d["w"].values
+        (tensor([1, 2], dtype=torch.int32), tensor([ 2., -5.]))
+    """
+    if (density is None) == (threshold is None):
+        raise ValueError("pass exactly one of density= or threshold=")
+    if density is not None and not (isinstance(density, (int, float)) and 0 < density <= 1):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    if threshold is not None and not (isinstance(threshold, (int, float)) and threshold >= 0):
+        raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
+    base_state, tuned_state = _state_of(base, "base"), _state_of(tuned, "tuned")
+    problems, entries, seen = [], {}, set()
+    for name, t in _float_tensors(tuned_state).items():
+        b = base_state.get(name)
+        if b is None:
+            problems.append(f"{name}: in tuned but missing from base")
+            continue
+        if b.shape != t.shape or b.dtype != t.dtype:
+            problems.append(f"{name}: base is {b.dtype} {tuple(b.shape)}, tuned is {t.dtype} {tuple(t.shape)}")
+            continue
+        if t.dtype not in SUPPORTED_DTYPES:
+            problems.append(f"{name}: dtype {t.dtype} is not supported (float32, bfloat16, float16)")
+            continue
+        # Tied weights appear under several names; one entry applies them once.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.device)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        diff = t.detach().float().cpu().reshape(-1) - b.detach().float().cpu().reshape(-1)
+        if density is not None:
+            k = min(_entries_for(density, diff.numel()), int(diff.count_nonzero()))
+            idx = top_k_positions(diff.abs(), k)  # ties: the lower flat index, as the optimizer
+        else:
+            idx = (diff.abs() > threshold).nonzero().view(-1)
+        if idx.numel():
+            values = diff[idx]
+            if t.dtype in HALF_DTYPES:
+                flat_t, flat_b = t.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+                values = shortest_increments(flat_b[idx], flat_t[idx], values)
+            entries[name] = DeltaEntry(tuple(t.shape), t.dtype, idx.to(_index_dtype(t.numel())), values)
+    if problems:
+        raise DeltaError("cannot diff these state dicts", problems)
+    info = {"base_model": model_identity(base)} if isinstance(base, nn.Module) else {}
+    return cls(entries, BaseFingerprint.of(base_state), {}, info)
 
 
 def _dequantized_samples(route: Any) -> tuple[dict[int, str], dict[int, str]]:

@@ -21,16 +21,15 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from sift._version import __version__
+from sift.delta import storage
+from sift.delta.contents import DeltaContents, DeltaT
 from sift.delta.entry import DeltaError, _dtype_name
 from sift.delta.identity import model_identity
-
-if TYPE_CHECKING:
-    from sift.delta.sparse_delta import SparseDelta
 
 
 CONFIG_NAME = "sift_config.json"
@@ -40,7 +39,7 @@ CONFIG_FORMAT = "sift.fine_tune"
 CONFIG_VERSION = 1
 
 
-def _base_of(delta: SparseDelta, model: nn.Module | None, base_model: str | os.PathLike | None) -> dict[str, Any]:
+def _base_of(delta: DeltaContents, model: nn.Module | None, base_model: str | os.PathLike | None) -> dict[str, Any]:
     """The base a fine-tune's config records: `base_model` if given, else what `model` says, else what the
     delta knows (the model it was made from, or the config it was read from)."""
     if model is not None or base_model is not None:
@@ -49,7 +48,7 @@ def _base_of(delta: SparseDelta, model: nn.Module | None, base_model: str | os.P
     return dict(known) if isinstance(known, dict) else model_identity(None)
 
 
-def _config(delta: SparseDelta, base: dict[str, Any]) -> dict[str, Any]:
+def _config(delta: DeltaContents, base: dict[str, Any]) -> dict[str, Any]:
     sparse = {name: {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "entries": e.nnz}
               for name, e in delta.entries.items()}
     dense = {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "entries": t.numel()}
@@ -115,7 +114,7 @@ with sift.disabled(model):  # the base model's outputs, exactly
 """
 
 
-def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.Module | None = None,
+def write_directory(delta: DeltaContents, directory: str | os.PathLike, model: nn.Module | None = None,
                     base_model: str | os.PathLike | None = None) -> None:
     """Write `delta` as a fine-tune directory (`sift.pretrained.save_pretrained` documents it)."""
     problems = delta.problems()
@@ -123,7 +122,7 @@ def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.
         raise DeltaError("refusing to save an invalid delta", problems)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    delta.save(os.path.join(directory, WEIGHTS_NAME))
+    storage.save(delta, os.path.join(directory, WEIGHTS_NAME))
     config = _config(delta, _base_of(delta, model, base_model))
     base = config["base_model"]
     if base.get("local"):
@@ -138,7 +137,7 @@ def write_directory(delta: SparseDelta, directory: str | os.PathLike, model: nn.
         f.write(_card(config, size))
 
 
-def read_directory(delta_cls: type[SparseDelta], directory: str | os.PathLike) -> SparseDelta:
+def read_directory(delta_cls: type[DeltaT], directory: str | os.PathLike) -> DeltaT:
     """Read a fine-tune directory as a `delta_cls` (`sift.pretrained.from_pretrained` documents it)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
@@ -157,7 +156,7 @@ def read_directory(delta_cls: type[SparseDelta], directory: str | os.PathLike) -
     if not isinstance(config.get("format_version"), int) or config["format_version"] > CONFIG_VERSION:
         raise DeltaError(what, [f"config format version {config.get('format_version')!r} is newer than this "
                                 f"sift reads ({CONFIG_VERSION})"])
-    delta = delta_cls.load(os.path.join(directory, WEIGHTS_NAME))
+    delta = storage.load(delta_cls, os.path.join(directory, WEIGHTS_NAME))
     saved = _config(delta, {})
     problems = []
     for key in ("sparse", "dense", "checksum"):

@@ -1,7 +1,7 @@
-"""A delta's files: the safetensors file (`save` / `load`: indices as 16-bit halves under a window
-table, fp32 values, the dense parts, metadata and a checksum) and the fine-tune directory
-(`save_pretrained` / `from_pretrained`, whose layout is `sift.delta.directory`'s).
-`DeltaFileMixin` gives `SparseDelta` these methods."""
+"""A delta's safetensors file: `save` / `load` (behind `SparseDelta.save` and `SparseDelta.load`):
+every weight's positions in Elias-Fano form, its values as fp32 or 16-bit words, the dense parts,
+metadata and a checksum. Files of earlier formats read as before. The fine-tune directory around
+the file is `sift.delta.directory`'s."""
 
 from __future__ import annotations
 
@@ -11,21 +11,16 @@ import math
 import os
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from sift import _ops
 from sift._index import index_dtype as _index_dtype
-from sift.delta.directory import read_directory, write_directory
+from sift.delta.contents import DeltaContents, DeltaT
 from sift.delta.entry import DeltaEntry, DeltaError, _dtype_name
 from sift.delta.fingerprint import BaseFingerprint
 from sift.delta.packing import (HALF_DTYPES, decode_positions, decode_words, encode_positions, encode_words,
                                 high_bits_for, low_bytes_for)
-
-if TYPE_CHECKING:
-    from sift.delta.sparse_delta import SparseDelta
 
 
 FORMAT = "sift.sparse_delta"
@@ -42,165 +37,131 @@ _PACKED = {"positions.low": torch.uint8, "positions.high": torch.uint8, "values.
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DeltaFileMixin:
-    """`SparseDelta`'s files: `save`, `load`, `save_pretrained`, `from_pretrained`."""
+def save(delta: DeltaContents, path: str | os.PathLike) -> None:
+    """Writes the delta to a safetensors file, atomically (`SparseDelta.save`).
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes the delta to a safetensors file, atomically.
+    Layout (format 5): every weight's sorted positions in Elias-Fano form (`positions.low` and
+    `positions.high`, uint8: about 1.1 bytes an entry at 1% density); the values of fp32 weights as
+    fp32 (`values.float32`) and those of bf16/fp16 weights as one 16-bit word each (`values.words16`,
+    int16), the weight's dtype where it holds the increment exactly, else the high half of its fp32
+    bits with the low half in `values.rest16` under a bit mask (`values.mask`). So an entry costs
+    about 5.1 bytes for an fp32 weight and 3.1 for a 16-bit one, plus 2 for each 16-bit increment
+    that needs more (`SparseDelta.from_optimizer` and `from_diff` pick, for a 16-bit weight, the
+    16-bit increment that gives the tuned value where one exists). Bit-exact on reload.
+    `<name>.dense` for each dense part (in its dtype); metadata with the format version, each
+    weight's shape, dtype and counts, the dense parts' names, the base fingerprint and a blake2b
+    checksum of the tensors. The file is written under a temporary name in the same directory and
+    renamed over `path`, so a crash never leaves a partial file under `path`.
 
-        Layout (format 5): every weight's sorted positions in Elias-Fano form (`positions.low` and
-        `positions.high`, uint8: about 1.1 bytes an entry at 1% density); the values of fp32 weights as
-        fp32 (`values.float32`) and those of bf16/fp16 weights as one 16-bit word each (`values.words16`,
-        int16), the weight's dtype where it holds the increment exactly, else the high half of its fp32
-        bits with the low half in `values.rest16` under a bit mask (`values.mask`). So an entry costs
-        about 5.1 bytes for an fp32 weight and 3.1 for a 16-bit one, plus 2 for each 16-bit increment
-        that needs more (`SparseDelta.from_optimizer` and `from_diff` pick, for a 16-bit weight, the
-        16-bit increment that gives the tuned value where one exists). Bit-exact on reload.
-        `<name>.dense` for each dense part (in its dtype); metadata with the format version, each
-        weight's shape, dtype and counts, the dense parts' names, the base fingerprint and a blake2b
-        checksum of the tensors. The file is written under a temporary name in the same directory and
-        renamed over `path`, so a crash never leaves a partial file under `path`.
+    Args:
+        delta: the delta to write.
+        path: destination file.
 
-        Args:
-            path: destination file.
+    Example:
+        >>> from sift import SparseDelta
+        >>> import tempfile
+        >>> d = SparseDelta.from_diff({"w": torch.zeros(4)}, {"w": torch.ones(4)}, density=0.5)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     save(d, f"{tmp}/d.safetensors")
+        ...     load(SparseDelta, f"{tmp}/d.safetensors").nnz
+        2
+    """
+    from safetensors.torch import save_file
 
-        Example:
-            >>> from sift import SparseDelta
-            >>> import tempfile
-            >>> d = SparseDelta.from_diff({"w": torch.zeros(4)}, {"w": torch.ones(4)}, density=0.5)
-            >>> with tempfile.TemporaryDirectory() as tmp:
-            ...     d.save(f"{tmp}/d.safetensors")
-            ...     SparseDelta.load(f"{tmp}/d.safetensors").nnz
-            2
-        """
-        from safetensors.torch import save_file
+    problems = delta.problems()
+    if problems:
+        raise DeltaError("refusing to save an invalid delta", problems)
+    tensors, meta_entries = _encode_entries(delta.entries)
+    for name, t in delta.dense.items():
+        tensors[f"{name}.dense"] = t.detach().cpu().contiguous().clone()
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "entries": json.dumps(meta_entries, separators=(",", ":")),
+        "dense": json.dumps(sorted(delta.dense), separators=(",", ":")),
+        "checksum": _checksum(tensors),
+    }
+    if delta.base is not None:
+        metadata["base"] = delta.base.to_json()
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
-        problems = self.problems()
-        if problems:
-            raise DeltaError("refusing to save an invalid delta", problems)
-        tensors, meta_entries = _encode_entries(self.entries)
-        for name, t in self.dense.items():
-            tensors[f"{name}.dense"] = t.detach().cpu().contiguous().clone()
-        metadata = {
-            "format": FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "entries": json.dumps(meta_entries, separators=(",", ":")),
-            "dense": json.dumps(sorted(self.dense), separators=(",", ":")),
-            "checksum": _checksum(tensors),
-        }
-        if self.base is not None:
-            metadata["base"] = self.base.to_json()
-        path = os.fspath(path)
-        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                           f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
 
-    def save_pretrained(self, directory: str | os.PathLike, model: nn.Module | None = None, *,
-                        base_model: str | os.PathLike | None = None) -> None:
-        """Write the fine-tune as a directory: tensors, `sift_config.json`, a model card
-        (`sift.pretrained.save_pretrained`). The config names the base `model` came from; `base_model`
-        (its name on the Hub) overrides that, as for a base loaded from a local folder.
+def load(cls: type[DeltaT], path: str | os.PathLike) -> DeltaT:
+    """`cls.load(path)` (`SparseDelta.load` documents it): a delta written by `save`, everything in it
+    checked: the format and its version, the checksum, the metadata against the tensors, the delta itself.
 
-        Example:
-            >>> delta.save_pretrained("my-fine-tune", model)  # doctest: +SKIP
-            >>> delta.save_pretrained("my-fine-tune", model, base_model="org/name")  # doctest: +SKIP
-        """
-        write_directory(self, directory, model, base_model)
+    Example:
+        >>> from sift import SparseDelta
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     save(SparseDelta(), f"{tmp}/empty.safetensors")
+        ...     len(load(SparseDelta, f"{tmp}/empty.safetensors"))
+        0
+    """
+    from safetensors import safe_open
 
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> SparseDelta:
-        """Read a directory written by `save_pretrained`, refusing one it cannot trust
-        (`sift.pretrained.from_pretrained`).
-
-        Example:
-            >>> delta = SparseDelta.from_pretrained("my-fine-tune")  # doctest: +SKIP
-        """
-        return read_directory(cls, directory)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SparseDelta:
-        """Reads a delta written by `save`, checking everything in it.
-
-        Args:
-            path: a file written by `SparseDelta.save`.
-
-        Returns:
-            The delta (tensors on the CPU).
-
-        Raises:
-            FileNotFoundError: nothing exists at `path`.
-            DeltaError: the file is unreadable, truncated, corrupted (checksum), of another
-                format or a newer version, or holds an invalid delta; every problem listed.
-
-        Example:
-            >>> from sift import SparseDelta
-            >>> import tempfile
-            >>> with tempfile.TemporaryDirectory() as tmp:
-            ...     SparseDelta().save(f"{tmp}/empty.safetensors")
-            ...     len(SparseDelta.load(f"{tmp}/empty.safetensors"))
-            0
-        """
-        from safetensors import safe_open
-
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no sparse delta file at {path!r}")
-        what = f"cannot load sparse delta {path!r}"
-        try:
-            with safe_open(path, framework="pt") as f:
-                metadata = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types for bad headers and sizes
-            raise DeltaError(what, [f"not a readable safetensors file (truncated or corrupted?): {exc}"]) from exc
-        if metadata.get("format") != FORMAT:
-            raise DeltaError(what, [f"not a sift sparse delta (format {metadata.get('format')!r})"])
-        try:
-            version = int(metadata.get("format_version", ""))
-        except ValueError:
-            raise DeltaError(what, [f"bad format_version {metadata.get('format_version')!r}"]) from None
-        if version > FORMAT_VERSION:
-            raise DeltaError(what, [f"format version {version} is newer than this sift reads ({FORMAT_VERSION})"])
-        problems = []
-        if metadata.get("checksum") != _checksum(tensors):
-            problems.append("checksum mismatch: the tensor data is corrupted")
-        try:
-            meta_entries = json.loads(metadata["entries"])
-            base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
-            if not isinstance(meta_entries, dict):
-                raise TypeError(f"entries is a {type(meta_entries).__name__}, not a mapping")
-            dense_names = json.loads(metadata.get("dense", "[]"))
-            if not (isinstance(dense_names, list) and all(isinstance(n, str) for n in dense_names)):
-                raise TypeError("dense is not a list of names")
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
-        if version >= 5:
-            entries, expected = _decode_entries(meta_entries, tensors, problems), set(_PACKED)
-        else:
-            entries, expected = _decode_named_entries(meta_entries, tensors, version, problems)
-        dense = {}
-        for name in dense_names:
-            key = f"{name}.dense"
-            expected.add(key)
-            if key not in tensors:
-                problems.append(f"{name}: the dense part is missing from the file")
-                continue
-            dense[name] = tensors[key]
-        extra = sorted(set(tensors) - expected)
-        if extra:
-            problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
-        delta = cls(entries, base, dense)
-        problems += delta.problems()
-        if problems:
-            raise DeltaError(what, problems)
-        return delta
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no sparse delta file at {path!r}")
+    what = f"cannot load sparse delta {path!r}"
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for bad headers and sizes
+        raise DeltaError(what, [f"not a readable safetensors file (truncated or corrupted?): {exc}"]) from exc
+    if metadata.get("format") != FORMAT:
+        raise DeltaError(what, [f"not a sift sparse delta (format {metadata.get('format')!r})"])
+    try:
+        version = int(metadata.get("format_version", ""))
+    except ValueError:
+        raise DeltaError(what, [f"bad format_version {metadata.get('format_version')!r}"]) from None
+    if version > FORMAT_VERSION:
+        raise DeltaError(what, [f"format version {version} is newer than this sift reads ({FORMAT_VERSION})"])
+    problems = []
+    if metadata.get("checksum") != _checksum(tensors):
+        problems.append("checksum mismatch: the tensor data is corrupted")
+    try:
+        meta_entries = json.loads(metadata["entries"])
+        base = BaseFingerprint.from_json(metadata["base"]) if "base" in metadata else None
+        if not isinstance(meta_entries, dict):
+            raise TypeError(f"entries is a {type(meta_entries).__name__}, not a mapping")
+        dense_names = json.loads(metadata.get("dense", "[]"))
+        if not (isinstance(dense_names, list) and all(isinstance(n, str) for n in dense_names)):
+            raise TypeError("dense is not a list of names")
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise DeltaError(what, problems + [f"unreadable metadata: {exc!r}"]) from exc
+    if version >= 5:
+        entries, expected = _decode_entries(meta_entries, tensors, problems), set(_PACKED)
+    else:
+        entries, expected = _decode_named_entries(meta_entries, tensors, version, problems)
+    dense = {}
+    for name in dense_names:
+        key = f"{name}.dense"
+        expected.add(key)
+        if key not in tensors:
+            problems.append(f"{name}: the dense part is missing from the file")
+            continue
+        dense[name] = tensors[key]
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        problems.append(f"tensors not described by the metadata: {', '.join(extra[:5])}")
+    delta = cls(entries, base, dense)
+    problems += delta.problems()
+    if problems:
+        raise DeltaError(what, problems)
+    return delta
 
 
 def _encode_entries(entries: Mapping[str, DeltaEntry]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
