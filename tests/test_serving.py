@@ -254,9 +254,10 @@ def test_served_model_compiles_whole():
         assert torch.equal(compiled(ids).logits, base(ids).logits)
 
 
-def test_switch_to_puts_one_delta_in_place_and_back():
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_switch_to_puts_one_delta_in_place_and_back(dtype):
     """switch_to: the weights apply_ gives each delta, bit for bit, one after the other, then the base's."""
-    base = _base(torch.bfloat16)
+    base = _base(dtype)
     deltas = {"a": _fine_tune(base, 18), "b": _fine_tune(base, 19, only="self_attn")}
     served = ServedDeltas(base)
     for name, d in deltas.items():

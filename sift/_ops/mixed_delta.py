@@ -223,3 +223,131 @@ def mixed_delta_matmul_(
         True
     """
     return call("mixed_delta_matmul_", y, x, delta_ids, bank, check_values=check_values, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------
+# delta_bank_switch_(weights, banks, off, on, originals_off, originals_on): one delta of the
+# banks out of the weights and another in, in place. For each layer l, W = weights[l] [R, C] (any
+# strides: a Conv1D weight is passed transposed), bank = banks[l], over the entries (i, j, v) of:
+#   delta off (>= 0):  W[i, j] = originals_off[l][e]          (e: the entry's place in its delta)
+#   then delta on (>= 0): originals_on[l][e] = W[i, j];  W[i, j] = dtype(fp32(W[i, j]) + v)
+# originals_* are [k] tensors in W's dtype (k: that delta's entries in the layer), lists empty
+# for a delta of -1. The apply is `sparse_delta_apply_`'s arithmetic, so the weights are what
+# `SparseDelta.apply_` of the same values gives, bit for bit; the restore writes saved bits back.
+# "cpp" fuses both per block of rows; "torch" is the reference on any device.
+# ---------------------------------------------------------------------------------------
+
+
+def _entries_of(bank: DeltaBank, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Delta `delta`'s `(rows, cols, values)` in the bank, in its CSR order."""
+    ptr = bank.row_ptr[delta]
+    start, end = int(ptr[0]), int(ptr[-1])
+    rows = torch.repeat_interleave(torch.arange(bank.out_features, device=ptr.device), ptr.diff())
+    return rows, bank.col_indices[start:end].long(), bank.values[start:end]
+
+
+def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
+                                 originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
+    """Validate delta_bank_switch_'s arguments (shapes, dtypes, devices; not the banks' values).
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    if len(banks) != len(weights):
+        raise ValueError(f"banks must have one bank per weight, got {len(banks)} for {len(weights)}")
+    for name, d, saved in (("off", off, originals_off), ("on", on, originals_on)):
+        if not isinstance(d, int) or d < -1:
+            raise ValueError(f"{name} must be a delta number or -1, got {d!r}")
+        if len(saved) != (len(weights) if d >= 0 else 0):
+            raise ValueError(f"originals_{name} must have one tensor per weight when {name} >= 0, else none; got "
+                             f"{len(saved)}")
+    if off == on and off >= 0:
+        raise ValueError(f"off and on must differ, got {off} for both")
+    for layer, (w, bank) in enumerate(zip(weights, banks)):
+        if not isinstance(bank, DeltaBank):
+            raise ValueError(f"banks[{layer}] must be a DeltaBank, got {type(bank).__name__}")
+        if w.dim() != 2 or tuple(w.shape) != (bank.out_features, bank.in_features):
+            raise ValueError(f"weights[{layer}] must be [{bank.out_features}, {bank.in_features}] (its bank's), got "
+                             f"{tuple(w.shape)}")
+        if w.dtype not in MIXED_DELTA_MATMUL_DTYPES or w.device != bank.device:
+            raise ValueError(f"weights[{layer}] must be float32, bfloat16 or float16 on its bank's device "
+                             f"{bank.device}, got {w.dtype} on {w.device}")
+        for name, d, saved in (("off", off, originals_off), ("on", on, originals_on)):
+            if d < 0:
+                continue
+            if d >= bank.n_deltas:
+                raise ValueError(f"{name} is {d}, but banks[{layer}] holds {bank.n_deltas} deltas")
+            k = int(bank.row_ptr[d, -1] - bank.row_ptr[d, 0])
+            s = saved[layer]
+            if s.shape != (k,) or s.dtype != w.dtype or s.device != w.device or not s.is_contiguous():
+                raise ValueError(f"originals_{name}[{layer}] must be a contiguous {w.dtype} [{k}] tensor on "
+                                 f"{w.device} (one per entry of delta {d}), got {s.dtype} {tuple(s.shape)}")
+
+
+def delta_bank_switch_ref(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
+                          originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
+    """Plain-torch reference of the switch (see the contract above)."""
+    check_delta_bank_switch_args(weights, banks, off, on, originals_off, originals_on)
+    with torch.no_grad():
+        for layer, (w, bank) in enumerate(zip(weights, banks)):
+            if off >= 0:
+                rows, cols, _ = _entries_of(bank, off)
+                w[rows, cols] = originals_off[layer]
+            if on >= 0:
+                rows, cols, vals = _entries_of(bank, on)
+                old = w[rows, cols]
+                originals_on[layer].copy_(old)
+                w[rows, cols] = (old.float() + vals).to(w.dtype)
+
+
+define("delta_bank_switch_", delta_bank_switch_ref)
+
+
+@register("delta_bank_switch_", "cpp")
+def _delta_bank_switch_cpp(weights, banks, off, on, originals_off, originals_on):
+    check_delta_bank_switch_args(weights, banks, off, on, originals_off, originals_on)
+    torch.ops.sift.delta_bank_switch_(weights, [b.row_ptr for b in banks], [b.col_indices for b in banks],
+                                      [b.values for b in banks], off, on, originals_off, originals_on)
+
+
+def _delta_bank_switch_flat(weights, row_ptrs, col_indices, values, off, on, originals_off, originals_on):
+    banks = [DeltaBank(p, c, v, 0, w.shape[1]) for w, p, c, v in zip(weights, row_ptrs, col_indices, values)]
+    delta_bank_switch_ref(list(weights), banks, off, on, list(originals_off), list(originals_on))
+
+
+# The raw kernel op: the banks' fields as lists (delta_bank_switch_ below is the checked entry).
+define_schema("delta_bank_switch_", "delta_bank_switch_(Tensor(a!)[] weights, Tensor[] row_ptrs, "
+              "Tensor[] col_indices, Tensor[] values, int off, int on, Tensor[] originals_off, "
+              "Tensor(b!)[] originals_on) -> ()", _no_output, _delta_bank_switch_flat)
+
+
+def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
+                       originals_off: list[torch.Tensor], originals_on: list[torch.Tensor], *,
+                       backend: str | None = None) -> None:
+    """Takes delta `off` of the banks out of the weights and puts delta `on` in, in place.
+
+    Args:
+        weights: `[R, C]` per layer (fp32, bf16 or fp16; any strides), written in place.
+        banks: each weight's `DeltaBank`, on its device.
+        off: the delta in the weights now (-1: none): its entries get `originals_off` back.
+        on: the delta to put in (-1: none): `W[i, j] = dtype(fp32(W[i, j]) + v)`.
+        originals_off: `[k]` per layer, W's dtype: the values `off`'s entries had before it went in.
+        originals_on: `[k]` per layer, W's dtype: written with the values `on`'s entries have now.
+        backend: force "torch" or "cpp" (default: the automatic choice).
+
+    Raises:
+        ValueError: a bad argument, named (nothing is written).
+
+    Example:
+        >>> w = torch.zeros(2, 3)
+        >>> bank = DeltaBank.from_rows_and_cols((2, 3), [(torch.tensor([1]), torch.tensor([2]), torch.tensor([0.5]))])
+        >>> saved = [torch.empty(1)]
+        >>> delta_bank_switch_([w], [bank], -1, 0, [], saved)
+        >>> w[1, 2].item(), saved[0].item()
+        (0.5, 0.0)
+        >>> delta_bank_switch_([w], [bank], 0, -1, saved, [])
+        >>> w.abs().sum().item()
+        0.0
+    """
+    call("delta_bank_switch_", weights, banks, off, on, originals_off, originals_on, backend=backend,
+         device=weights[0].device if weights else torch.device("cpu"))

@@ -16,12 +16,20 @@ for bit.
         logits = model(input_ids).logits
     out = served.generate(input_ids, delta_names=["math", None, "chat"], max_new_tokens=20)
 
-What a row gets: the weights `SparseDelta.apply_` would give its delta, exactly. At load, each
-entry's value is replaced by the increment the apply really makes in the weight's dtype,
-`fp32(dtype(w + v)) - fp32(w)` (a bf16 weight keeps only what bf16 can hold of w + v). The
-outputs then differ from the fine-tune applied in place only by how the product is rounded:
-`dtype(dtype(x W^T) + x D^T)`, the base product rounded before the delta's term is added
-(fp32, a few units of fp32 rounding; bf16/fp16, about one more rounding of the output per layer).
+What a row gets: the weights `SparseDelta.apply_` would give its delta. At load, each entry of a
+16-bit weight becomes the increment the apply really makes in the weight's dtype,
+`fp32(dtype(w + v)) - fp32(w)` (a bf16 weight keeps only what bf16 can hold of w + v); an fp32
+weight's entries keep v (w + v rounds once, as in the apply). The outputs then differ from the
+fine-tune applied in place only by how the product is rounded: `dtype(dtype(x W^T) + x D^T)`, the
+base product rounded before the delta's term is added (fp32, a few units of fp32 rounding;
+bf16/fp16, about one more rounding of the output per layer).
+
+Over a bitsandbytes 4-bit or 8-bit base, a quantized layer's delta stays its fp32 entries `v` and
+its rows gain `x S^T` on top of the layer's own output, as a fine-tune attached to that layer
+(`apply_`, `sift.quantized`) computes `x (dequant(Wq) + S)^T`. An 8-bit layer's rows with a delta
+recompute their base product with the dequantized weight, as the attached fine-tune does
+(bitsandbytes' own int8 product also quantizes the activations); rows on the base keep its bits.
+`switch_to` is refused there: a packed weight cannot take the entries.
 
 Deltas are checked against the model as `apply_` checks them (names, shapes, dtypes, the base
 fingerprint) and refused, with every problem listed and nothing changed, when they do not fit.
@@ -47,6 +55,7 @@ from sift.delta.application import _APPLIED, _base_problems
 from sift.delta.entry import DeltaError
 from sift.delta.fingerprint import _state_of, logical_state
 from sift.delta.sparse_delta import SparseDelta
+from sift.quantized import _dequantize, is_linear8bit, is_quantized_linear
 
 
 @dataclass
@@ -81,7 +90,13 @@ class _ServedLayer:
         self.served = served
         self.module = module
         self.bank = bank
+        self.int8 = is_linear8bit(module)
         self.handle = module.register_forward_hook(self._hook)
+
+    def weight_rows(self) -> torch.Tensor:
+        """The weight as `[out_features, in_features]`, the bank's rows and columns (a view)."""
+        w = self.module.weight.detach()
+        return w.t() if _is_conv1d(self.module) else w
 
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         rows = self.served._rows
@@ -95,6 +110,13 @@ class _ServedLayer:
         if x.dtype != output.dtype:  # autocast: the layer computed in another dtype
             x = x.to(output.dtype)
         with torch.no_grad():
+            if self.int8:
+                # bitsandbytes' int8 product quantizes the activations; a fine-tune attached to the layer
+                # multiplies by the dequantized weight (sift.quantized), so its rows are recomputed that way.
+                served = ids >= 0
+                y2, x2 = output.view(-1, output.shape[-1]), x.reshape(-1, n_cols)
+                bias = module.bias.to(output.dtype) if module.bias is not None else None
+                y2[served] = nn.functional.linear(x2[served], _dequantize(module, output.dtype), bias)
             _ops.mixed_delta_matmul_(output, x, ids, self.bank, check_values=False, backend=self.served.backend)
         return
 
@@ -136,10 +158,10 @@ class ServedDeltas:
         self.model = model
         self.backend = backend
         self._names: list[str] = []
-        self._deltas: dict[str, SparseDelta] = {}
         self._layers: dict[str, _ServedLayer] = {}
         self._rows: _Rows | None = None
         self._in_place: str | None = None  # the delta applied to the weights by `switch_to`
+        self._saved: list[torch.Tensor] = []  # per layer (in `_layers` order), the base values it overwrote
 
     # -- loading --------------------------------------------------------------------------
 
@@ -183,11 +205,17 @@ class ServedDeltas:
             if p is None:
                 problems.append(f"{param}: no such weight in the model")
                 continue
+            owner, _, leaf = param.rpartition(".")
+            module = modules.get(owner)
+            if leaf == "weight" and is_quantized_linear(module):  # packed bytes: the layer's [out, in] counts
+                if e.shape != (module.out_features, module.in_features):
+                    problems.append(f"{param}: delta {e.shape}, quantized layer {(module.out_features, module.in_features)}")
+                elif e.nnz:
+                    targets[owner] = (module, param)
+                continue
             if tuple(p.shape) != e.shape or p.dtype != e.dtype:
                 problems.append(f"{param}: delta {e.dtype} {e.shape}, model {p.dtype} {tuple(p.shape)}")
                 continue
-            owner, _, leaf = param.rpartition(".")
-            module = modules.get(owner)
             if leaf != "weight" or not _is_linear(module) or module.weight is not _param_of(self.model, param):
                 what = type(module).__name__ if module is not None else "no module"
                 problems.append(f"{param}: only linear layers' weights can be served per row ({what}.{leaf}); "
@@ -205,7 +233,7 @@ class ServedDeltas:
             e = delta.entries[param]
             layer = self._layers.get(owner)
             bank = layer.bank if layer is not None else None
-            new_banks[owner] = _increments(module.weight, _is_conv1d(module), e.indices, e.values, bank,
+            new_banks[owner] = _increments(module, e.indices, e.values, bank,
                                            len(self._names))
         for owner, layer in self._layers.items():
             if owner not in new_banks:
@@ -216,7 +244,6 @@ class ServedDeltas:
             else:
                 self._layers[owner] = _ServedLayer(self, targets[owner][0], bank)
         self._names.append(name)
-        self._deltas[name] = delta
 
     def unload_delta(self, name: str) -> None:
         """Take the delta `name` out (its entries leave every layer; layers no delta touches are unhooked).
@@ -238,7 +265,6 @@ class ServedDeltas:
                 layer.handle.remove()
                 del self._layers[owner]
         self._names.pop(number)
-        del self._deltas[name]
 
     def close(self) -> None:
         """Unload every delta and remove every hook: the model is the plain base again."""
@@ -247,22 +273,24 @@ class ServedDeltas:
             layer.handle.remove()
         self._layers.clear()
         self._names.clear()
-        self._deltas.clear()
         self._rows = None
 
     # -- one delta for the whole model, in place ----------------------------------------------
 
     def switch_to(self, name: str | None) -> None:
         """Put the loaded delta `name` into the weights in place (None: back to the base), replacing
-        the one put there before: `remove_` of that one, `apply_` of this one, O(entries of both).
+        the one put there before: its entries get their saved base values back, then this one's
+        are added, in one C++ call for the whole model (`delta_bank_switch_`), O(entries of both).
 
         A batch served by one fine-tune then runs at the base model's speed, with no hook work, and
-        gives exactly what `apply_` gives. While a delta is in place, `rows(...)`, `load_delta` and
-        unloading it are refused (the served increments are taken against the base).
+        the weights are those `apply_` gives, bit for bit (the switch is not an `apply_`: the model's
+        own `remove_` and `disabled` do not see it). While a delta is in place, `rows(...)`,
+        `load_delta` and unloading it are refused (the served increments are taken against the base).
 
         Raises:
             KeyError: `name` is not loaded (nothing changes).
-            RuntimeError: inside `rows(...)` (nothing changes).
+            RuntimeError: inside `rows(...)`, or a loaded delta touches a bitsandbytes layer, whose packed
+                weight cannot take entries (nothing changes).
 
         Example:
             >>> base = torch.nn.Linear(4, 3, bias=False)
@@ -280,19 +308,24 @@ class ServedDeltas:
             raise RuntimeError("cannot switch the weights while rows are being served (inside `rows(...)`)")
         if name == self._in_place:
             return
-        previous = self._in_place
-        if previous is not None:
-            self._deltas[previous].remove_(self.model)
-            self._in_place = None
-        if name is not None:
-            try:
-                self._deltas[name].apply_(self.model, check_base=False)  # checked at load
-            except Exception:
-                if previous is not None:  # back to where the call started
-                    self._deltas[previous].apply_(self.model, check_base=False)
-                    self._in_place = previous
-                raise
-            self._in_place = name
+        packed = [owner for owner, layer in self._layers.items() if is_quantized_linear(layer.module)]
+        if packed:
+            raise RuntimeError(f"cannot switch the weights in place: {packed[0]!r} is a bitsandbytes quantized layer "
+                               "(its packed weight cannot take the delta's entries); serve every row with the "
+                               "delta instead: rows([name] * batch)")
+        off = -1 if self._in_place is None else self._names.index(self._in_place)
+        on = -1 if name is None else self._names.index(name)
+        layers = list(self._layers.values())
+        banks = [layer.bank for layer in layers]
+        saved = []
+        if on >= 0:
+            saved = [torch.empty(int(b.row_ptr[on, -1] - b.row_ptr[on, 0]), dtype=layer.module.weight.dtype,
+                                 device=b.device) for layer, b in zip(layers, banks)]
+        # One call for the whole model: every layer's restore and apply, fused per block of rows.
+        _ops.delta_bank_switch_([layer.weight_rows() for layer in layers], banks, off, on,
+                                self._saved if off >= 0 else [], saved, backend=self.backend)
+        self._saved = saved
+        self._in_place = name
 
     @property
     def in_place(self) -> str | None:
@@ -378,17 +411,29 @@ def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
         return None
 
 
-def _increments(weight: torch.Tensor, transposed: bool, indices: torch.Tensor, values: torch.Tensor,
-                bank: DeltaBank | None, n_before: int) -> DeltaBank:
-    """`bank` (or a new one with `n_before` empty deltas) with one more delta: the increments
-    `apply_` makes in `weight`'s dtype at `indices`, `fp32(dtype(w + v)) - fp32(w)`. A transposed
-    weight (Conv1D's `[in, out]`) gives its entry at flat `in * out_features + out` to output row `out`."""
+def _increments(module: nn.Module, indices: torch.Tensor, values: torch.Tensor, bank: DeltaBank | None,
+                n_before: int) -> DeltaBank:
+    """`bank` (or a new one with `n_before` empty deltas) with one more delta of `module`'s weight: the
+    increments `apply_` makes in a 16-bit weight at `indices`, `fp32(dtype(w + v)) - fp32(w)`, or the
+    values `v` of an fp32 weight or of a quantized layer (its frozen delta adds v to the dequantized
+    weight). A transposed weight (Conv1D's `[in, out]`) gives its entry at flat `in * out_features + out`
+    to output row `out`."""
+    weight = module.weight
     idx = indices.to(weight.device).long()
-    with torch.no_grad():
-        old = weight.detach().reshape(-1)[idx].float()
-        made = (old + values.to(weight.device).float()).to(weight.dtype).float() - old
-    n_rows, n_cols = reversed(weight.shape) if transposed else weight.shape
-    rows, cols = (idx % n_rows, idx // n_rows) if transposed else (idx // n_cols, idx % n_cols)
+    made = values.to(weight.device).float()
+    quantized = is_quantized_linear(module)
+    if weight.dtype in (torch.bfloat16, torch.float16) and not quantized:
+        # fp32(w) + made rounds back to dtype(w + v) (the difference of two 16-bit values is exact in fp32, or
+        # off by far less than half a 16-bit unit), so `switch_to` adds these and still gets apply_'s bits. An
+        # fp32 weight keeps v itself: fp32(dtype(w + v)) - w may lose a bit, and w + v is what apply_ computes.
+        with torch.no_grad():
+            old = weight.detach().reshape(-1)[idx].float()
+            made = (old + made).to(weight.dtype).float() - old
+    if quantized:
+        n_rows, n_cols = module.out_features, module.in_features
+    else:
+        n_rows, n_cols = reversed(weight.shape) if _is_conv1d(module) else weight.shape
+    rows, cols = (idx % n_rows, idx // n_rows) if _is_conv1d(module) else (idx // n_cols, idx % n_cols)
     if bank is None:  # the layer's first delta: the ones loaded before have no entries in it
         bank = DeltaBank.from_rows_and_cols((n_rows, n_cols), [_no_entries()] * n_before, device=weight.device)
     return bank.appended(rows, cols, made)
