@@ -211,11 +211,10 @@ def test_refusals_change_nothing(tmp_path):
     _refused(served, base, DeltaError, "made for another base model",
              lambda: served.load_delta("other", _fine_tune(other, 11)))
     _refused(served, base, DeltaError, "already loaded", lambda: served.load_delta("a", _fine_tune(base, 12)))
-    head = _fine_tune(base, 13)
-    head.dense["lm_head.weight"] = base.lm_head.weight.detach().clone()
-    head.entries.pop("lm_head.weight", None)
-    _refused(served, base, DeltaError, "lm_head.weight: a dense part .* cannot be served per row",
-             lambda: served.load_delta("head", head))
+    dense_norm = _fine_tune(base, 13)
+    dense_norm.dense["model.norm.weight"] = base.model.norm.weight.detach().clone() + 1
+    _refused(served, base, DeltaError, "model.norm.weight: a dense part of a LlamaRMSNorm .* cannot be served per row",
+             lambda: served.load_delta("dense_norm", dense_norm))
     embed = _fine_tune(base, 14)
     w = base.model.embed_tokens.weight
     embed.entries["model.embed_tokens.weight"] = DeltaEntry(tuple(w.shape), w.dtype,

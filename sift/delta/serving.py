@@ -33,9 +33,10 @@ recompute their base product with the dequantized weight, as the attached fine-t
 
 Deltas are checked against the model as `apply_` checks them (names, shapes, dtypes, the base
 fingerprint) and refused, with every problem listed and nothing changed, when they do not fit.
-What cannot differ per row is refused too, never dropped: a dense part (a trained head or norm,
-which replaces the param whole), and a sparse entry outside a linear layer's weight (an
-embedding, a norm, a bias). Serving is inference: gradients do not flow through the deltas.
+A dense part that replaces an nn.Linear's weight or bias (a classifier head trained densely) is
+served per row: that delta's rows are computed with the replaced weight and bias. What cannot
+differ per row is refused, never dropped: any other dense part (a norm, an embedding) and a
+sparse entry outside a linear layer's weight (an embedding, a norm, a bias). Serving is inference: gradients do not flow through the deltas.
 The base must not change while deltas are loaded (their increments were taken against it).
 """
 
@@ -83,13 +84,15 @@ class _Rows:
 
 class _ServedLayer:
     """One linear layer's (nn.Linear or transformers' Conv1D) loaded deltas (its `DeltaBank`, one
-    delta per loaded name in load order) and the forward hook that adds the served rows' products
-    to its output."""
+    delta per loaded name in load order, and the dense parts that replace its weight or bias for
+    some deltas) and the forward hook that gives the served rows their deltas' outputs."""
 
     def __init__(self, served: ServedDeltas, module: nn.Module, bank: DeltaBank):
         self.served = served
         self.module = module
         self.bank = bank
+        # delta name -> (weight, bias) its rows are computed with: a head trained densely (None: the layer's)
+        self.heads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.int8 = is_linear8bit(module)
         self.handle = module.register_forward_hook(self._hook)
 
@@ -100,7 +103,7 @@ class _ServedLayer:
 
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         rows = self.served._rows
-        if rows is None or self.bank.max_row_entries == 0:
+        if rows is None or (self.bank.max_row_entries == 0 and not self.heads):
             return
         x = args[0]
         n_cols = self.bank.in_features
@@ -109,14 +112,24 @@ class _ServedLayer:
         ids = rows.token_ids(output.device, batch, tokens)
         if x.dtype != output.dtype:  # autocast: the layer computed in another dtype
             x = x.to(output.dtype)
+        y2, x2 = output.view(-1, output.shape[-1]), x.reshape(-1, n_cols)
         with torch.no_grad():
             if self.int8:
                 # bitsandbytes' int8 product quantizes the activations; a fine-tune attached to the layer
                 # multiplies by the dequantized weight (sift.quantized), so its rows are recomputed that way.
                 served = ids >= 0
-                y2, x2 = output.view(-1, output.shape[-1]), x.reshape(-1, n_cols)
                 bias = module.bias.to(output.dtype) if module.bias is not None else None
                 y2[served] = nn.functional.linear(x2[served], _dequantize(module, output.dtype), bias)
+            for name, (weight, bias) in self.heads.items():
+                if name not in rows.names:
+                    continue
+                mine = ids == self.served._names.index(name)
+                weight = module.weight if weight is None else weight
+                bias = module.bias if bias is None else bias
+                y2[mine] = nn.functional.linear(x2[mine], weight.to(output.dtype),
+                                                None if bias is None else bias.to(output.dtype))
+            if self.bank.max_row_entries == 0:
+                return
             _ops.mixed_delta_matmul_(output, x, ids, self.bank, check_values=False, backend=self.served.backend)
         return
 
@@ -162,6 +175,7 @@ class ServedDeltas:
         self._rows: _Rows | None = None
         self._in_place: str | None = None  # the delta applied to the weights by `switch_to`
         self._saved: list[torch.Tensor] = []  # per layer (in `_layers` order), the base values it overwrote
+        self._dense_saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, base copy) its heads replaced
 
     # -- loading --------------------------------------------------------------------------
 
@@ -181,8 +195,8 @@ class ServedDeltas:
             check_base: compare the model with the delta's base fingerprint (as `apply_` does).
 
         Raises:
-            DeltaError: the delta does not fit the model, has a dense part, or touches a weight
-                that is not a linear layer's; or `name` is taken.
+            DeltaError: the delta does not fit the model, has a dense part other than an nn.Linear's
+                weight or bias, or touches a weight that is not a linear layer's; or `name` is taken.
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -194,13 +208,12 @@ class ServedDeltas:
         state = _state_of(self.model, "model")
         problems = [] if name not in self._names else [f"a delta named {name!r} is already loaded (unload it first)"]
         problems += delta.problems()
-        for param in delta.dense:
-            problems.append(f"{param}: a dense part (a trained head or norm replaces the param whole) cannot be "
-                            "served per row; apply this fine-tune in place (SparseDelta.apply_), or serve a copy "
-                            "of the delta without its dense parts")
         modules = dict(self.model.named_modules())
+        heads = _heads(delta, modules, state, problems)
         targets: dict[str, tuple[nn.Module, str]] = {}  # module name -> (module, its weight's name)
         for param, e in delta.entries.items():
+            if param in delta.dense:  # replaced whole (as apply_ puts the dense part over the entries)
+                continue
             p = state.get(param)
             if p is None:
                 problems.append(f"{param}: no such weight in the model")
@@ -238,11 +251,19 @@ class ServedDeltas:
         for owner, layer in self._layers.items():
             if owner not in new_banks:
                 new_banks[owner] = layer.bank.appended(*_no_entries())
+        for owner in heads:
+            if owner not in new_banks:  # a head-only layer: no delta has entries in it
+                module = modules[owner]
+                new_banks[owner] = DeltaBank.from_rows_and_cols((module.out_features, module.in_features),
+                                                                [_no_entries()] * (len(self._names) + 1),
+                                                                device=module.weight.device)
         for owner, bank in new_banks.items():
             if owner in self._layers:
                 self._layers[owner].bank = bank
             else:
-                self._layers[owner] = _ServedLayer(self, targets[owner][0], bank)
+                self._layers[owner] = _ServedLayer(self, modules[owner], bank)
+        for owner, (weight, bias) in heads.items():
+            self._layers[owner].heads[name] = (weight, bias)
         self._names.append(name)
 
     def unload_delta(self, name: str) -> None:
@@ -261,7 +282,8 @@ class ServedDeltas:
         for owner in list(self._layers):
             layer = self._layers[owner]
             layer.bank = layer.bank.without(number)
-            if layer.bank.values.numel() == 0:
+            layer.heads.pop(name, None)
+            if layer.bank.values.numel() == 0 and not layer.heads:
                 layer.handle.remove()
                 del self._layers[owner]
         self._names.pop(number)
@@ -321,10 +343,19 @@ class ServedDeltas:
         if on >= 0:
             saved = [torch.empty(int(b.row_ptr[on, -1] - b.row_ptr[on, 0]), dtype=layer.module.weight.dtype,
                                  device=b.device) for layer, b in zip(layers, banks)]
-        # One call for the whole model: every layer's restore and apply, fused per block of rows.
-        _ops.delta_bank_switch_([layer.weight_rows() for layer in layers], banks, off, on,
-                                self._saved if off >= 0 else [], saved, backend=self.backend)
-        self._saved = saved
+        with torch.no_grad():
+            for param, original in self._dense_saved:  # the previous delta's heads out first
+                param.copy_(original)
+            # One call for the whole model: every layer's restore and apply, fused per block of rows.
+            _ops.delta_bank_switch_([layer.weight_rows() for layer in layers], banks, off, on,
+                                    self._saved if off >= 0 else [], saved, backend=self.backend)
+            dense_saved = []
+            for layer in layers:
+                for param, part in zip((layer.module.weight, layer.module.bias), layer.heads.get(name, ())):
+                    if part is not None:
+                        dense_saved.append((param, param.detach().clone()))
+                        param.copy_(part)
+        self._saved, self._dense_saved = saved, dense_saved
         self._in_place = name
 
     @property
@@ -402,6 +433,33 @@ def _is_conv1d(module: nn.Module | None) -> bool:
 def _is_linear(module: nn.Module | None) -> bool:
     """A layer computing `x W^T + b` (nn.Linear) or `x W + b` (transformers' Conv1D)."""
     return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _heads(delta: SparseDelta, modules: dict[str, nn.Module], state: dict[str, torch.Tensor],
+           problems: list[str]) -> dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The delta's dense parts that rows can be served with: an nn.Linear's weight or bias (a task head
+    trained densely), as `{module name: (weight, bias)}` (None: the layer's own). Any other dense part
+    (a norm, an embedding) is added to `problems`, named: it is refused, never dropped."""
+    heads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+    for param, t in delta.dense.items():
+        owner, _, leaf = param.rpartition(".")
+        module, p = modules.get(owner), state.get(param)
+        if p is None:
+            problems.append(f"{param}: no such param in the model (a dense part)")
+        elif (leaf not in ("weight", "bias") or type(module) is not nn.Linear
+              or getattr(module, leaf) is not p):
+            what = type(module).__name__ if module is not None else "no module"
+            problems.append(f"{param}: a dense part of a {what} (it replaces the param whole) cannot be served per "
+                            "row, only an nn.Linear's weight or bias (a task head); apply this fine-tune in place "
+                            "(SparseDelta.apply_ or switch_to) instead")
+        elif tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+            problems.append(f"{param}: the dense part is {t.dtype} {tuple(t.shape)}, the model's param "
+                            f"{p.dtype} {tuple(p.shape)}")
+        else:
+            weight, bias = heads.get(owner, (None, None))
+            part = t.detach().to(p.device).clone()
+            heads[owner] = (part, bias) if leaf == "weight" else (weight, part)
+    return heads
 
 
 def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
