@@ -44,7 +44,8 @@ from sift.delta.fingerprint import SAMPLES_PER_TENSOR, BaseFingerprint
 from sift.delta.fingerprint import _sample_positions, _structure_hash  # noqa: F401
 from sift.delta.application import disabled
 from sift.delta.loading import from_pretrained
-from sift.delta.sparse_delta import MERGE_METHODS, SparseDelta, merge_deltas
+from sift.delta.merging import MERGE_METHODS
+from sift.delta.sparse_delta import SparseDelta, merge_deltas
 from sift.delta.serving import ServedDeltas
 from sift.delta.storage import FORMAT, FORMAT_VERSION
 from sift.delta.storage import _checksum  # noqa: F401  (tests re-sign edited files with it)

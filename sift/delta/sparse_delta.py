@@ -21,7 +21,6 @@ from sift.delta import application, construction, merging, storage
 from sift.delta.directory import read_directory, write_directory
 from sift.delta.entry import DeltaEntry
 from sift.delta.fingerprint import BaseFingerprint
-from sift.delta.merging import MERGE_METHODS  # noqa: F401  (re-exported by sift.delta)
 from sift.delta.storage import _checksum
 
 
