@@ -227,3 +227,27 @@ def test_a_format_4_file_still_loads(tmp_path):
     assert torch.equal(loaded["a"].indices, idx) and torch.equal(loaded["a"].values, values)
     assert torch.equal(loaded["b"].values, values * 2) and loaded["b"].shape == (40, 100)
     assert torch.equal(loaded.dense["head"], torch.ones(3))
+
+
+def test_a_saved_delta_keeps_its_bytes(tmp_path):
+    """Pins the bytes `save` writes (format 5), so a change to the code around the file cannot move them."""
+    import hashlib
+    import struct
+
+    from sift.delta import BaseFingerprint
+
+    base = {"a": torch.linspace(-1, 1, 70).reshape(7, 10), "b": torch.linspace(0, 3, 300).to(torch.bfloat16),
+            "head": torch.zeros(3)}
+    entries = {"a": DeltaEntry((7, 10), torch.float32, torch.tensor([0, 9, 33, 69], dtype=torch.int32),
+                               torch.tensor([0.5, -0.25, 1e-3, 3.0])),
+               # 0.5 fits bf16; 1/3 does not: one word with its low half under the mask
+               "b": DeltaEntry((300,), torch.bfloat16, torch.tensor([1, 150, 299], dtype=torch.int32),
+                               torch.tensor([0.5, 1 / 3, -2.0]))}
+    SparseDelta(entries, BaseFingerprint.of(base), {"head": torch.tensor([1.0, -2.0, 0.5])}).save(tmp_path / "d")
+    raw = (tmp_path / "d").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    # safetensors writes the metadata map in an order that changes from process to process: the header
+    # is compared parsed, the tensor bytes as they are.
+    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True).encode()
+    assert hashlib.sha256(header + raw[8 + n:]).hexdigest() == \
+        "c3830bd472646acc8c03cea29b4b80dd6c1af327490dccec3c20feb6eb395afb"
