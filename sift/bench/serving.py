@@ -8,6 +8,8 @@ different deltas, one of 8 rows sharing 2 deltas, and a prefill of 4 rows x 128 
 deltas. Each row times the deltas' products over the 4 layers and, in the same rotation, the base
 layers' dense products `x W^T`: the ratio is what serving adds to the base's own work. Switch
 rows: 4 bf16 layers of [4096, 4096], two deltas per density, `switch_to` alternating between them.
+Then `sift.bench.serving_llm`: SmolLM2-135M-Instruct served with 1, 2 and 8 fine-tunes per batch
+against the base and peft's mixed LoRA batch, and each fine-tune's memory against its file.
 """
 
 from __future__ import annotations
@@ -146,4 +148,6 @@ def run(quick: bool = False) -> str:
     ])
     save_results("serving", op_rows, markdown, extra={"switch": switch_rows, "quick": quick,
                                                       "load_average": [load_before, load_after]}, quick=quick)
-    return markdown
+    from sift.bench.serving_llm import run_llm
+
+    return markdown + "\n\n" + run_llm(quick)

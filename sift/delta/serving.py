@@ -266,6 +266,24 @@ class ServedDeltas:
             self._layers[owner].heads[name] = (weight, bias)
         self._names.append(name)
 
+    def held_bytes(self, name: str) -> int:
+        """Bytes the loaded delta `name` holds: its entries (int32 column, fp32 value) and row pointers
+        in every layer's bank, and its dense heads.
+
+        Raises:
+            KeyError: no delta of that name is loaded.
+        """
+        if name not in self._names:
+            raise KeyError(f"no delta named {name!r} is loaded (loaded: {self._names})")
+        number, held = self._names.index(name), 0
+        for layer in self._layers.values():
+            bank = layer.bank
+            ptr = bank.row_ptr[number]
+            held += int(ptr[-1] - ptr[0]) * (bank.col_indices.element_size() + bank.values.element_size())
+            held += ptr.numel() * ptr.element_size()
+            held += sum(t.numel() * t.element_size() for t in layer.heads.get(name, ()) if t is not None)
+        return held
+
     def unload_delta(self, name: str) -> None:
         """Take the delta `name` out (its entries leave every layer; layers no delta touches are unhooked).
 

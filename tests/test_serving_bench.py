@@ -1,0 +1,26 @@
+"""The serving benchmark against peft runs in its quick setting (a tiny random Llama) and saves its two tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+
+def test_serving_llm_quick(tmp_path, monkeypatch):
+    from sift.bench import serving_llm
+
+    monkeypatch.setenv("SIFT_BENCH_DIR", str(tmp_path))
+    markdown = serving_llm.run_llm(quick=True)
+    assert "peft LoRA at the matched entry count" in markdown and "Memory per loaded fine-tune" in markdown
+    tag = ("gpu" if torch.cuda.is_available() else "cpu") + "-quick"
+    with open(tmp_path / f"serving-llm-{tag}.json") as f:
+        saved = json.load(f)
+    assert len(saved["rows"]) == 2 * len(serving_llm.SPREADS)
+    assert all(r["sift ms"] > 0 and r["peft LoRA ms"] > 0 and r["base ms"] > 0 for r in saved["rows"])
+    assert [r["fine-tune"] for r in saved["memory"]] == ["d0", "d1"]
+    assert all(r["bytes held"] > 0 and r["file bytes"] > 0 for r in saved["memory"])
