@@ -24,3 +24,4 @@ def test_serving_llm_quick(tmp_path, monkeypatch):
     assert all(r["sift ms"] > 0 and r["peft LoRA ms"] > 0 and r["base ms"] > 0 for r in saved["rows"])
     assert [r["fine-tune"] for r in saved["memory"]] == ["d0", "d1"]
     assert all(r["bytes held"] > 0 and r["file bytes"] > 0 for r in saved["memory"])
+    assert len(saved["switch"]) == 1 and saved["switch"][0]["switch_to median ms"] > 0

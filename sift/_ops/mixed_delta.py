@@ -277,7 +277,8 @@ def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaB
                 continue
             if d >= bank.n_deltas:
                 raise ValueError(f"{name} is {d}, but banks[{layer}] holds {bank.n_deltas} deltas")
-            k = int(bank.row_ptr[d, -1] - bank.row_ptr[d, 0])
+            start, end = bank.row_ptr[d, [0, -1]].tolist()
+            k = end - start
             s = saved[layer]
             if s.shape != (k,) or s.dtype != w.dtype or s.device != w.device or not s.is_contiguous():
                 raise ValueError(f"originals_{name}[{layer}] must be a contiguous {w.dtype} [{k}] tensor on "

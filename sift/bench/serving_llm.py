@@ -6,7 +6,7 @@ Deltas: 8 random sparse fine-tunes at sift's default density (1%) of the default
 of every layer). LoRA: 8 adapters (B not zero, so the products are real) of rank r on the same
 modules, r matching the deltas' entries (`r (in + out)` summed over the modules). Batches of 8 rows
 spread over 1, 2 or 8 fine-tunes; decode: one token per row on a 16-token cache, each step timed;
-prefill: 8 rows of 32 tokens. Every configuration runs in one rotation with the others, so load
+prefill: 8 rows of 32 tokens; then `switch_to` between two of the fine-tunes. Every configuration runs in one rotation with the others, so load
 from other work falls on all alike. `--quick`: a tiny random Llama instead (figures not comparable).
 """
 
@@ -25,6 +25,7 @@ COLUMNS = ("phase", "fine-tunes in the batch", "base ms", "sift ms", "sift / bas
            "sift / peft")
 MEMORY_COLUMNS = ("fine-tune", "entries", "bytes held", "file bytes", "held / file", "LoRA rank (matched)",
                   "LoRA adapter bytes")
+SWITCH_COLUMNS = ("entries per fine-tune", "switch_to median ms", "p20 ms", "p80 ms", "ms per million entries")
 SPREADS = (1, 2, 8)
 DENSITY = 0.01  # sift's default (SparseAdamW, for_model)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # for_model's default for the Llama family
@@ -85,8 +86,8 @@ def _names(prefix: str, spread: int, rows: int) -> list[str]:
     return [f"{prefix}{r % spread}" for r in range(rows)]
 
 
-def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[list[dict], list[dict]]:
-    """The speed rows (decode, prefill) and the memory rows (see the module docstring)."""
+def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[list[dict], list[dict], list[dict]]:
+    """The speed rows (decode, prefill), the memory rows and the switch row (see the module docstring)."""
     from sift import ServedDeltas
 
     model = _model(quick)
@@ -130,8 +131,17 @@ def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[lis
                          "sift ms": sift_ms, "sift / base": sift_ms / base, "peft LoRA ms": peft_ms,
                          "peft / base": peft_ms / base, "sift / peft": sift_ms / peft_ms})
     memory = _memory_rows(served, deltas, model, rank)
+    served.switch_to("d0")
+    switches = []
+    for i in range(2 * repeat + 1):
+        t0 = time.perf_counter()
+        served.switch_to(f"d{(i + 1) % 2}")
+        switches.append((time.perf_counter() - t0) * 1e3)
+    t = summary(switches[1:])
+    switch = [{"entries per fine-tune": entries, "switch_to median ms": t["median_ms"], "p20 ms": t["p20_ms"],
+               "p80 ms": t["p80_ms"], "ms per million entries": t["median_ms"] / (entries / 1e6)}]
     served.close()
-    return rows, memory
+    return rows, memory, switch
 
 
 def _memory_rows(served, deltas, model, rank: int) -> list[dict]:
@@ -169,7 +179,7 @@ def run_llm(quick: bool = False) -> str:
     if importlib.util.find_spec("peft") is None:
         return "### serving against peft\n\npeft is not installed; nothing to compare\n"
     load_before = os.getloadavg()
-    rows, memory = bench_llm(quick)
+    rows, memory, switch = bench_llm(quick)
     load_after = os.getloadavg()
     suffix = " [quick: a tiny random Llama, not comparable]" if quick else ""
     model = "a tiny random Llama" if quick else "SmolLM2-135M-Instruct (fp32)"
@@ -179,10 +189,12 @@ def run_llm(quick: bool = False) -> str:
         "",
         markdown_table(f"Memory per loaded fine-tune on {model}{suffix}", MEMORY_COLUMNS, memory),
         "",
+        markdown_table(f"switch_to between two fine-tunes on {model}{suffix}", SWITCH_COLUMNS, switch),
+        "",
         (f"CPU timing: medians, every configuration in one rotation, {torch.get_num_threads()} threads; load average "
          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after on 2 cores shared with other work (figures move "
          "with it; ratios taken within one rotation hold better than the absolute times)."),
     ])
-    save_results("serving-llm", rows, markdown, extra={"memory": memory, "quick": quick,
+    save_results("serving-llm", rows, markdown, extra={"memory": memory, "switch": switch, "quick": quick,
                                                       "load_average": [load_before, load_after]}, quick=quick)
     return markdown

@@ -90,11 +90,21 @@ class _ServedLayer:
     def __init__(self, served: ServedDeltas, module: nn.Module, bank: DeltaBank):
         self.served = served
         self.module = module
-        self.bank = bank
+        self.bank = bank  # sets `entries` too
         # delta name -> (weight, bias) its rows are computed with: a head trained densely (None: the layer's)
         self.heads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.int8 = is_linear8bit(module)
         self.handle = module.register_forward_hook(self._hook)
+
+    @property
+    def bank(self) -> DeltaBank:
+        return self._bank
+
+    @bank.setter
+    def bank(self, bank: DeltaBank) -> None:
+        self._bank = bank
+        # Each delta's entry count, on the host: switch_to sizes its buffers without reading the device.
+        self.entries = (bank.row_ptr[:, -1] - bank.row_ptr[:, 0]).tolist()
 
     def weight_rows(self) -> torch.Tensor:
         """The weight as `[out_features, in_features]`, the bank's rows and columns (a view)."""
@@ -359,8 +369,8 @@ class ServedDeltas:
         banks = [layer.bank for layer in layers]
         saved = []
         if on >= 0:
-            saved = [torch.empty(int(b.row_ptr[on, -1] - b.row_ptr[on, 0]), dtype=layer.module.weight.dtype,
-                                 device=b.device) for layer, b in zip(layers, banks)]
+            saved = [torch.empty(layer.entries[on], dtype=layer.module.weight.dtype, device=b.device)
+                     for layer, b in zip(layers, banks)]
         with torch.no_grad():
             for param, original in self._dense_saved:  # the previous delta's heads out first
                 param.copy_(original)
