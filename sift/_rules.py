@@ -19,17 +19,26 @@ from sift._index import index_dtype, random_generator, top_k_positions
 RULES = ("magnitude", "saliency", "random")
 
 
-def step_score(rule: str, grad: torch.Tensor, weight: torch.Tensor, inv_scale: torch.Tensor | None = None, *,
-               reuse: bool = False) -> torch.Tensor | None:
-    """One selection step's score (fp32, `grad`'s shape); None for "random", which scores nothing.
+def step_score(rule: str, grad: torch.Tensor, weight: torch.Tensor | None, inv_scale: torch.Tensor | None = None, *,
+               reuse: bool = False, signed: bool = True) -> torch.Tensor | None:
+    """One step's score of a weight's entries (fp32, `grad`'s shape); None for "random", which scores nothing.
+
+    The one scoring path: the selection of 16-bit weights and of 4-bit layers, and the re-selection of both
+    (which ranks by magnitude, `signed=False`).
 
     Args:
-        rule: "magnitude" (|grad|, SIFT) or "saliency" (-weight * grad, summed signed; NAS-PEFT).
+        rule: "magnitude" (|grad|, SIFT) or "saliency" (-weight * grad; NAS-PEFT).
         grad: the weight's gradient (any float dtype), of `weight`'s shape.
         weight: the weight's values (saliency only).
         inv_scale: 1 / GradScaler's scale when `grad` is still loss-scaled; the score is unscaled by it.
         reuse: `grad` is an fp32 temporary of the caller's that the score may overwrite (no second
             weight-sized buffer).
+        signed: saliency keeps its sign (the selection sums it over steps, then takes the magnitude); False:
+            |weight * grad| (the re-selection ranks each step's magnitude).
+
+    Example:
+        >>> step_score("saliency", torch.tensor([1.0, -2.0]), torch.tensor([3.0, 1.0]), signed=False)
+        tensor([3., 2.])
     """
     if rule == "random":
         return None
@@ -37,7 +46,8 @@ def step_score(rule: str, grad: torch.Tensor, weight: torch.Tensor, inv_scale: t
         score = grad.abs_() if reuse else grad.abs().float()
     elif rule == "saliency":
         # First-order saliency: the loss change predicted for zeroing the entry.
-        score = grad.mul_(weight.float()).neg_() if reuse else -(weight.float() * grad.float())
+        score = grad.mul_(weight.float()) if reuse else weight.float() * grad.float()
+        score = score.neg_() if signed else score.abs_()
     else:
         raise ValueError(f"selection must be one of {RULES}, got {rule!r}")
     if inv_scale is not None:

@@ -328,10 +328,9 @@ def for_model(
     if optimizer.compact_grads:
         exclude_from_ddp(model, list(plan.sparse))
     if quantized:
-        optimizer.grads.quantized = {route.values: route for route in bind_deltas(model, quantized, optimizer)}
-        optimizer.grads.hook_quantized()
+        optimizer.grads.route_quantized(bind_deltas(model, quantized, optimizer))
     if sparse_backward:
-        optimizer.sparse_backward_handle = enable_sparse_backward(model, optimizer)
+        optimizer.grads.hold_sparse_backward(enable_sparse_backward(model, optimizer))
     return optimizer
 
 

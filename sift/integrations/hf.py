@@ -271,13 +271,13 @@ class SparseTrainerMixin:
             **self.sift_reselect,
             **flags,
         )
-        optimizer.memory.auto = auto
+        optimizer.memory.chosen_by_preset(auto)
         for p, idx in given.items():
             optimizer.set_indices(p, idx)
         if sparse_backward:
             from sift.sparse_backward import enable_sparse_backward
 
-            optimizer.sparse_backward_handle = enable_sparse_backward(opt_model, optimizer)
+            optimizer.grads.hold_sparse_backward(enable_sparse_backward(opt_model, optimizer))
         return optimizer
 
     def _memory_flags(self, model: torch.nn.Module) -> tuple[dict[str, Any], bool]:
@@ -306,7 +306,7 @@ class SparseTrainerMixin:
             **self.sift_reselect,
             **flags,
         )
-        optimizer.memory.auto = auto
+        optimizer.memory.chosen_by_preset(auto)
         params = dict(opt_model.named_parameters())
         for name, idx in self.sift_indices.items():
             optimizer.set_indices(params[name], idx)

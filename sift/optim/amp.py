@@ -92,7 +92,40 @@ class ScalerLink(Part):
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
+        self.scaler: torch.amp.GradScaler | None = None  # `optimizer.grad_scaler`: not pickled or copied
+        # Whether a GradScaler has driven a step: the compact buffers then hold loss-scaled gradients that only a
+        # linked scaler can unscale before a clip. Saved in state_dict, since a resumed optimizer has no link.
+        self.loss_scaled = False
         self.new_step()
+
+    def link(self, scaler: torch.amp.GradScaler | None) -> None:
+        """`optimizer.grad_scaler = scaler`: the scaler whose scale unscales the compact buffers."""
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+        self.scaler = scaler
+
+    def mark_scaled(self, p: torch.Tensor) -> None:
+        """p's compact buffer now holds a gradient of the loss as GradScaler scaled it: unscaled once, before the
+        step reads it."""
+        self.scaled_compact.add(p)
+
+    def mark_unscaled(self, p: torch.Tensor) -> None:
+        """p's compact buffer was gathered from a `.grad` that `scaler.unscale_` unscaled already."""
+        self.scaled_compact.discard(p)
+
+    def saved(self) -> dict[str, bool]:
+        """Whether a GradScaler has driven a step (the compact buffers then hold scaled gradients)."""
+        return {"loss_scaled": self.loss_scaled}
+
+    def resume(self, saved: dict[str, Any]) -> None:
+        self.loss_scaled = bool(saved.get("loss_scaled", self.loss_scaled))
+
+    def carried(self) -> dict[str, bool]:
+        """A copy carries whether a GradScaler has driven a step; not the link to it."""
+        return {"loss_scaled": self.loss_scaled}
+
+    def carry(self, carried: dict[str, Any]) -> None:
+        self.loss_scaled = bool(carried.get("loss_scaled", False))
 
     def new_step(self) -> None:
         """For one step: the compact buffers still holding scaled gradients, the inf/NaN flags of those
@@ -104,7 +137,7 @@ class ScalerLink(Part):
     def scaler_inverse_scale(self, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor | None:
         """The inverse scale `scaler.unscale_(optimizer)` applied to `.grad` this step, if it was called (`scaler`:
         the optimizer's `grad_scaler` by default)."""
-        scaler = self.opt.grad_scaler if scaler is None else scaler
+        scaler = self.scaler if scaler is None else scaler
         if scaler is None or not scaler.is_enabled():
             return None
         per_optimizer = scaler._per_optimizer_states.get(id(self.opt))
@@ -136,7 +169,7 @@ class ScalerLink(Part):
                 backward at this step); default: the optimizer's.
 
         Returns:
-            What `prepare` and `begin` act on: whether a GradScaler drives the step, its inf flag of `.grad` (None when it
+            What `prepare` acts on: whether a GradScaler drives the step, its inf flag of `.grad` (None when it
             checked nothing), the scaler to link, the inverse `grad_scale`, and the inverse scale of the compact
             buffers (None: they are not unscaled now).
 
@@ -152,7 +185,7 @@ class ScalerLink(Part):
         if update_in_backward and under_scaler:
             raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
                                "inside backward, before the scaler's inf/NaN check could skip the step")
-        link = self.opt.grad_scaler
+        link = self.scaler
         if under_scaler and self.opt.compact_grads and link is None:
             link = self.calling_scaler()
             if link is None:
@@ -209,14 +242,14 @@ class ScalerLink(Part):
         self.grad_inv_scale = scaled.grad_inv_scale
         self.compact_found_inf = scaled.checked
         if scaled.under_scaler:
-            self.opt.loss_scaled = True
-        self.opt.grad_scaler = scaled.link
+            self.loss_scaled = True
+        self.scaler = scaled.link
         if scaled.compact_inv is not None:
             _unscale_(self.scaled_buffers(), scaled.compact_inv, None)
             self.scaled_compact.clear()
-        if scaled.under_scaler and scaled.scored and self.opt.grad_scaler is None:
+        if scaled.under_scaler and scaled.scored and self.scaler is None:
             # Kept: a later selecting backward unscales its score by it.
-            self.opt.grad_scaler = self.calling_scaler()
+            self.scaler = self.calling_scaler()
 
     def agree(self, found_inf: list[torch.Tensor] | None) -> bool:
         """The step's one agreement across ranks, reached by every rank on every path before anything
@@ -284,7 +317,7 @@ class ScalerLink(Part):
         """Make `flag` (this step's agreed inf/NaN flag; None: nothing was checked, a clean check) the scaler's
         whole check of this optimizer, so that `scaler.update()` backs off for the compact buffers too (its
         own check saw only `.grad`), alike on every rank, and always finds a check."""
-        scaler = self.opt.grad_scaler if self.opt.grad_scaler is not None else self.calling_scaler()
+        scaler = self.scaler if self.scaler is not None else self.calling_scaler()
         per_optimizer = scaler._per_optimizer_states.get(id(self.opt)) if scaler is not None else None
         if per_optimizer is None:  # a linked scaler that is not the one stepping: nothing to report to
             return

@@ -14,7 +14,7 @@ from sift import _ops
 from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
-from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_dtensor, is_selected, local_tensor, num_entries
+from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_dtensor, is_selected, local_tensor
 
 
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) -> None:
@@ -39,7 +39,7 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 
 # What a copy carries besides torch's own state: the settings, and the gradients gathered this step.
 PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-            "update_in_backward", "sharded_selection", "loss_scaled")
+           "sharded_selection")
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def getstate(opt: Any) -> dict[str, Any]:
     be pickled; the copy has none and warns), the grad scaler (the copy has none), the grad
     hooks (the copy hooks its own params) and the kernels' launch tables (built again for the
     copy's tensors). Carried: what each part of `opt.PARTS` carries (`Part.carried`: the compact gradients
-    gathered this step, `memory="lowest"`'s decision).
+    gathered this step, the update in backward and `memory="lowest"`'s decision, whether a GradScaler drove a step).
     """
     state = torch.optim.Optimizer.__getstate__(opt)
     for name, _ in opt.PARTS:  # the copy builds its own
@@ -70,25 +70,24 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
     legacy = {"grads": {"compact": state.pop("compact", state.pop("_compact", {})),
                         "ready": state.pop("grad_ready", state.pop("_grad_ready", set()))},
               "memory": {"auto": state.pop("update_in_backward_auto", state.pop("_update_in_backward_auto", False))}}
-    carried = state.pop("parts", legacy)
+    carried = {name: dict(part) for name, part in state.pop("parts", legacy).items()}
+    # Settings earlier versions pickled on the optimizer, which its parts own now.
+    for part, key in (("memory", "update_in_backward"), ("amp", "loss_scaled")):
+        if key in state:
+            carried.setdefault(part, {}).setdefault(key, state.pop(key))
     torch.optim.Optimizer.__setstate__(opt, state)
     for name, _ in opt.PARTS:
         getattr(opt, name).carry(carried.get(name, {}))
     opt.__dict__.pop("keep_base", None)  # pickled by versions that had the option
     opt.__dict__.setdefault("state_layout", "exact")
-    opt.__dict__.setdefault("update_in_backward", False)
     opt.__dict__.setdefault("sharded_selection", "global")
-    opt.__dict__.setdefault("loss_scaled", False)
-    opt.process_group = None
-    opt.grad_scaler = None
     if had_process_group:
         warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
                       "pickled); set `optimizer.process_group` to average gradients across ranks again",
                       stacklevel=3)
     # Hooks are not copied with the params: the copy hooks its own.
-    opt.grads.hooks_ready = opt.compact_grads
     if opt.compact_grads:
-        opt.grads.sync_hooks()
+        opt.grads.install_hooks()
 
 
 def state_dict(opt: Any) -> dict[str, Any]:
@@ -99,7 +98,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
               for pid, p in zip(saved["params"], group["params"])}
     sd["sift"] = {"select_steps": opt.select_steps, "selection": opt.selection, "seed": opt.seed,
                   "state": opt.state_layout, "format": 1, "param_shapes": shapes,
-                  "loss_scaled": opt.loss_scaled, "sharded_selection": opt.sharded_selection,
+                  "sharded_selection": opt.sharded_selection,
                   "compact_grads": opt.compact_grads}
     for name, _ in opt.PARTS:
         sd["sift"].update(getattr(opt, name).saved())
@@ -166,7 +165,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     _check_entry_values(new_state, id_map, saved_groups, opt.param_groups)
     # Everything validated: install.
     opt.state = defaultdict(dict, new_state)
-    opt.selector.pending = None
+    opt.selector.rescan()
     for saved, group in zip(saved_groups, opt.param_groups):
         for key, value in saved.items():
             if key not in ("params", "param_names"):
@@ -180,17 +179,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     opt.sharded_selection = meta.get("sharded_selection", opt.sharded_selection)
     for name, _ in opt.PARTS:
         getattr(opt, name).resume(meta)
-    opt.loss_scaled = bool(meta.get("loss_scaled", opt.loss_scaled))
-    opt.grads.compact.clear()
-    opt.grads.ready.clear()
-    opt.grads.forget_backwards()
-    opt.grads.clear_open_buffers()
-    if opt.compact_grads and not opt.update_in_backward:
-        for p, state in opt.state.items():
-            if is_selected(state):
-                opt.grads.compact[p] = torch.zeros(num_entries(state), dtype=torch.float32, device=p.device)
-    if opt.grads.hooks_ready:  # a group may have turned sparse or dense
-        opt.grads.sync_hooks()
     opt.grads.after_load()
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)

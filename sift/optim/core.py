@@ -2,7 +2,8 @@
 (`_build_parts`), each owned by one sibling module: `entries` (state.py), `grads` (hooks.py),
 `selector` (selection.py), `amp` (amp.py), `steps` (steps.py), `memory` (memory.py); checkpoints
 and copies are checkpoint.py's functions. A part reads the optimizer's settings and its sibling
-parts' public members, never another module's private attribute."""
+parts' public members, never another module's private attribute, and changes a sibling's data only
+through the sibling's methods."""
 
 from __future__ import annotations
 
@@ -198,22 +199,37 @@ class SparseAdamW(torch.optim.Optimizer):
         self.state_layout = state
         self.backend = backend
         self.max_grad_norm = max_grad_norm
-        self.process_group = process_group
-        self.update_in_backward = update_in_backward
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         if grad_scaler is not None and update_in_backward:
             raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
                              "backward cannot be unstepped when the scaler finds inf/NaN")
-        self.grad_scaler = grad_scaler
-        # Whether a GradScaler has driven a step: its compact buffers then hold loss-scaled gradients that only
-        # a linked scaler can unscale before a clip. Saved in state_dict, since a resumed optimizer has no link.
-        self.loss_scaled = False
         self._build_parts()
+        self.memory.start(update_in_backward)
+        self.grads.average_over(process_group)
+        self.amp.link(grad_scaler)
         super().__init__(params, defaults)
-        self.grads.hooks_ready = compact_grads
         if compact_grads:
-            self.grads.sync_hooks()
+            self.grads.install_hooks()
+
+    # The settings a part owns, read and set here under their public names.
+    update_in_backward = property(lambda self: self.memory.update_in_backward,
+                                  doc="Whether weights are stepped inside backward (`sift.optim.memory`).")
+    loss_scaled = property(lambda self: self.amp.loss_scaled, doc="Whether a GradScaler has driven a step.")
+
+    def _sparse_backward_handle(self) -> Any:
+        handle = self.grads.sparse_backward_handle
+        if handle is None:  # as before: absent until a sparse backward is enabled
+            raise AttributeError("no sparse backward was enabled for this optimizer")
+        return handle
+
+    sparse_backward_handle = property(_sparse_backward_handle, lambda self, handle: self.grads.hold_sparse_backward(
+        handle), doc="What undoes the sparse backward `for_model` enabled (absent when none was).")
+    grad_scaler = property(lambda self: self.amp.scaler, lambda self, scaler: self.amp.link(scaler),
+                           doc="The GradScaler linked to this optimizer (`sift.optim.amp`).")
+    process_group = property(lambda self: self.grads.process_group,
+                             lambda self, group: self.grads.average_over(group),
+                             doc="The ranks whose gradients `step()` averages (`sift.optim.hooks`).")
 
     def _build_parts(self) -> None:
         """The parts a mode is composed of (`PARTS`), each owned by one module, and what lives with this process
@@ -291,7 +307,7 @@ class SparseAdamW(torch.optim.Optimizer):
         opt = for_model(model, density, lr, target_modules=target_modules, dense_modules=dense_modules,
                         selection=selection, optimizer_cls=cls, sparse_backward=bool(sparse_backward),
                         **optimizer_kwargs)
-        opt.memory.auto = auto
+        opt.memory.chosen_by_preset(auto)
         return opt
 
     # ------------------------------------------------------------------ groups
@@ -336,7 +352,7 @@ class SparseAdamW(torch.optim.Optimizer):
                 check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
             if merged.get("reselect") and merged["density"] < 1.0:
                 check_reselect_param(p, label, merged["reselect"], self.state_layout == "lean")
-        self.selector.pending = None
+        self.selector.rescan()
         group = dict(param_group)
         group["params"] = params
         if "betas" in group:
@@ -352,10 +368,8 @@ class SparseAdamW(torch.optim.Optimizer):
         """Zero dense grads as torch does, and drop gathered compact grads (and what a clip or a
         skipped step left for the next step)."""
         super().zero_grad(set_to_none)
-        self.grads.ready.clear()
+        self.grads.drop_gathered()
         self._forget_step_caches()
-        for route in self.grads.quantized.values():
-            route.discard()  # a 4-bit layer's tentative entries came with the gradients just dropped
 
     # ------------------------------------------------------ entries and gradients
 

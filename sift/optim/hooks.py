@@ -86,6 +86,9 @@ class GradRoutes(Part):
         self.sharded_plans: list[Any] = []
         self.sharded_plans_final = False
         self.routes: list[Any] = []  # the sparse backward's routes (`sift.sparse_backward`) to this optimizer
+        self.sparse_backward_handle: Any = None  # what undoes the sparse backward `for_model` enabled
+        # The ranks whose gradients are averaged (`process_group`): given, or the default group adopted under DDP.
+        self.process_group: Any = None
         self.new_step()
 
     def new_step(self) -> None:
@@ -108,7 +111,7 @@ class GradRoutes(Part):
         itself; otherwise (or with update_in_backward, which cannot average inside backward) it
         refuses before anything changes, since unaveraged replicas would silently drift apart.
         """
-        if not self.opt.compact_grads or self.opt.process_group is not None:
+        if not self.opt.compact_grads or self.process_group is not None:
             return
         import torch.distributed as dist
 
@@ -129,7 +132,7 @@ class GradRoutes(Part):
         if excluded and not update_in_backward:
             logger.info("SparseAdamW: %d processes: averaging the compact gradients over the default process group "
                         "(the sparse weights are excluded from DDP)", world)
-            self.opt.process_group = self.ddp_process_group = dist.group.WORLD
+            self.process_group = self.ddp_process_group = dist.group.WORLD
             return
         reason = ("update_in_backward=True steps each weight inside backward, before its gradient could be averaged "
                   "across ranks: use update_in_backward=False" if update_in_backward else
@@ -143,7 +146,25 @@ class GradRoutes(Part):
         """The sparse backward routed these layers (`sift.enable_sparse_backward`): FSDP2 weights among them get
         their cross-rank plans (`sift.optim.sharded`)."""
         self.routes.extend(routes)
-        attach_sparse_backward(self.opt, routes)
+        self.sharded_plans.extend(attach_sparse_backward(self.opt, routes))
+
+    def average_over(self, process_group: Any) -> None:
+        """`optimizer.process_group = group`: average what each step reads across these ranks (None: do not)."""
+        self.process_group = process_group
+
+    def hold_sparse_backward(self, handle: Any) -> None:
+        """Keep what undoes the sparse backward enabled for this optimizer (`optimizer.sparse_backward_handle`)."""
+        self.sparse_backward_handle = handle
+
+    def route_quantized(self, routes: list[Any]) -> None:
+        """The 4-bit and 8-bit layers' deltas this optimizer trains (`sift.quantized`), hooked for the update in
+        backward."""
+        self.quantized = {route.values: route for route in routes}
+        self.hook_quantized()
+
+    def recheck_plans(self) -> None:
+        """Entries changed (a re-selection, or outside `step()`): the next step checks the FSDP2 plans again."""
+        self.sharded_plans_final = False
 
     def routed(self, p: torch.Tensor) -> bool:
         """Whether the sparse backward writes p's gradient (a layer routed to this optimizer and not restored)."""
@@ -152,14 +173,54 @@ class GradRoutes(Part):
     def after_step(self) -> None:
         """The end of every step, run or skipped: FSDP2 weights under the sparse backward rebuild their cross-rank
         plans if any rank's entries changed (one all-reduce a step, until every weight's entries are chosen)."""
-        if self.sharded_plans:
-            refresh_if_stale(self.opt)
+        if self.sharded_plans and not self.sharded_plans_final:
+            self.sharded_plans_final = refresh_if_stale(self.opt)
 
     def after_load(self) -> None:
-        """`load_state_dict` installed other entries: FSDP2 weights under the sparse backward rebuild their plans
-        (collective)."""
+        """`load_state_dict` installed other entries (every part resumed): nothing gathered so far is kept, each
+        selected weight gets a fresh compact buffer, a group that turned sparse or dense is hooked again, and FSDP2
+        weights under the sparse backward rebuild their plans (collective)."""
+        self.compact.clear()
+        self.ready.clear()
+        self.forget_backwards()
+        self.clear_open_buffers()
+        for p, state in self.opt.state.items():
+            if is_selected(state):
+                self.new_compact(p, num_entries(state))
+        if self.hooks_ready:
+            self.sync_hooks()
         if self.sharded_plans:
             refresh_sparse_backward(self.opt)
+
+    def drop_gathered(self) -> None:
+        """`zero_grad`: the compact gradients gathered so far, and the 4-bit layers' tentative entries that came
+        with them, are dropped."""
+        self.ready.clear()
+        for route in self.quantized.values():
+            route.discard()
+
+    def new_compact(self, p: torch.Tensor, k: int) -> None:
+        """p's entries were just chosen (k of them): a zeroed [k] fp32 compact buffer where the mode keeps one (the
+        update in backward gathers into its scratch instead)."""
+        if self.opt.compact_grads and not self.opt.update_in_backward:
+            self.compact[p] = torch.zeros(k, dtype=torch.float32, device=p.device)
+
+    def keep_compact(self, p: torch.Tensor, kept: torch.Tensor, values: torch.Tensor) -> None:
+        """p's entries changed (`set_indices`): the new entries `kept` ([k] bool) take the gradient gathered at
+        them before."""
+        self.compact[p][kept] = values
+
+    def gather_selected(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
+        """compact_grads, at a selection or re-selection: fill p's compact buffer from its dense grad (or the [k]
+        gradient a clip gathered)."""
+        compact = self.compact[p]
+        if clipped is not None:
+            compact.copy_(clipped)
+        else:
+            compact.copy_(torch.index_select(local_tensor(p.grad).reshape(-1), 0, self.opt.indices_of(p)))
+        self.ready.add(p)
+        if self.opt.amp.grad_inv_scale is not None:  # gathered from a `.grad` GradScaler has not unscaled
+            self.opt.amp.mark_scaled(p)
 
     def end_step(self) -> None:
         """After a step (run or skipped): the gathered gradients, the backward marks, the open buffers (the step
@@ -173,7 +234,7 @@ class GradRoutes(Part):
     def average_pending(self) -> None:
         """With a process group: average the pending params' dense grads across ranks (once a
         step) before anything selects from them, so every rank chooses the same entries."""
-        if self.opt.process_group is None:
+        if self.process_group is None:
             return
         for _, p in self.opt.selector.pending_with_grad() + self.opt.reselector.due_with_grad():
             if p not in self.averaged:
@@ -258,7 +319,12 @@ class GradRoutes(Part):
             # This step's gradient arrived before the hook existed: gather (and free) it now.
             self.grad_hook(p)
             if self.opt.amp.dense_grads_unscaled():  # scaler.unscale_ saw it as a `.grad`
-                self.opt.amp.scaled_compact.discard(p)
+                self.opt.amp.mark_unscaled(p)
+
+    def install_hooks(self) -> None:
+        """From now on every sparse param has its grad hook, a group added later included (`sync_hooks`)."""
+        self.hooks_ready = True
+        self.sync_hooks()
 
     def remove_hooks(self) -> None:
         """See `SparseAdamW.remove_hooks`."""
@@ -286,15 +352,15 @@ class GradRoutes(Part):
             return
         _gather_into(self.compact[p], grad, self.opt.indices_of(p), accumulate=p in self.ready)
         self.ready.add(p)
-        self.opt.amp.scaled_compact.add(p)  # as GradScaler scaled the loss; unscaled once, before the step
+        self.opt.amp.mark_scaled(p)  # as GradScaler scaled the loss; unscaled once, before the step
         p.grad = None
 
     def average_across_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        world = dist.get_world_size(self.opt.process_group)
+        world = dist.get_world_size(self.process_group)
         if world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.opt.process_group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
             tensor.div_(world)
         return tensor
 
@@ -302,14 +368,14 @@ class GradRoutes(Part):
         """Whether DDP already averaged p's `.grad`: the optimizer adopted the default group because DDP
         ignores the sparse weights, and DDP does not ignore p (a dense head, a 4-bit layer's delta)."""
         adopted = self.ddp_process_group
-        return adopted is not None and self.opt.process_group is adopted and not getattr(p, "_ddp_ignored", False)
+        return adopted is not None and self.process_group is adopted and not getattr(p, "_ddp_ignored", False)
 
     def sync_grads(self) -> None:
         """compact_grads + process_group: average what this step uses across ranks, once a step.
 
         Every rank must have run backward over the same params (as with DDP).
         """
-        if self.opt.process_group is None:
+        if self.process_group is None:
             return
         for group in self.opt.param_groups:
             for p in group["params"]:
@@ -326,9 +392,9 @@ class GradRoutes(Part):
     def agreement_group(self) -> tuple[Any, torch.device | None]:
         """The ranks that take each step's decisions together, and the device of their agreement: the process
         group (given, or adopted under DDP), else an FSDP2 mesh's; (None, None) for one process."""
-        if self.opt.process_group is not None:
+        if self.process_group is not None:
             first = next((p for group in self.opt.param_groups for p in group["params"]), None)
-            return self.opt.process_group, local_tensor(first).device if first is not None else torch.device("cpu")
+            return self.process_group, local_tensor(first).device if first is not None else torch.device("cpu")
         sharded = first_shard(self.opt)
         if sharded is None:
             return None, None
@@ -351,7 +417,7 @@ class GradRoutes(Part):
         if param not in self.ready:
             buffer.zero_()
             self.ready.add(param)
-        self.opt.amp.scaled_compact.add(param)
+        self.opt.amp.mark_scaled(param)
         return self.opt.indices_of(param), buffer
 
     # ----------------------------------------------------- update in backward
@@ -370,7 +436,7 @@ class GradRoutes(Part):
             raise ValueError("sparse-layout gradients are not supported; use dense gradients")
         selected = self.gathers_entries(p)
         self.mark_backward(p, selected)
-        if (not selected and grad is not None and buffer is None and self.opt.process_group is None
+        if (not selected and grad is not None and buffer is None and self.process_group is None
                 and self.opt.reselector.is_due(p)):
             # Its whole gradient of the step's one backward: re-selected and stepped now, so that no two weights'
             # dense gradients live at once (one process: nothing is averaged later).
@@ -428,7 +494,7 @@ class GradRoutes(Part):
         (micro-batches accumulate)."""
         if p in self.backward_seen:
             if self.opt.memory.auto and not selected:
-                self.opt.memory.accumulation_seen = True
+                self.opt.memory.saw_accumulation()
                 return
             if not selected:
                 self.repeated_backward = True

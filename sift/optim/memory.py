@@ -123,9 +123,23 @@ class MemoryPolicy(Part):
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
+        self.update_in_backward = False  # `optimizer.update_in_backward`, given at build (`start`)
         # memory="lowest" chose the update in backward: the first step may still drop it. Saved in state_dict.
         self.auto = False
         self.accumulation_seen = False  # a second backward before the first step (micro-batches)
+
+    def start(self, update_in_backward: bool) -> None:
+        """The optimizer's constructor: whether weights are stepped inside backward."""
+        self.update_in_backward = update_in_backward
+
+    def chosen_by_preset(self, auto: bool) -> None:
+        """Whether the update in backward came from memory="lowest" (`resolve_memory`), so that the first step may
+        still drop it; explicit flags stay as given."""
+        self.auto = auto
+
+    def saw_accumulation(self) -> None:
+        """A second backward reached a weight before the first step: micro-batches accumulate."""
+        self.accumulation_seen = True
 
     def decided(self) -> bool:
         """Whether entries are chosen (anything may have been stepped in backward): memory="lowest"'s choice is
@@ -166,24 +180,24 @@ class MemoryPolicy(Part):
         """Leave the update in backward for compact_grads' hooks, with one log line saying why."""
         logger.warning("sift: memory='lowest' without update_in_backward: %s", why)
         self.auto = False
-        self.opt.update_in_backward = False
+        self.update_in_backward = False
         self.opt.grads.forget_backwards()
         self.opt.grads.remove_hooks()
-        self.opt.grads.hooks_ready = True
-        self.opt.grads.sync_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
+        self.opt.grads.install_hooks()  # compact_grads' own hooks; remove_hooks took the 4-bit deltas' pre-hooks too
 
     def saved(self) -> dict[str, bool]:
         """What `state_dict` records of the mode: whether the update in backward is on, and whether that is
         still undecided (memory="lowest" before its first step)."""
-        return {"update_in_backward": self.opt.update_in_backward,
+        return {"update_in_backward": self.update_in_backward,
                 "update_in_backward_auto": self.auto}
 
     def carried(self) -> dict[str, bool]:
-        """A copy carries `memory="lowest"`'s decision as it stands."""
-        return {"auto": self.auto}
+        """A copy carries the mode and `memory="lowest"`'s decision as it stands."""
+        return {"auto": self.auto, "update_in_backward": self.update_in_backward}
 
     def carry(self, carried: dict[str, bool]) -> None:
         self.auto = carried.get("auto", False)
+        self.update_in_backward = carried.get("update_in_backward", False)
 
     def resume(self, saved: dict[str, Any]) -> None:
         """load_state_dict: where memory="lowest" chose this optimizer's update in backward, continue as the

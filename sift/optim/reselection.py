@@ -72,6 +72,7 @@ import torch
 from sift import _ops
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
+from sift._rules import step_score
 from sift.optim.clip import clip_each_
 from sift.optim.part import Part
 from sift.optim.selection import sharded_top_k
@@ -268,13 +269,15 @@ class Reselector(Part):
 
     def score_now(self, group: dict[str, Any], p: torch.Tensor, grad: torch.Tensor, inv_scale: Any) -> torch.Tensor:
         """This step's re-selection score of p's positions ([numel] fp32, a new tensor): |g|, or first-order saliency
-        |theta * g|; unscaled by `inv_scale` (GradScaler's, which may change between the scoring steps)."""
-        score = local_tensor(grad).reshape(-1).float().abs()
-        if group["reselect"]["rule"] == "saliency":
-            score.mul_(local_tensor(p.detach()).reshape(-1).float().abs())
-        if inv_scale is not None:
-            score.mul_(inv_scale.to(score.device))
-        return score
+        |theta * g| (`sift._rules.step_score`); unscaled by `inv_scale` (GradScaler's, which may change between the
+        scoring steps)."""
+        weight = local_tensor(p.detach()).reshape(-1)
+        return step_score(self.scoring_rule(group), local_tensor(grad).reshape(-1), weight, inv_scale, signed=False)
+
+    @staticmethod
+    def scoring_rule(group: dict[str, Any]) -> str:
+        """The selection rule a re-selection scores by: "saliency", else "magnitude" (SpIEL grows by |g|)."""
+        return "saliency" if group["reselect"]["rule"] == "saliency" else "magnitude"
 
     def add_score(self, p: torch.Tensor, score: torch.Tensor) -> None:
         """A scoring step's score joins p's summed score (optimizer state, so `state_dict` carries it)."""
@@ -365,12 +368,11 @@ class Reselector(Part):
         """A 4-bit or int8 layer's re-selection score from its dense weight gradient (`dense`, [out, in] fp32,
         consumed) and the weight it computes with (`weight`, for "saliency"), flat; still loss-scaled."""
         values = route.values
-        flat = dense.view(-1).abs_()
-        if self.opt.entries.group_of(values)["reselect"]["rule"] == "saliency":
-            if weight is None:
-                weight = route.weight(torch.float32, values.detach(), route.indices)
-            flat.mul_(weight.reshape(-1).float().abs())
-        return flat
+        rule = self.scoring_rule(self.opt.entries.group_of(values))
+        if rule == "saliency" and weight is None:
+            weight = route.weight(torch.float32, values.detach(), route.indices)
+        return step_score(rule, dense.view(-1), None if weight is None else weight.reshape(-1), reuse=True,
+                          signed=False)
 
     def plan_quantized(self, route: Any, dense: torch.Tensor, weight: torch.Tensor | None,
                        inv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -397,7 +399,7 @@ class Reselector(Part):
         self.plan_all()
         if any(is_dtensor(p) for _, p in due):
             # The sparse backward's cross-rank plans gather every rank's new entries after this step.
-            self.opt.grads.sharded_plans_final = False
+            self.opt.grads.recheck_plans()
         for group, p in due:
             if p in self.opt.grads.quantized and p in self.scoring:
                 route = self.opt.grads.quantized[p]
@@ -418,7 +420,7 @@ class Reselector(Part):
             else:
                 self.commit(group, p, self.plan(group, p))
             if self.opt.compact_grads and not self.opt.update_in_backward:
-                self.opt.selector.gather_compact(p, self.opt.selector.clipped_grad(p))
+                self.opt.grads.gather_selected(p, self.opt.selector.clipped_grad(p))
                 p.grad = None  # as the hook does once the entries are known
 
     def commit(self, group: dict[str, Any], p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -431,10 +433,7 @@ class Reselector(Part):
             local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
             state["delta"][leaving] = 0.0  # back at its base: nothing to retire
         # What a clip gathered was gathered at these very entries: it outlives the change of entries.
-        held = self.opt.selector.clipped.pop(p, None)
-        self.opt.entries.set_indices(p, indices)
-        if held is not None:
-            self.opt.selector.clipped[p] = held
+        self.opt.entries.set_indices(p, indices, keep_gathered=True)
         fresh = ~_lookup(old, indices)[0]
         self.grown[p] = (fresh, self.due.pop(p))
         state.pop("reselect_score", None)

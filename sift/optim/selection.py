@@ -132,6 +132,10 @@ class Selector(Part):
         self.tentative: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
         self.clipped: dict[torch.Tensor, tuple[tuple, torch.Tensor]] = {}
 
+    def rescan(self) -> None:
+        """The groups or the state changed (a group added, a load): the next step scans every sparse param."""
+        self.pending = None
+
     def selects_globally(self, p: torch.Tensor) -> bool:
         """Whether p is an FSDP2 shard whose entries are the whole weight's top-k (`sharded_selection`)."""
         return is_dtensor(p) and getattr(self.opt, "sharded_selection", "global") == "global"
@@ -274,7 +278,7 @@ class Selector(Part):
                     # The first update, here since the gradient was dense in backward.
                     self.opt.grads.update_now(p, self.opt.grads.gather_scratch(p, p.grad))
                 elif self.opt.compact_grads:
-                    self.gather_compact(p, self.clipped_grad(p))
+                    self.opt.grads.gather_selected(p, self.clipped_grad(p))
             else:
                 score = self.score_now(p)
                 if not is_dtensor(p) and ranks_nothing(score):
@@ -312,11 +316,12 @@ class Selector(Part):
         hit = self.clipped.get(p)
         return hit[1] if hit is not None and hit[0] == self.grad_key(p) else None
 
-    def forget_gathered(self, p: torch.Tensor) -> None:
+    def forget_gathered(self, p: torch.Tensor, keep_clipped: bool = False) -> None:
         """p's entries change outside `step()` (`set_indices`): what this step gathered and clipped at the
-        former entries must not reach the new ones."""
+        former entries must not reach the new ones. `keep_clipped`: a re-selection, whose clip gathered at the
+        new entries already."""
         self.tentative.pop(p, None)
-        if self.clipped.pop(p, None) is not None:
+        if not keep_clipped and self.clipped.pop(p, None) is not None:
             warnings.warn("SparseAdamW.set_indices after clip_grad_norm_: the gradient clipped at the former entries "
                           "is dropped, so the new entries' gradient is not clipped this step; call clip_grad_norm_ "
                           "after set_indices", stacklevel=3)
@@ -331,15 +336,3 @@ class Selector(Part):
             gathered = torch.index_select(local_tensor(p.grad).reshape(-1), 0, indices).float()
             self.clipped[p] = (self.grad_key(p), gathered)
         return gathered
-
-    def gather_compact(self, p: torch.Tensor, clipped: torch.Tensor | None) -> None:
-        """compact_grads, at selection: fill p's compact buffer from its dense grad (or the clipped gather)."""
-        compact = self.opt.grads.compact[p]
-        if clipped is not None:
-            compact.copy_(clipped)
-        else:
-            compact.copy_(torch.index_select(local_tensor(p.grad).reshape(-1), 0, self.opt.indices_of(p)))
-        self.opt.grads.ready.add(p)
-        if self.opt.amp.grad_inv_scale is not None:  # gathered from a `.grad` GradScaler has not unscaled
-            self.opt.amp.scaled_compact.add(p)
-

@@ -159,24 +159,25 @@ class ShardedSparseGrad:
             compact.add_(received[:plan["count"]], alpha=1.0 / world)
 
 
-def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> None:
-    """Give each route of a sharded weight its `ShardedSparseGrad` (`route.sharded`); `step()` and
-    `load_state_dict` rebuild the plans (`refresh_if_stale`, `refresh_sparse_backward`)."""
+def attach_sparse_backward(optimizer: SparseAdamW, routes: Iterable[Any]) -> list[ShardedSparseGrad]:
+    """Give each route of a sharded weight its `ShardedSparseGrad` (`route.sharded`), returned for the optimizer to
+    keep; `step()` and `load_state_dict` rebuild the plans (`refresh_if_stale`, `refresh_sparse_backward`)."""
+    plans = []
     for route in routes:
         if is_dtensor(route.weight):
             route.sharded = ShardedSparseGrad(optimizer, route.weight)
-            optimizer.grads.sharded_plans.append(route.sharded)
+            plans.append(route.sharded)
+    return plans
 
 
-def refresh_if_stale(optimizer: SparseAdamW) -> None:
+def refresh_if_stale(optimizer: SparseAdamW) -> bool:
     """At the end of every step, run or skipped: rebuild the plans if any rank's entries changed. One all-reduce of two flags (and its
     host read) per step, until every rank has chosen every weight's entries and the plans hold them: from
-    then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once)."""
+    then on `step()` changes no entries, so the check stops (the reduced flags make every rank stop at once).
+    Returns whether it may stop: every plan is final."""
     import torch.distributed as dist
 
     plans = optimizer.grads.sharded_plans
-    if not plans or optimizer.grads.sharded_plans_final:
-        return
     flags = torch.tensor([float(any(plan.stale() for plan in plans)),
                           # A rank's empty shard (FSDP2 pads dim 0) never chooses entries: nothing pends there.
                           float(any(plan._local_indices() is None and local_tensor(plan.weight).numel() > 0
@@ -186,7 +187,7 @@ def refresh_if_stale(optimizer: SparseAdamW) -> None:
     stale, pending = flags.tolist()
     if stale:
         refresh_sparse_backward(optimizer)
-    optimizer.grads.sharded_plans_final = not pending
+    return not pending
 
 
 def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
@@ -203,7 +204,7 @@ def refresh_sparse_backward(optimizer: SparseAdamW) -> None:
     """
     for plan in optimizer.grads.sharded_plans:
         plan.refresh()
-    optimizer.grads.sharded_plans_final = False  # entries changed outside step(): the next step checks again
+    optimizer.grads.recheck_plans()  # entries changed outside step(): the next step checks again
 
 
 # ----------------------------------------------------------------------------- delta export

@@ -69,8 +69,7 @@ class EntryState(Part):
             if p.dtype != torch.float32:
                 state["residual"] = torch.zeros(k, dtype=torch.int8, device=p.device)
             state["step"] = torch.zeros((), **zeros)
-            if self.opt.compact_grads and not self.opt.update_in_backward:
-                self.opt.grads.compact[p] = torch.zeros(k, **zeros)
+            self.opt.grads.new_compact(p, k)
             return
         state["indices"] = indices.to(p.device)
         state["exp_avg"] = torch.zeros(k, **zeros)
@@ -79,11 +78,11 @@ class EntryState(Part):
         # Every dtype keeps its base: the step writes round(base + delta), so the delta is exact.
         state["base"] = local_tensor(p.detach()).view(-1)[state["indices"].long()].clone()
         state["step"] = torch.zeros((), **zeros)
-        if self.opt.compact_grads and not self.opt.update_in_backward:
-            self.opt.grads.compact[p] = torch.zeros(k, **zeros)
+        self.opt.grads.new_compact(p, k)
 
-    def set_indices(self, param: torch.Tensor, indices: torch.Tensor) -> None:
-        """Choose the trainable entries of `param` yourself. (`SparseAdamW.set_indices`)."""
+    def set_indices(self, param: torch.Tensor, indices: torch.Tensor, keep_gathered: bool = False) -> None:
+        """Choose the trainable entries of `param` yourself. (`SparseAdamW.set_indices`; `keep_gathered`: a
+        re-selection, whose clipped gradient was gathered at the new entries.)"""
         group = self.group_of(param)
         if group["density"] >= 1.0:
             raise ValueError("set_indices needs a param of a sparse group (density < 1); this one is dense")
@@ -95,7 +94,7 @@ class EntryState(Part):
         # An FSDP2 shard may hold none of the whole weight's entries (its global selection or re-selection).
         _check_indices(indices, local.numel(), "indices", allow_empty=is_dtensor(param))
         indices = indices.to(device=param.device, dtype=_index_dtype(local.numel()))
-        self.opt.selector.forget_gathered(param)
+        self.opt.selector.forget_gathered(param, keep_clipped=keep_gathered)
         old = dict(self.opt.state.get(param, {}))
         old_compact = self.opt.grads.compact.get(param) if param in self.opt.grads.ready else None
         if self.opt.state_layout == "lean":
@@ -161,7 +160,7 @@ class EntryState(Part):
             if key in old and key in state:
                 state[key][kept] = old[key][pos[kept]]
         if old_compact is not None:
-            self.opt.grads.compact[param][kept] = old_compact[pos[kept]]
+            self.opt.grads.keep_compact(param, kept, old_compact[pos[kept]])
         return state
 
     def indices_of(self, param: torch.Tensor) -> torch.Tensor:
