@@ -267,6 +267,7 @@ void switch_rows(const at::Tensor& w, const int64_t* off_rows, const int64_t* on
 
 // Rows per task of the switch: a few thousand entries at the densities deltas have.
 constexpr int64_t SWITCH_ROWS = 64;
+constexpr int64_t SWITCH_GRAIN = 1 << 16;
 
 void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::TensorList col_indices,
                            at::TensorList values, int64_t off, int64_t on, at::TensorList originals_off,
@@ -283,6 +284,7 @@ void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::
     int64_t r0, r1;
   };
   std::vector<Task> tasks;
+  int64_t entries = 0;
   for (size_t l = 0; l < L; ++l) {
     const at::Tensor& w = weights[l];
     const at::Tensor& ptr = row_ptrs[l];
@@ -291,9 +293,10 @@ void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                 "weights[", l, "] must be float32, bfloat16 or float16, got ", dtype);
     const int64_t R = w.size(0), n = ptr.size(0);
-    TORCH_CHECK(ptr.dim() == 2 && ptr.is_contiguous() && ptr.scalar_type() == at::kLong && ptr.size(1) == R + 1 &&
-                    ptr.device().is_cpu(),
-                "row_ptrs[", l, "] must be a contiguous int64 CPU tensor [n_deltas, R + 1] with R + 1 = ", R + 1);
+    TORCH_CHECK(ptr.dim() == 2 && ptr.is_contiguous() && ptr.scalar_type() == at::kLong && ptr.device().is_cpu(),
+                "row_ptrs[", l, "] must be a contiguous int64 CPU tensor [n_deltas, R + 1]");
+    TORCH_CHECK(ptr.size(1) == R + 1, "weights[", l, "] has ", R, " rows, but its bank's row_ptrs[", l, "] is for ",
+                ptr.size(1) - 1);
     TORCH_CHECK(off >= -1 && off < n && on >= -1 && on < n && (off != on || off < 0),
                 "off and on must be two deltas in [-1, ", n, ") (-1: none)");
     const at::Tensor& col = col_indices[l];
@@ -318,11 +321,16 @@ void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::
                   d == off ? "originals_off[" : "originals_on[", l, "] must be a contiguous CPU tensor of the "
                   "weight's dtype with one value per entry of its delta (", rows[R] - rows[0], ")");
     }
+    for (int64_t d : {off, on}) {
+      if (d >= 0) entries += ptr.data_ptr<int64_t>()[d * (R + 1) + R] - ptr.data_ptr<int64_t>()[d * (R + 1)];
+    }
     for (int64_t r = 0; r < R; r += SWITCH_ROWS) tasks.push_back({l, r, std::min(R, r + SWITCH_ROWS)});
   }
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  // A thread's share is at least SWITCH_GRAIN entries: waking threads costs more than a small switch.
+  const int64_t grain = std::max<int64_t>(1, n_tasks * SWITCH_GRAIN / std::max<int64_t>(entries, 1));
   std::atomic<int64_t> bad_layer{-1};
-  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
       const int64_t R = weights[task.layer].size(0), C = weights[task.layer].size(1);
@@ -339,7 +347,7 @@ void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::
   });
   TORCH_CHECK(bad_layer.load() < 0, "col_indices[", bad_layer.load(), "] holds a column outside the weight's ",
               weights[bad_layer.load() < 0 ? 0 : bad_layer.load()].size(1), " (nothing was written)");
-  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
       const at::Tensor& w = weights[task.layer];

@@ -246,13 +246,8 @@ def _entries_of(bank: DeltaBank, delta: int) -> tuple[torch.Tensor, torch.Tensor
     return rows, bank.col_indices[start:end].long(), bank.values[start:end]
 
 
-def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
-                                 originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
-    """Validate delta_bank_switch_'s arguments (shapes, dtypes, devices; not the banks' values).
-
-    Raises:
-        ValueError: naming the bad argument.
-    """
+def _check_switch_lists(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
+                        originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
     if len(banks) != len(weights):
         raise ValueError(f"banks must have one bank per weight, got {len(banks)} for {len(weights)}")
     for name, d, saved in (("off", off, originals_off), ("on", on, originals_on)):
@@ -263,6 +258,19 @@ def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaB
                              f"{len(saved)}")
     if off == on and off >= 0:
         raise ValueError(f"off and on must differ, got {off} for both")
+    for layer, bank in enumerate(banks):
+        if not isinstance(bank, DeltaBank):
+            raise ValueError(f"banks[{layer}] must be a DeltaBank, got {type(bank).__name__}")
+
+
+def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
+                                 originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
+    """Validate delta_bank_switch_'s arguments (shapes, dtypes, devices; not the banks' values).
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    _check_switch_lists(weights, banks, off, on, originals_off, originals_on)
     for layer, (w, bank) in enumerate(zip(weights, banks)):
         if not isinstance(bank, DeltaBank):
             raise ValueError(f"banks[{layer}] must be a DeltaBank, got {type(bank).__name__}")
@@ -306,9 +314,17 @@ define("delta_bank_switch_", delta_bank_switch_ref)
 
 @register("delta_bank_switch_", "cpp")
 def _delta_bank_switch_cpp(weights, banks, off, on, originals_off, originals_on):
-    check_delta_bank_switch_args(weights, banks, off, on, originals_off, originals_on)
-    torch.ops.sift.delta_bank_switch_(weights, [b.row_ptr for b in banks], [b.col_indices for b in banks],
-                                      [b.values for b in banks], off, on, originals_off, originals_on)
+    # The kernel checks every tensor before it writes (a model's hundred layers checked here cost more
+    # than the switch); here only what it cannot see: the lists' lengths and each bank's columns.
+    _check_switch_lists(weights, banks, off, on, originals_off, originals_on)
+    for layer, (w, bank) in enumerate(zip(weights, banks)):
+        if w.dim() != 2 or w.shape[1] != bank.in_features:
+            raise ValueError(f"weights[{layer}] must be [R, {bank.in_features}] (its bank's), got {tuple(w.shape)}")
+    try:
+        torch.ops.sift.delta_bank_switch_(weights, [b.row_ptr for b in banks], [b.col_indices for b in banks],
+                                          [b.values for b in banks], off, on, originals_off, originals_on)
+    except RuntimeError as exc:  # a bad argument, found before anything was written
+        raise ValueError(str(exc).split("\n")[0]) from None
 
 
 def _delta_bank_switch_flat(weights, row_ptrs, col_indices, values, off, on, originals_off, originals_on):
