@@ -25,3 +25,18 @@ def test_serving_llm_quick(tmp_path, monkeypatch):
     assert [r["fine-tune"] for r in saved["memory"]] == ["d0", "d1"]
     assert all(r["bytes held"] > 0 and r["file bytes"] > 0 for r in saved["memory"])
     assert len(saved["switch"]) == 1 and saved["switch"][0]["switch_to median ms"] > 0
+
+
+def test_the_smollm2_table_says_it_is_not_run_without_the_model(monkeypatch, capsys):
+    # The base install (`pip install -e .`) has no GGUF reader: the main job must go on and say why.
+    import sift.demo.llm
+    from sift.bench import serving_llm
+
+    def missing(download=True):
+        raise ImportError("transformers reads GGUF files with the 'gguf' package")
+
+    monkeypatch.setattr(sift.demo.llm, "smollm2_dir", missing)
+    monkeypatch.setattr(serving_llm, "bench_llm", lambda *a, **k: pytest.fail("timed without a model"))
+    text = serving_llm.run_llm(quick=False)
+    assert "not run" in text and "gguf" in text
+    assert "SmolLM2 table is not run" in capsys.readouterr().err
