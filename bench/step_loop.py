@@ -1,4 +1,5 @@
-"""ms per optimizer step and per training step of SparseAdamW (hook mode, 1%, re-selection off), one process.
+"""ms per optimizer step and per training step of SparseAdamW (hook mode, 1%, re-selection off) and the bytes of its
+state_dict's tensors, one process.
 
 Usage: `PYTHONPATH=<tree> python -P bench/step_loop.py <label>`; run two trees in turn to compare them.
 """
@@ -31,7 +32,11 @@ def main(label: str) -> None:
         if i >= 10:  # the selecting step and the warm-up left out
             steps.append(t2 - t1)
             whole.append(t2 - t0)
-    print(f"{label} step_ms {1e3 * statistics.median(steps):.3f} train_ms {1e3 * statistics.median(whole):.3f}")
+    state = opt.state_dict()["state"]
+    state_bytes = sum(t.numel() * t.element_size() for s in state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor))
+    print(f"{label} step_ms {1e3 * statistics.median(steps):.3f} train_ms {1e3 * statistics.median(whole):.3f} "
+          f"state_bytes {state_bytes}")
 
 
 if __name__ == "__main__":
