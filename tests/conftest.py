@@ -253,3 +253,20 @@ def require_backend(backend: str) -> None:
         assert cpp_available(), f"C++ extension failed to load: {extension_status()['why']}"
     elif backend == "triton" and not triton_available():
         pytest.skip("triton interpreter unavailable")
+
+
+def served_and_applied(base, deltas: dict):
+    """A `ServedDeltas` over `base` holding `deltas` ({name: SparseDelta}), the base's state, and per name the
+    state `delta.apply_(base)` gives: what `switch_to(name)` must leave in the weights."""
+    from sift import ServedDeltas
+
+    served = ServedDeltas(base)
+    for name, delta in deltas.items():
+        served.load_delta(name, delta)
+    original = {n: p.clone() for n, p in base.state_dict().items()}
+    want = {}
+    for name, delta in deltas.items():
+        delta.apply_(base)
+        want[name] = {n: p.clone() for n, p in base.state_dict().items()}
+        delta.remove_(base)
+    return served, original, want

@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from conftest import served_and_applied
+
 from sift import DeltaError, ServedDeltas, SparseDelta
 from sift.delta import DeltaEntry
 
@@ -258,15 +260,7 @@ def test_switch_to_puts_one_delta_in_place_and_back(dtype):
     """switch_to: the weights apply_ gives each delta, bit for bit, one after the other, then the base's."""
     base = _base(dtype)
     deltas = {"a": _fine_tune(base, 18), "b": _fine_tune(base, 19, only="self_attn")}
-    served = ServedDeltas(base)
-    for name, d in deltas.items():
-        served.load_delta(name, d)
-    original = {n: p.clone() for n, p in base.state_dict().items()}
-    want = {}
-    for name, d in deltas.items():
-        d.apply_(base)
-        want[name] = {n: p.clone() for n, p in base.state_dict().items()}
-        d.remove_(base)
+    served, original, want = served_and_applied(base, deltas)
     for name in ("a", "b", "a", None):
         served.switch_to(name)
         assert served.in_place == name

@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from conftest import served_and_applied
+
 from sift import DeltaError, ServedDeltas, SparseDelta
 
 transformers = pytest.importorskip("transformers")
@@ -80,15 +82,7 @@ def test_switch_to_puts_the_head_in_and_takes_it_out():
     """switch_to with dense heads: the model holds what apply_ gives, then the next delta's, then the base's."""
     base = _base()
     deltas = {"a": _fine_tune(base, 4), "sparse": _fine_tune(base, 5, head=False), "b": _fine_tune(base, 6)}
-    served = ServedDeltas(base)
-    for name, d in deltas.items():
-        served.load_delta(name, d)
-    original = {n: p.clone() for n, p in base.state_dict().items()}
-    want = {}
-    for name, d in deltas.items():
-        d.apply_(base)
-        want[name] = {n: p.clone() for n, p in base.state_dict().items()}
-        d.remove_(base)
+    served, original, want = served_and_applied(base, deltas)
     for name in ("a", "sparse", "b", "a", None):
         served.switch_to(name)
         expected = original if name is None else want[name]
