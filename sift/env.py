@@ -10,6 +10,7 @@ import torch
 
 from sift import _ops
 from sift._ext import extension_status
+from sift._host import cpu_name
 
 
 def _git_sha() -> str:
@@ -28,17 +29,6 @@ def _git_sha() -> str:
         return "unknown"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_header() -> dict[str, str]:
     """The machine a result was measured on: CPU, cores, GPU, versions, git SHA."""
     try:
@@ -49,7 +39,7 @@ def machine_header() -> dict[str, str]:
         triton_version = "not installed"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": str(os.cpu_count()),
         "torch_threads": str(torch.get_num_threads()),
         "gpu": gpu,

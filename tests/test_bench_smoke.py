@@ -49,6 +49,10 @@ def test_adamw_quick(tmp_path, monkeypatch):
     expected |= {("SparseAdamW", f"{backends[0]}, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
     # The fast backend again with clip_grad_norm_ before each step.
     expected |= {("SparseAdamW", f"{backends[0]}, clip", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
+    if device.type == "cpu":
+        # The machine-limit probe, in turn with the cpp and cpp-lean rows, which report their share of its speed.
+        expected |= {("machine-limit probe", "C++ -O3 -march=native", dt, f"{100 * d:g}%") for dt in dtypes
+                     for d in adamw.DENSITIES}
     if device.type == "cuda":
         expected |= {("SparseAdamW", "triton+graph", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
         expected |= {("SparseAdamW", "triton+graph, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
@@ -60,6 +64,8 @@ def test_adamw_quick(tmp_path, monkeypatch):
     assert sorted(g for g in got if "L2 fetch" not in g[1]) == sorted(expected)
     for r in rows:
         assert float(r["median ms"]) > 0
+        if device.type == "cpu" and r["backend"] in ("cpp", "cpp, lean", "C++ -O3 -march=native"):
+            assert float(r["% of probe"]) > 0, r
         if r["optimizer"] == "SparseAdamW":
             # 20 B per entry for fp32, 18 for bf16 (index, moments, delta, base); plus each tensor's
             # 4-byte step counter (0.04 B an entry at the quick sizes' 99 entries per tensor on CPU).

@@ -5,6 +5,7 @@ Benchmarks measure; tests assert. Nothing here makes a pass/fail decision.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -40,6 +41,42 @@ def time_cpu(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> dic
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return {**summary(samples), "samples_ms": samples}
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Times several functions in rotation, so load from other work on the machine hits all alike.
+
+    Returns:
+        name -> `{"median_ms", "p20_ms", "p80_ms", "samples_ms"}`; the i-th samples of all names
+        were taken one after the other (`paired_ratio` compares them pair by pair).
+
+    Example:
+        >>> t = time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=1, repeat=3)
+        >>> sorted(t)
+        ['a', 'b']
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+            gc.collect()
+    return {name: {**summary(s), "samples_ms": s} for name, s in samples.items()}
+
+
+def paired_ratio(numerator: dict, denominator: dict) -> float:
+    """Median over rounds of numerator / denominator time, from two `time_interleaved` results: each
+    round's two timings saw the same load, so the ratio moves less than one of medians.
+
+    Example:
+        >>> paired_ratio({"samples_ms": [2.0, 9.0, 4.0]}, {"samples_ms": [4.0, 10.0, 8.0]})
+        0.5
+    """
+    return statistics.median(a / b for a, b in zip(numerator["samples_ms"], denominator["samples_ms"]))
 
 
 def time_gpu(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> dict[str, float]:

@@ -7,6 +7,10 @@ One run puts side by side, on the same parameters and fixed gradients:
     sift.SparseAdamW, each backend     at densities 0.1%, 1%, 5% (cpp + torch on CPU,
                                        triton + torch on CUDA, triton also under a CUDA graph)
     on CUDA, the fused and triton rows again with the L2 fetch granularity bounded to 32 B
+    on CPU, a machine-limit probe (`bench/adamw_probe.cpp`, `sift/bench/_adamw_probe.py`): the
+                                       step's access pattern as one plain loop and nothing else,
+                                       timed in turn with the cpp rows, whose speed it reports as
+                                       "% of probe"
 
 Only `optimizer.step()` is timed: the first step (state allocation, and for SparseAdamW the
 top-|grad| selection) runs before timing, and a random gradient is assigned once.
@@ -40,12 +44,16 @@ import torch
 
 from sift import _ops
 from sift.bench._l2 import l2_fetch_granularity, l2_fetch_granularity_unavailable
-from sift.bench._harness import bench_device, markdown_table, save_results, summary, time_cpu, time_gpu
+from sift.bench._adamw_probe import AdamWProbe
+from sift.bench._harness import (bench_device, markdown_table, paired_ratio, save_results, summary, time_cpu, time_gpu,
+                                time_interleaved)
 from sift.optim import SparseAdamW, clip_grad_norm_
 
 DENSITIES = (0.001, 0.01, 0.05)
 CLIP_NORM = 1.0  # below the gradients' norm, so every timed clip scales
 TARGET_CLIP_RATIO = 1.6
+# Target on CPU: the step at 1% at least this share of the machine-limit probe's speed. Printed, not asserted.
+TARGET_PROBE_PERCENT = 90.0
 # Targets: speed-up over torch.optim.AdamW(fused=True) per density. Printed, not asserted.
 TARGET_SPEEDUP = {"cpu": {0.001: 40.0, 0.01: 6.0, 0.05: 2.0}, "cuda": {0.001: 100.0, 0.01: 20.0, 0.05: 5.0}}
 H200_PEAK_GBPS = 4800.0
@@ -57,8 +65,8 @@ TRANSACTION_BYTES = {"cpu": 64, "cuda": 32}
 L2_FETCH_BYTES = 32
 
 COLUMNS = (
-    "optimizer", "backend", "dtype", "density", "median ms", "p20 ms", "p80 ms", "x vs fused", "x vs foreach",
-    "target x vs fused", "state MB", "state B/entry", "model MB", "GB/s", "% peak",
+    "optimizer", "backend", "dtype", "density", "median ms", "p20 ms", "p80 ms", "% of probe", "x vs fused",
+    "x vs foreach", "target x vs fused", "state MB", "state B/entry", "model MB", "GB/s", "% peak",
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -87,9 +95,9 @@ def workload_shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
     return [(8192, 16384)] * 8 if device.type == "cuda" else [(4096, 4096)] * 8
 
 
-def default_dtypes(device: torch.device) -> tuple[str, ...]:
-    """Weight dtypes the suite runs by default: fp32 on CPU, fp32 and bf16 on CUDA."""
-    return ("float32", "bfloat16") if device.type == "cuda" else ("float32",)
+def default_dtypes(device: torch.device, quick: bool = False) -> tuple[str, ...]:
+    """Weight dtypes the suite runs by default: fp32 and bf16, and fp32 alone for a quick run on CPU."""
+    return ("float32",) if quick and device.type == "cpu" else ("float32", "bfloat16")
 
 
 def make_params(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: torch.device,
@@ -156,6 +164,19 @@ def sparse_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, tra
     weight_passes = 2 if has_base else 3  # grad read, weight read (without a base), weight write
     return entries * per_entry + weight_passes * transaction_bytes * transactions_touched(indices, elem,
                                                                                          transaction_bytes)
+
+
+def probe_step_bytes(indices: Sequence[torch.Tensor], w_dtype: torch.dtype, transaction_bytes: int) -> int:
+    """Bytes one step of the machine-limit probe moves: per entry the index (4 B) and fp32 m, v
+    read and written (16 B), and the gradient's and the weight's lines read and the weight's written.
+
+    Example:
+        >>> probe_step_bytes([torch.tensor([0, 100], dtype=torch.int32)], torch.float32, 64)
+        424
+    """
+    entries = sum(int(i.numel()) for i in indices)
+    elem = torch.empty((), dtype=w_dtype).element_size()
+    return entries * 20 + 3 * transaction_bytes * transactions_touched(indices, elem, transaction_bytes)
 
 
 def dense_adamw(params: Sequence[torch.nn.Parameter], flavour: str) -> torch.optim.AdamW:
@@ -294,6 +315,8 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         info["param_and_grad_bytes"] = 2 * sum(p.numel() * p.element_size() for p in params)
     rows: list[dict[str, object]] = []
     extra_dense: list[dict[str, object]] = []
+    # Why the machine-limit probe could not run, per dtype (reported under the table).
+    probe_unavailable: dict[str, str] = info.setdefault("probe_unavailable", {}) if info is not None else {}
     # The L2 fetch-bound rows only where the driver lets us read (and so set) the bound.
     l2_why_not = l2_fetch_granularity_unavailable(device) if kind == "cuda" else "not CUDA"
     l2_rows = l2_why_not is None
@@ -331,6 +354,8 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
         if fused_opt is not None:
             fused_slots.append(_timer(device, repeat=3, warmup=1)(fused_opt.step)["samples_ms"])
         selected: list[torch.Tensor] | None = None
+        probe: AdamWProbe | None = None
+        probe_samples: list[float] = []
         # Every dtype also with state="lean", on the fast backend, next to its exact row.
         runs = [(b, "exact") for b in sparse_backends(device)]
         runs.insert(1, (runs[0][0], "lean"))
@@ -338,6 +363,11 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             opt = sparse_adamw(params, density, backend, indices=selected, state=layout)  # same entries
             if selected is None:
                 selected = [opt.indices_of(p) for p in params]
+                if kind == "cpu" and dtype_name not in probe_unavailable:
+                    try:
+                        probe = AdamWProbe(params, selected)
+                    except RuntimeError as exc:  # no compiler, an installed wheel without bench/, ...
+                        probe_unavailable[dtype_name] = str(exc)
             model_bytes = sparse_step_bytes(selected, dtype, TRANSACTION_BYTES[kind], layout == "lean")
             label = f"{backend}, lean" if layout == "lean" else backend
             # (name, step, L2 fetch bound or None for the driver's default)
@@ -358,7 +388,15 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             if l2_rows and backend == "triton":
                 variants += [(f"{name}, L2 fetch {L2_FETCH_BYTES} B", fn, L2_FETCH_BYTES) for name, fn, _ in variants]
             for name, fn, fetch in variants:
-                if fetch is None:
+                share_of_probe = ""
+                if probe is not None and backend == "cpp" and name == label:
+                    # In turn with the probe, so both see the same load; the share is the median
+                    # over rounds of probe time / step time.
+                    timed = time_interleaved({"step": fn, "probe": probe}, warmup=3, repeat=repeat_sparse)
+                    timing = timed["step"]
+                    share_of_probe = 100 * paired_ratio(timed["probe"], timing)
+                    probe_samples += timed["probe"]["samples_ms"]
+                elif fetch is None:
                     timing = _timer(device, repeat=repeat_sparse)(fn)
                 else:
                     with l2_fetch_granularity(fetch, device):
@@ -369,9 +407,16 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                 if name.endswith(", clip"):
                     row["target x vs fused"] = ""
                     row["clip + step / step"] = timing["median_ms"] / rows[-1]["median ms"]
+                row["% of probe"] = share_of_probe
                 rows.append(row)
             del opt, variants
             _free(device)
+        if probe_samples:
+            rows.append(_row("machine-limit probe", "C++ -O3 -march=native", dtype_name, density, summary(probe_samples),
+                             {"state_bytes": 8.0 * sum(i.numel() for i in selected), "bytes_per_entry": 8.0},
+                             probe_step_bytes(selected, dtype, TRANSACTION_BYTES[kind]), peak_gbps))
+            rows[-1]["% of probe"] = 100.0
+        del probe
     if fused_opt is not None:
         pooled = summary([t for slot in fused_slots for t in slot])
         fused_row.update(_row("AdamW(fused)", "torch", dtype_name, "100%", pooled, fused_state,
@@ -394,7 +439,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
 
     Args:
         quick: tiny sizes for a smoke run (seconds; figures not comparable).
-        dtypes: weight dtypes to run ("float32", "bfloat16"); default fp32 on CPU, both on CUDA.
+        dtypes: weight dtypes to run ("float32", "bfloat16"); default both (fp32 alone for a quick run on CPU).
 
     Returns:
         The markdown table (headed by the machine) with notes on targets and the byte model.
@@ -412,7 +457,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
     else:
         repeat_dense, repeat_sparse = 7, 20
     if dtypes is None:
-        dtypes = default_dtypes(device)
+        dtypes = default_dtypes(device, quick)
     elements = sum(r * c for r, c in shapes)
     if kind == "cuda":
         peak_gbps, peak_what = H200_PEAK_GBPS, "H200 HBM3e spec 4.8 TB/s"
@@ -423,6 +468,7 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
                      f"{copy_bytes // 2**20} MiB)")
     rows: list[dict[str, object]] = []
     info: dict[str, object] = {}
+    load_at_start = os.getloadavg()
     for name in dtypes:
         rows += bench_dtype(shapes, _DTYPES[name], device, DENSITIES, repeat_dense, repeat_sparse, peak_gbps,
                             graphs=kind == "cuda", info=info)
@@ -448,7 +494,8 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
         notes.append(f"Transparent huge pages: {'unknown' if huge is None else f'{huge / 2**20:.0f} MiB'} of anonymous "
                      f"memory on huge pages for {float(total or 0) / 2**20:.0f} MiB of weights + grads "
-                     f"(THP_MEM_ALLOC_ENABLE={thp}). Load average at the end: "
+                     f"(THP_MEM_ALLOC_ENABLE={thp}). Load average at the start: "
+                     f"{', '.join(f'{x:.1f}' for x in load_at_start)}; at the end: "
                      f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores (shared machine).")
         slots = info.get("fused_slot_medians_ms")
         if slots:
@@ -456,6 +503,17 @@ def run(quick: bool = False, dtypes: Sequence[str] | None = None) -> str:
                          f"density (3 steps each); its row and every 'x vs fused' use the median of all "
                          f"{repeat_dense + 3 * (len(slots) - 1)} steps. Slot medians: "
                          f"{', '.join(f'{x:.1f}' for x in slots)} ms.")
+    probe_rows = [r for r in rows if r.get("% of probe") not in (None, "") and r["optimizer"] == "SparseAdamW"]
+    if probe_rows:
+        notes.append(
+            "% of probe: the step's speed as a share of the machine-limit probe's (bench/adamw_probe.cpp: gather the "
+            "gradient and the weight at the same indices, fp32 AdamW moments, scatter the weight, nothing else; one plain "
+            f"loop, -O3 -march=native, {torch.get_num_threads()} OpenMP threads), each step timed in turn with the probe "
+            "and the share the median of the rounds' probe / step times; above 100% the step is faster than the plain "
+            f"loop. Target at 1%: >= {TARGET_PROBE_PERCENT:g}% (printed, not asserted): "
+            + ", ".join(f"{r['backend']} {r['dtype']} {r['density']} {r['% of probe']:.0f}%" for r in probe_rows) + ".")
+    for name, why in (info.get("probe_unavailable") or {}).items():
+        notes.append(f"Machine-limit probe unavailable for {name}: {why}")
     clip_rows = [r for r in rows if "clip + step / step" in r]
     if clip_rows:
         notes.append(f"`clip_grad_norm_` + step against the step alone (target at 1%: <= {TARGET_CLIP_RATIO:g}x, "

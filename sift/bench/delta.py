@@ -30,13 +30,12 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 
 from sift import _ops
-from sift.bench._harness import markdown_table, save_results, summary, time_cpu
+from sift.bench._harness import markdown_table, save_results, time_cpu, time_interleaved
 from sift.delta import DeltaEntry, SparseDelta
 
 # Targets on the 2-core CPU: speed-up over the plain-torch baselines. Printed, not asserted.
@@ -87,30 +86,6 @@ def _torch_merge_sort(indices: list[torch.Tensor], values: list[torch.Tensor]):
 def _torch_merge_unique(indices: list[torch.Tensor], values: list[torch.Tensor]):
     union, inverse = torch.unique(torch.cat(indices), sorted=True, return_inverse=True)
     return union, torch.zeros(union.numel()).index_add_(0, inverse, torch.cat(values))
-
-
-def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeat: int) -> dict[str, dict[str, float]]:
-    """Times several functions in rotation, so load from other work on the machine hits all alike.
-
-    Returns:
-        name -> `{"median_ms", "p20_ms", "p80_ms"}`.
-
-    Example:
-        >>> t = time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=1, repeat=3)
-        >>> sorted(t)
-        ['a', 'b']
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
-            gc.collect()
-    return {name: summary(s) for name, s in samples.items()}
 
 
 def _gbps(nbytes: float, ms: float) -> float:

