@@ -9,8 +9,8 @@
 // and scattering: the gathers dominate, and the buffered form's short-range prefetch fought
 // the hardware prefetcher (figures in bench/results/README.md).
 //
-// With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h), chosen at run time
-// (cpu_isa.h). fp32 weights: AVX-512 gathers 16 grads and weights per instruction and
+// With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h); isa="auto" runs the
+// one sift's loader measured fastest on this machine (cpu_isa.h, sift/_simd.py). fp32 weights: AVX-512 gathers 16 grads and weights per instruction and
 // scatters the 16 new weights; AVX2 gathers 8 and stores them one by one. bf16/fp16 weights
 // (rebuilt from base + delta): the 16-bit grads are gathered as 4-byte words, and the new
 // weights rounded in vector registers exactly as c10's conversions round, then stored one by
@@ -68,7 +68,7 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
 
 #ifdef SIFT_X86_SIMD
 // The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. The AVX-512 form
-// prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_adamw_isa
+// prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_step_isa
 // checks); the AVX2 form, which also serves Haswell (no PREFETCHW), with PREFETCHT0.
 
 #pragma GCC push_options
@@ -120,14 +120,10 @@ namespace adamw_avx2 {
 #pragma GCC pop_options
 #endif  // SIFT_X86_SIMD
 
-// Best SIMD form this CPU runs.
-Isa detect_adamw_isa() {
-#ifdef SIFT_X86_SIMD
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && cpu_has_prefetchw()) return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
-#endif
-  return Isa::generic;
+// The form "auto" runs (cpu_isa.h); every form of the step exists for the CPU's widest level.
+AutoIsa& adamw_isa() {
+  static AutoIsa isa(detect_step_isa(), detect_step_isa());
+  return isa;
 }
 
 // Each chunk's indices are checked (index_check.h) just before the chunk is stepped: they then
@@ -211,8 +207,7 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList exp_avg_sqs, at::TensorList deltas, at::TensorList bases, at::TensorList steps,
                       double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
                       bool compact_grads, c10::string_view isa_request) {
-  static const Isa best = detect_adamw_isa();
-  const Isa isa = isa_from_request(std::string(isa_request), best);
+  const Isa isa = adamw_isa().resolve(std::string(isa_request));
   const auto n = static_cast<int64_t>(params.size());
   check_one_per_param(n, {{"grads", grads.size()}, {"indices", indices.size()}, {"exp_avgs", exp_avgs.size()},
                           {"exp_avg_sqs", exp_avg_sqs.size()}, {"deltas", deltas.size()}, {"steps", steps.size()}});
@@ -268,12 +263,20 @@ void sparse_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   raise_first_bad_index(indices, work, found, params);
 }
 
-std::string sparse_adamw_isa() { return isa_name(detect_adamw_isa()); }
+std::string sparse_adamw_isa() { return isa_name(adamw_isa().get()); }
+std::string sparse_adamw_isa_levels() { return isa_levels(adamw_isa().widest()); }
+void sparse_adamw_use_isa(c10::string_view isa) { adamw_isa().set(std::string(isa)); }
 
 }  // namespace
 
-// Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
-TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_isa() -> str", &sparse_adamw_isa); }
+// The SIMD form isa="auto" runs now, the forms this CPU runs ("generic,avx2"), and the setter
+// sift's loader calls with the fastest it measured (sift/_simd.py; python -m sift.env says
+// which and why): C++-only, so defined here.
+TORCH_LIBRARY_FRAGMENT(sift, m) {
+  m.def("sparse_adamw_isa() -> str", &sparse_adamw_isa);
+  m.def("sparse_adamw_isa_levels() -> str", &sparse_adamw_isa_levels);
+  m.def("sparse_adamw_use_isa(str isa) -> ()", &sparse_adamw_use_isa);
+}
 
 // CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_", &sparse_adamw_cpu); }

@@ -12,8 +12,9 @@
 // The scalar loop is compiled with fp-contract off and does the reference's operations in
 // its order, so results match the torch reference bit for bit.
 //
-// With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), chosen at run
-// time (cpu_isa.h) for params below 2^31 elements: 8 entries per step, grads gathered (and
+// With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), run by
+// isa="auto" where sift's loader measured it faster than the scalar loop (cpu_isa.h,
+// sift/_simd.py), for params below 2^31 elements: 8 entries per step, grads gathered (and
 // fp32 weights; 16-bit weights are loaded one at a time, as they are stored), the hash and both
 // stochastic roundings in vector registers, the same operations in the same order, so the bits
 // agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
@@ -132,13 +133,10 @@ namespace lean_avx2 {
 #pragma GCC pop_options
 #endif  // SIFT_X86_SIMD
 
-// Best SIMD form of the lean step this CPU runs.
-Isa detect_lean_isa() {
-#ifdef SIFT_X86_SIMD
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && cpu_has_f16c()) return Isa::avx2;
-#endif
-  return Isa::generic;
+// The form "auto" runs (cpu_isa.h): the lean step has no AVX-512 form, AVX-512 CPUs run AVX2.
+AutoIsa& lean_isa() {
+  static AutoIsa isa(std::min(detect_step_isa(), Isa::avx2), detect_step_isa());
+  return isa;
 }
 
 // Entries [begin, end) of one tensor: flat positions decoded (int32 for the SIMD form), then
@@ -226,8 +224,7 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList residuals, at::TensorList steps, double lr, double beta1, double beta2,
                            double eps, double weight_decay, bool maximize, bool compact_grads,
                            c10::string_view isa_request) {
-  static const Isa best = detect_lean_isa();
-  const Isa isa = isa_from_request(std::string(isa_request), best);
+  const Isa isa = lean_isa().resolve(std::string(isa_request));
   const auto n = static_cast<int64_t>(params.size());
   check_one_per_param(n, {{"grads", grads.size()}, {"indices_low", indices_low.size()},
                           {"window_offsets", window_offsets.size()}, {"exp_avgs", exp_avgs.size()},
@@ -313,12 +310,18 @@ void sparse_adamw_lean_cpu(at::TensorList params, at::TensorList grads, at::Tens
   }
 }
 
-std::string sparse_adamw_lean_isa() { return isa_name(detect_lean_isa()); }
+std::string sparse_adamw_lean_isa() { return isa_name(lean_isa().get()); }
+std::string sparse_adamw_lean_isa_levels() { return isa_levels(lean_isa().widest()); }
+void sparse_adamw_lean_use_isa(c10::string_view isa) { lean_isa().set(std::string(isa)); }
 
 }  // namespace
 
-// Which SIMD form the kernel picked on this CPU (python -m sift.env): C++-only, so defined here.
-TORCH_LIBRARY_FRAGMENT(sift, m) { m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa); }
+// As for the exact step (sparse_adamw.cpp): the form "auto" runs, the forms, the setter.
+TORCH_LIBRARY_FRAGMENT(sift, m) {
+  m.def("sparse_adamw_lean_isa() -> str", &sparse_adamw_lean_isa);
+  m.def("sparse_adamw_lean_isa_levels() -> str", &sparse_adamw_lean_isa_levels);
+  m.def("sparse_adamw_lean_use_isa(str isa) -> ()", &sparse_adamw_lean_use_isa);
+}
 
 // CPU kernels of the schemas in sift/_ops/ (see module.cpp).
 TORCH_LIBRARY_IMPL(sift, CPU, m) { m.impl("sparse_adamw_lean_", &sparse_adamw_lean_cpu); }

@@ -93,6 +93,21 @@ def _prebuilt_stale_reason() -> str | None:
     return None
 
 
+def sources_digest() -> str:
+    """A digest of every C++ source file (headers included), or the package version where the
+    sources are not shipped (an installed wheel with a prebuilt sift._C)."""
+    src = _source_dir()
+    if src is None:
+        from sift._version import __version__
+
+        return f"sift-{__version__}"
+    digest = hashlib.sha1()
+    for path in _source_files(src):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 # A JIT build that has not returned after this long is compiling (a cached one loads in well under it).
 _ANNOUNCE_AFTER_S = 2.0
 # Measured for the package's sources on the 2-core AMD EPYC these docs were written on (torch 2.13, g++ 12).
@@ -107,12 +122,6 @@ def _jit_build() -> None:
     src = _source_dir()
     if src is None:
         raise RuntimeError("no C++ sources found next to the package (csrc/*.cpp)")
-    # torch's JIT cache hashes the .cpp sources only; a digest of every source file (headers
-    # included) in the flags makes a header edit rebuild too.
-    digest = hashlib.sha1()
-    for path in _source_files(src):
-        with open(path, "rb") as f:
-            digest.update(f.read())
     announced = threading.Event()
 
     def announce() -> None:
@@ -129,7 +138,9 @@ def _jit_build() -> None:
         load(
             name="sift_C",
             sources=[f for f in _source_files(src) if f.endswith(".cpp")],
-            extra_cflags=CXX_FLAGS + [f"-DSIFT_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
+            # torch's JIT cache hashes the .cpp sources only; a digest of every source file
+            # (headers included) in the flags makes a header edit rebuild too.
+            extra_cflags=CXX_FLAGS + [f"-DSIFT_SOURCES_DIGEST={sources_digest()}"],
             extra_ldflags=LD_FLAGS,
             is_python_module=False,
             verbose=os.environ.get("SIFT_VERBOSE_BUILD", "0") == "1",
@@ -163,18 +174,22 @@ def load_extension() -> bool:
                 from sift import _C  # noqa: F401  (ahead-of-time build registers the ops)
 
                 _state.update(ok=True, how="prebuilt sift._C")
-                return True
             except ImportError as exc:
                 prebuilt_error = str(exc)
-        try:
-            _jit_build()
-            _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
-        except Exception as exc:  # compiler missing, headers missing, ...
-            errors = compiler_error_lines(str(exc)) or [type(exc).__name__]
-            _state["compiler_errors"] = errors
-            _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {errors[0]}"
-            log.warning("sift: the C++ extension failed to build; kernels fall back to plain torch. "
-                        "Compiler errors:\n  %s", "\n  ".join(errors))
+        if not _state["ok"]:
+            try:
+                _jit_build()
+                _state.update(ok=True, how="compiled on first use (torch cpp_extension + ninja)")
+            except Exception as exc:  # compiler missing, headers missing, ...
+                errors = compiler_error_lines(str(exc)) or [type(exc).__name__]
+                _state["compiler_errors"] = errors
+                _state["why"] = f"no prebuilt sift._C ({prebuilt_error}); JIT build failed: {errors[0]}"
+                log.warning("sift: the C++ extension failed to build; kernels fall back to plain torch. "
+                            "Compiler errors:\n  %s", "\n  ".join(errors))
+        if _state["ok"]:
+            from sift import _simd
+
+            _simd.choose(sources_digest())  # the steps' SIMD forms, the fastest measured here
         return bool(_state["ok"])
 
 

@@ -1,5 +1,7 @@
 """Index helpers shared by the optimizer and the sparse deltas: sorted flat positions of one
-weight, their dtype, validation, merging, lookup, and the one top-k rule with its tie-break."""
+weight, their dtype, validation, merging, lookup, the one top-k rule with its tie-break, and the
+lean state's encoding of the positions (16-bit halves under a window table, see
+sift/_ops/sparse_adamw_lean.py)."""
 
 from __future__ import annotations
 
@@ -119,3 +121,28 @@ def random_generator(seed: int, name: str | None, position: int, device: torch.d
         # since the CPU generator keeps only the low 32 bits of its seed.
         key = zlib.crc32(f"{seed}:{name}".encode())
     return torch.Generator(device=device).manual_seed(key)
+
+
+LEAN_WINDOW = 65536
+LEAN_WINDOW_BITS = 16
+
+
+def lean_num_windows(numel: int) -> int:
+    """Windows of a weight of `numel` elements (the CSR table has one more entry)."""
+    return -(-numel // LEAN_WINDOW)
+
+
+def encode_lean_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat positions -> (indices_low [k] int16, window_offsets [windows + 1] int32).
+
+    Example:
+        >>> low, off = encode_lean_indices(torch.tensor([3, 65537]), 70000)
+        >>> low.tolist(), off.tolist()
+        ([3, 1], [0, 1, 2])
+    """
+    idx = indices.long()
+    counts = torch.bincount(idx >> LEAN_WINDOW_BITS, minlength=lean_num_windows(numel))
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=idx.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    low = ((idx & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits as a signed int16 value
+    return low.to(torch.int16), offsets

@@ -50,13 +50,17 @@ def machine_header() -> dict[str, str]:
     }
 
 
-def cpp_simd() -> str:
-    """The SIMD form each C++ op picked from this CPU's features, e.g.
-    "sparse_adamw_ avx512, singular_values avx512"; "" when the extension is not loaded."""
+def cpp_simd(why: bool = False) -> str:
+    """The SIMD form each C++ op runs, e.g. "sparse_adamw_ avx2 (measured), sparse_adamw_lean_ avx2
+    (measured), sparse_weight_grad_ avx2, singular_values avx512": the optimizer steps run the form
+    measured fastest on this machine (`sift._simd`), the other ops the widest this CPU has.
+    `why`: each step's timings in place of "(measured)". "" when the extension is not loaded."""
+    from sift import _simd
+
     if not extension_status()["ok"]:
         return ""
-    forms = []
-    for op in ("sparse_adamw_", "sparse_adamw_lean_", "sparse_weight_grad_", "singular_values"):
+    forms = [f"{op} {_simd.describe(op, short=not why)}" for op in _simd.STEP_OPS]
+    for op in ("sparse_weight_grad_", "singular_values"):
         probe = getattr(torch.ops.sift, f"{op.rstrip('_')}_isa", None)
         if probe is not None:
             forms.append(f"{op} {probe()}")
@@ -73,7 +77,8 @@ def report() -> str:
     for err in ext.get("compiler_errors") or []:
         lines.append(f"{'':>14}  {err}")
     if ext["ok"]:
-        lines.append(f"{'C++ SIMD':>14}: {cpp_simd()}")
+        lines.append(f"{'C++ SIMD':>14}: {cpp_simd(why=True)}")
+    lines.append(f"{'SIFT_CPU_ISA':>14}: {os.environ.get('SIFT_CPU_ISA', '') or 'auto'}")
     forced = os.environ.get("SIFT_BACKEND", "") or "auto"
     lines.append(f"{'SIFT_BACKEND':>14}: {forced}")
     lines.append(f"{'TRITON_INTERPRET':>14}: {os.environ.get('TRITON_INTERPRET', '0')}")
@@ -89,7 +94,10 @@ def report() -> str:
         compiled = "each op one graph node (no CUDA device: the C++ CPU kernels, opaque to Inductor)"
     lines.append(f"{'torch.compile':>14}: {compiled}")
     if torch.cuda.is_available():
-        from sift.bench._l2 import get_l2_fetch_granularity, l2_fetch_granularity_unavailable
+        from sift.bench._l2 import (
+            get_l2_fetch_granularity,
+            l2_fetch_granularity_unavailable,
+        )
 
         # The bound on what an L2 miss fetches (bench/gpu_sector_ceiling.py times the gathers under it).
         why_not = l2_fetch_granularity_unavailable()

@@ -92,6 +92,37 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, i
           pytest.param(torch.float16, id="fp16")]
 
 
+def cpu_isa_levels(op: str = "sparse_adamw_") -> list[str]:
+    """The forms of C++ step `op` this CPU runs, scalar first (["generic"] without the extension)."""
+    if not cpp_available():
+        return ["generic"]
+    from sift import _simd
+
+    return _simd.levels(op)
+
+
+def with_cpu_isas(backends: list, op: str = "sparse_adamw_") -> list:
+    """`backends` as (backend, cpu_isa) params, the C++ one once per form of `op` this CPU runs (the
+    other backends with None): `_forced_cpu_isa` sets SIFT_CPU_ISA to it, so the C++ step's
+    isa="auto" runs that form."""
+    out = []
+    for param in backends:
+        name = param.values[0]
+        isas = cpu_isa_levels(op) if name == "cpp" else [None]
+        out += [pytest.param(name, isa, id=f"{param.id}-{isa}" if isa else param.id, marks=param.marks)
+                for isa in isas]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _forced_cpu_isa(request, monkeypatch):
+    """SIFT_CPU_ISA for a test parametrized with a `cpu_isa` (`with_cpu_isas`)."""
+    callspec = getattr(request.node, "callspec", None)
+    isa = callspec.params.get("cpu_isa") if callspec is not None else None
+    if isa is not None:
+        monkeypatch.setenv("SIFT_CPU_ISA", isa)
+
+
 def exact_step_lists(dtype: torch.dtype, seed: int, compact: bool = False) -> list[list[torch.Tensor]]:
     """Random operands of `sparse_adamw_` (the eight lists of `ExactState`): two odd shapes, a third
     of each weight's entries; `compact`: gradients already gathered ([k] fp32)."""

@@ -10,7 +10,7 @@ import torch
 
 from sift import SparseAdamW, SparseDelta, _ops, clip_grad_norm_
 from sift.triton_kernels._rounding import round_to_bf16  # noqa: F401  (Triton importable where the tests run)
-from conftest import BACKENDS, DTYPES, requires_cpp
+from conftest import BACKENDS, DTYPES, cpu_isa_levels, requires_cpp, with_cpu_isas
 
 # Weights of the kernel tests: several 65536-element windows (one left empty), a short tail
 # window, and tensors smaller than one window.
@@ -175,11 +175,11 @@ def test_every_backend_matches_fp64_adamw(backend, dtype, compact, step):
     _assert_matches_fp64_adamw(before, got, **hyper, compact=compact)
 
 
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize(("backend", "cpu_isa"), with_cpu_isas(KERNELS, "sparse_adamw_lean_"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
 @pytest.mark.parametrize("step", [1.0, 7.0, 1000.0], ids=["t1", "t7", "t1000"])
-def test_kernel_matches_reference(backend, dtype, compact, step):
+def test_kernel_matches_reference(backend, cpu_isa, dtype, compact, step):
     got = _lean_operands(dtype, seed=1, compact=compact, step=step)
     want = copy.deepcopy(got)
     kwargs = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, maximize=False,
@@ -316,9 +316,9 @@ def _oracle(idx: torch.Tensor, dtype: torch.dtype, steps: int, lr: float, wd: fl
 LEAN_VS_ORACLE = {torch.float32: 0.02, torch.bfloat16: 0.02, torch.float16: 0.02}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "cpu_isa"), with_cpu_isas(BACKENDS, "sparse_adamw_lean_"))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lean_follows_fp64_adamw_over_100_steps(backend, dtype):
+def test_lean_follows_fp64_adamw_over_100_steps(backend, cpu_isa, dtype):
     kwargs = dict(lr=1e-2, weight_decay=0.01, density=0.05, backend=backend)
     w_lean, opt = _run({**kwargs, "state": "lean"}, dtype, 100)
     w_exact, opt_exact = _run(kwargs, dtype, 100)
@@ -529,14 +529,6 @@ def test_lean_errors_are_clear_and_change_nothing():
 
 
 
-def _lean_isa_levels() -> list[str]:
-    import sift._ext
-
-    if not sift._ext.load_extension():
-        return ["generic"]
-    return ["generic", "avx2"] if torch.ops.sift.sparse_adamw_lean_isa() == "avx2" else ["generic"]
-
-
 @requires_cpp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
@@ -559,7 +551,7 @@ def test_cpp_every_isa_level_matches_reference(dtype, compact):
     want = copy.deepcopy(ops)
     args = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, maximize=True, compact_grads=compact)
     _ops.sparse_adamw_lean_ref(*want, **args)
-    for isa in _lean_isa_levels():
+    for isa in cpu_isa_levels("sparse_adamw_lean_"):
         got = copy.deepcopy(ops)
         torch.ops.sift.sparse_adamw_lean_(*got, *args.values(), isa)
         for name, j in (("params", 0), ("exp_avgs", 4), ("exp_avg_sqs", 5), ("residuals", 6)):

@@ -13,8 +13,8 @@ import torch
 
 import sift
 from sift import SparseAdamW, _ops
-from conftest import (BACKENDS, DTYPES, TOLERANCES, capture_step, cpp_available, requires_cpp, requires_triton,
-                      triton_available)
+from conftest import (BACKENDS, DTYPES, TOLERANCES, capture_step, cpu_isa_levels, requires_cpp, requires_triton,
+                      triton_available, with_cpu_isas)
 
 SHAPES = [pytest.param((37, 29), id="37x29"), pytest.param((1, 1), id="1x1"), pytest.param((513,), id="513"),
           pytest.param((3, 5, 7), id="3x5x7")]
@@ -477,11 +477,11 @@ def _kernel_inputs(shapes, dtype, density, compact, seed, with_base=False):
     return [params, grads, indices, exp_avgs, exp_avg_sqs, deltas, bases, steps]
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "torch"])
+@pytest.mark.parametrize(("backend", "cpu_isa"), with_cpu_isas([b for b in BACKENDS if b.values[0] != "torch"]))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compact", [False, True], ids=["dense-grad", "compact-grad"])
 @pytest.mark.parametrize("lr_tensor", [False, True], ids=["lr-float", "lr-tensor"])
-def test_kernel_matches_reference(backend, dtype, compact, lr_tensor):
+def test_kernel_matches_reference(backend, cpu_isa, dtype, compact, lr_tensor):
     shapes = [(37, 29), (1,), (513,), (3, 5, 7), (2049,)]
     inputs = _kernel_inputs(shapes, dtype, 0.3, compact, seed=7)
     expected = copy.deepcopy(inputs)
@@ -500,15 +500,7 @@ def test_kernel_matches_reference(backend, dtype, compact, lr_tensor):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _cpp_isas() -> list[str]:
-    """The SIMD forms of the C++ step this CPU runs, from the scalar loop up."""
-    if not cpp_available():
-        return []
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(torch.ops.sift.sparse_adamw_isa()) + 1]
-
-
-_SIMD_ISAS = _cpp_isas()[1:] or [pytest.param("avx2", marks=pytest.mark.skip("this CPU has no SIMD form"))]
+_SIMD_ISAS = cpu_isa_levels()[1:] or [pytest.param("avx2", marks=pytest.mark.skip("this CPU has no SIMD form"))]
 
 
 def _step_every_isa_and_compare(inputs, isa, steps, lr, maximize, compact):
@@ -592,10 +584,10 @@ def test_cpp_step_rejects_unknown_isa_before_writing():
     assert torch.ops.sift.sparse_adamw_isa() in ("generic", "avx2", "avx512")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "cpu_isa"), with_cpu_isas(BACKENDS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_optimizer_steps_side_by_side_with_reference(backend, dtype, shape):
+def test_optimizer_steps_side_by_side_with_reference(backend, cpu_isa, dtype, shape):
     """Every step: params and every state tensor equal the torch-reference optimizer's (other
     backends), and the chosen entries equal torch's own AdamW on an fp32 copy (every backend,
     the reference included: an oracle that shares no code with it)."""
@@ -1516,13 +1508,13 @@ print("guard page ok")
 
 @requires_cpp
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mmap/mprotect guard page: Linux only")
-@pytest.mark.skipif(not _cpp_isas()[1:], reason="this CPU has no SIMD form")
+@pytest.mark.skipif(not cpu_isa_levels()[1:], reason="this CPU has no SIMD form")
 def test_cpp_simd_16bit_gather_never_reads_past_the_gradient():
     """The bf16/fp16 forms gather 2-byte grads as 4-byte words, which reads 2 bytes past each:
     with the gradient ending right before an unreadable page, choosing its last element (in
     any chunk, valid or followed by a chunk that fails the index check) must not fault. In a
     subprocess, so a fault fails this test instead of killing the run."""
-    out = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT, *_cpp_isas()[1:]], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT, *cpu_isa_levels()[1:]], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "guard page ok" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
 

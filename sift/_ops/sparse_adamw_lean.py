@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+# The index encoding lives a floor down, where the loader's SIMD timing (sift/_simd.py) reaches it too.
+from sift._index import LEAN_WINDOW, LEAN_WINDOW_BITS, encode_lean_indices, lean_num_windows  # noqa: F401
 from sift._ops.step import _bias_corrections, _define_step, _step_grad
 from sift.triton_kernels._step_args import AdamWHyper, LeanState, check_step, takes_step_lists
 
@@ -46,31 +48,6 @@ from sift.triton_kernels._step_args import AdamWHyper, LeanState, check_step, ta
 # from a hash of (flat index, step) make the rounding unbiased and the same on every backend,
 # so a reloaded state continues identically.
 # ---------------------------------------------------------------------------------------
-
-LEAN_WINDOW = 65536
-LEAN_WINDOW_BITS = 16
-
-
-def lean_num_windows(numel: int) -> int:
-    """Windows of a weight of `numel` elements (the CSR table has one more entry)."""
-    return -(-numel // LEAN_WINDOW)
-
-
-def encode_lean_indices(indices: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted flat positions -> (indices_low [k] int16, window_offsets [windows + 1] int32).
-
-    Example:
-        >>> low, off = encode_lean_indices(torch.tensor([3, 65537]), 70000)
-        >>> low.tolist(), off.tolist()
-        ([3, 1], [0, 1, 2])
-    """
-    idx = indices.long()
-    counts = torch.bincount(idx >> LEAN_WINDOW_BITS, minlength=lean_num_windows(numel))
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=idx.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    low = ((idx & 0xFFFF) ^ 0x8000) - 0x8000  # the low 16 bits as a signed int16 value
-    return low.to(torch.int16), offsets
-
 
 def checked_lean_indices(indices_low: Any, window_offsets: Any, numel: int, what: str,
                          names: tuple[str, str] = ("indices_low", "window_offsets"),
