@@ -3,24 +3,25 @@
 // (sparse_adamw_ref); this file is its C++/OpenMP implementation.
 //
 // Work is cut into chunks of CHUNK entries over all tensors so OpenMP balances tensors of
-// very different sizes. Each entry is gathered, updated and scattered in one pass; the
-// sorted indices let the loop prefetch the grad and weight lines PREFETCH_DISTANCE entries
-// ahead, across chunk boundaries. One pass beats gathering into buffers, vectorising the math
-// and scattering: the gathers dominate, and the buffered form's short-range prefetch fought
-// the hardware prefetcher (figures in bench/results/README.md).
+// very different sizes. Each entry is gathered, updated and scattered in one pass; the sorted
+// indices let the loop prefetch the lines it reads (the grad's, and the weight's when there is
+// no base) PREFETCH_DISTANCE entries ahead, across chunk boundaries. One pass beats gathering
+// into buffers, vectorising the math and scattering: the gathers dominate, and the buffered
+// form's short-range prefetch fought the hardware prefetcher (figures in bench/results/README.md).
 //
-// With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h); isa="auto" runs the
-// one sift's loader measured fastest on this machine (cpu_isa.h, sift/_simd.py). fp32 weights: AVX-512 gathers 16 grads and weights per instruction and
-// scatters the 16 new weights; AVX2 gathers 8 and stores them one by one. bf16/fp16 weights
-// (rebuilt from base + delta): the 16-bit grads are gathered as 4-byte words, and the new
-// weights rounded in vector registers exactly as c10's conversions round, then stored one by
-// one (there is no 16-bit scatter). The AVX-512 form prefetches the weight lines with
-// PREFETCHW, which fetches a line ready to be written. With the data in cache the scalar loop
-// is bound by its divide and square root, which the SIMD forms widen; on large tensors the step
-// waits on its prefetches (the core's line-fill buffers), so there wider math wins less. The
-// figures are in bench/results/README.md ("Performance notes"). The SIMD forms and the scalar
-// loop are compiled with fp-contract off (also under -march flags that enable FMA) and do the
-// same operations in the same order: every form gives bit-identical results, rounding ties
+// With int32 indices the pass also has SIMD forms (sparse_adamw_simd.h); isa="auto" runs the one
+// sift's loader measured fastest on this machine (cpu_isa.h, sift/_simd.py). fp32 weights:
+// AVX-512 gathers 16 grads and weights per instruction and scatters the 16 new weights; AVX2
+// gathers 8 and stores them one by one. bf16/fp16 weights (rebuilt from base + delta): the 16-bit
+// grads are gathered as 4-byte words, and the new weights rounded in vector registers exactly as
+// c10's conversions round, then stored one by one (there is no 16-bit scatter). The AVX-512 form
+// prefetches the weight lines with PREFETCHW, which fetches a line ready to be written; the AVX2
+// form and the scalar loop leave a weight they only write to the store buffer (faster on the AMD
+// EPYC measured). With the data in cache the scalar loop is bound by its divide and square root,
+// which the SIMD forms widen; on large tensors the step waits on memory, so there wider math wins
+// less. The figures are in bench/results/README.md ("Performance notes"). The SIMD forms and the
+// scalar loop are compiled with fp-contract off (also under -march flags that enable FMA) and do
+// the same operations in the same order: every form gives bit-identical results, rounding ties
 // included (tested); only a NaN made from two NaN operands may differ in payload.
 
 #include "sparse_adamw_common.h"
@@ -46,10 +47,12 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
   const float one_minus_b2 = h.one_minus_b2;
   const float decay = h.lr * h.weight_decay;
   for (int64_t j = begin; j < end; ++j) {
-    if (j + PREFETCH_DISTANCE < k) {
+    // Only lines the update reads are prefetched: with a base the weight is only written, and
+    // its store waits on the line in the store buffer, off the loop's critical path.
+    if ((!COMPACT || !HAS_BASE) && j + PREFETCH_DISTANCE < k) {
       const int64_t ahead = static_cast<int64_t>(idx[j + PREFETCH_DISTANCE]);
       if (!COMPACT) __builtin_prefetch(g_src + ahead, 0, 3);
-      __builtin_prefetch(w + ahead, 1, 3);
+      if (!HAS_BASE) __builtin_prefetch(w + ahead, 1, 3);
     }
     const int64_t q = static_cast<int64_t>(idx[j]);
     const float gj = sign * static_cast<float>(COMPACT ? g_src[j] : g_src[q]);
@@ -68,8 +71,9 @@ void adamw_chunk(W* __restrict w, const G* __restrict g_src, const I* __restrict
 
 #ifdef SIFT_X86_SIMD
 // The SIMD forms (sparse_adamw_simd.h), one namespace per instruction set. The AVX-512 form
-// prefetches the weight lines with PREFETCHW (every AVX-512 CPU has it; detect_step_isa
-// checks); the AVX2 form, which also serves Haswell (no PREFETCHW), with PREFETCHT0.
+// prefetches the weight lines it only writes with PREFETCHW (every AVX-512 CPU has it;
+// detect_step_isa checks); the AVX2 form, which also serves Haswell (no PREFETCHW), prefetches
+// only the lines it reads, with PREFETCHT0.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,prfchw")
@@ -81,15 +85,20 @@ constexpr int64_t W = 16;
 inline Mask lanes(int64_t n) { return static_cast<Mask>((1u << n) - 1u); }
 inline V set1(float x) { return _mm512_set1_ps(x); }
 inline V loadu(const float* p, Mask k) { return _mm512_maskz_loadu_ps(k, p); }
+inline V loadu(const float* p, Full) { return _mm512_loadu_ps(p); }
 inline void storeu(float* p, V x, Mask k) { _mm512_mask_storeu_ps(p, k, x); }
+inline void storeu(float* p, V x, Full) { _mm512_storeu_ps(p, x); }
 inline V vsqrt(V x) { return _mm512_sqrt_ps(x); }
 inline __m512i load_idx(const int32_t* p, Mask k) { return _mm512_maskz_loadu_epi32(k, p); }
+inline __m512i load_idx(const int32_t* p, Full) { return _mm512_loadu_si512(p); }
 inline V gather(const float* base, __m512i q, Mask k) {
   return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, q, base, 4);
 }
+inline V gather(const float* base, __m512i q, Full) { return _mm512_i32gather_ps(q, base, 4); }
 inline void scatter(float* base, const int32_t*, __m512i q, V x, Mask k, int64_t) {
   _mm512_mask_i32scatter_ps(base, k, q, x, 4);
 }
+inline void scatter(float* base, const int32_t*, __m512i q, V x, Full, int64_t) { _mm512_i32scatter_ps(base, q, x, 4); }
 using VI = __m512i;
 inline VI load16(const uint16_t* p, int64_t n) {
   if (n == W) return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -100,12 +109,16 @@ inline VI gather16(const uint16_t* base, __m512i q, Mask k) {
   const VI words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, q, base, 2);
   return _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
 }
+inline VI gather16(const uint16_t* base, __m512i q, Full) {
+  return _mm512_and_si512(_mm512_i32gather_epi32(q, base, 2), _mm512_set1_epi32(0xFFFF));
+}
 inline void pack16(uint16_t* out, VI x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(x)); }
 inline V widen_f16(VI x) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)); }
 inline void narrow_f16(uint16_t* out, V x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
 }
 inline unsigned nan_lanes(V x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+constexpr bool PREFETCH_WRITTEN_WEIGHTS = true;  // PREFETCHW ahead of the scatter (not measured against none)
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx512
 #pragma GCC pop_options
@@ -115,6 +128,7 @@ inline unsigned nan_lanes(V x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); 
 #pragma GCC optimize("fp-contract=off")
 namespace adamw_avx2 {
 #include "simd_avx2.h"
+constexpr bool PREFETCH_WRITTEN_WEIGHTS = false;  // measured slower on the AMD EPYC
 #include "sparse_adamw_simd.h"
 }  // namespace adamw_avx2
 #pragma GCC pop_options

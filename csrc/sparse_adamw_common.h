@@ -37,6 +37,10 @@ namespace sift {
 namespace {
 
 #ifdef SIFT_X86_SIMD
+// The mask of a whole vector of W entries, for the SIMD forms' memory primitives: they then use
+// the plain instruction instead of the masked one.
+struct Full {};
+
 // n (< W) 16-bit values into a zeroed W-value buffer, for the short last block of a chunk.
 template <int64_t W>
 struct Tail16 {

@@ -12,12 +12,12 @@
 // The scalar loop is compiled with fp-contract off and does the reference's operations in
 // its order, so results match the torch reference bit for bit.
 //
-// With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), run by
-// isa="auto" where sift's loader measured it faster than the scalar loop (cpu_isa.h,
-// sift/_simd.py), for params below 2^31 elements: 8 entries per step, grads gathered (and
-// fp32 weights; 16-bit weights are loaded one at a time, as they are stored), the hash and both
-// stochastic roundings in vector registers, the same operations in the same order, so the bits
-// agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
+// With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), for params
+// below 2^31 elements, run by isa="auto" where sift's loader measured it faster than the scalar
+// loop (cpu_isa.h, sift/_simd.py): 8 entries per step, grads and weights gathered (16-bit ones as
+// 4-byte words, so a block holding the param's last element is left to the scalar loop), the
+// hash and both stochastic roundings in vector registers, the same operations in the same order,
+// so the bits agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
 
 #include "sparse_adamw_common.h"
 

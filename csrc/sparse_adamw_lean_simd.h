@@ -3,15 +3,14 @@
 // namespace compiled under that set's `#pragma GCC target` with fp-contract off. The namespace
 // provides V (W floats), VI (W 32-bit integer lanes), lanes(n), set1, loadu, load_idx, gather,
 // scatter, vsqrt, load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane,
-// read as a 4-byte word), pack16 (the low halves of W lanes), widen_f16, narrow_f16 and
-// nan_lanes; the rest is GCC's vector operators. Each line does one operation of the scalar
+// read as a 4-byte word), pack16 (the low halves of W lanes), widen_f16, narrow_f16, nan_lanes,
+// widen_i8 and narrow_i8 (the residuals); the rest is GCC's vector operators. Each line does one operation of the scalar
 // loop (lean_entries), in its order and with no fused multiply-add, so the bits agree with it
 // (only a NaN made from two NaN operands may differ in payload, as in the exact step).
 
 #include "sparse_adamw_simd_common.h"
 typedef int32_t I32 __attribute__((vector_size(sizeof(V))));
 typedef float F32 __attribute__((vector_size(sizeof(V))));
-typedef int8_t I8 __attribute__((vector_size(W)));
 
 // The exponent field E of 16-bit weights w (in 32-bit lanes), clamped as unit(w) clamps it.
 template <typename T>
@@ -54,13 +53,6 @@ inline VI round_bf16_stochastic_v(V x, U32 random16) {
   return (VI)((((U32)x + random16) >> 16 & ~nan) | (nan & 0x7FC0u));
 }
 
-// n (<= W) bytes from src to dst; a full block as one fixed-size copy, which compiles to a
-// move where a variable size would call memcpy.
-inline void copy_block(void* dst, const void* src, int64_t n) {
-  if (n == W) std::memcpy(dst, src, W);
-  else std::memcpy(dst, src, static_cast<size_t>(n));
-}
-
 // n (<= W) bf16 values of x into out.
 inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
   if (n == W) return pack16(reinterpret_cast<uint16_t*>(out), x);
@@ -69,77 +61,82 @@ inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
   std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(uint16_t));
 }
 
+// Entries [t, t + nn) of a chunk starting at entry `begin` of its tensor, flat positions in
+// `flat` (n_ahead of them, the ones past the chunk only prefetched). M is Mask (the first nn
+// lanes) or Full (all W lanes, no masked instruction).
+template <typename T, typename G, bool COMPACT, typename M>
+inline void lean_block(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
+                       c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
+                       int64_t begin, int64_t t, int64_t nn, int64_t n_ahead, uint32_t step, const Coeffs& c, M mask) {
+  constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
+  auto* w16 = reinterpret_cast<uint16_t*>(w);
+  const auto* g16 = reinterpret_cast<const uint16_t*>(g_src);
+  const auto* m16 = reinterpret_cast<const uint16_t*>(m + begin);
+  const auto* v16 = reinterpret_cast<const uint16_t*>(v + begin);
+  for (int64_t a = t + LEAN_PREFETCH_DISTANCE, stop = std::min(n_ahead, a + nn); a < stop; ++a) {
+    if (!COMPACT) __builtin_prefetch(g_src + flat[a], 0, 3);
+    __builtin_prefetch(w + flat[a], 1, 3);  // PREFETCHW where the target has it
+  }
+  const auto q = load_idx(flat + t, mask);
+  V gj;
+  if constexpr (COMPACT) gj = loadu(g_src + begin + t, mask);
+  else if constexpr (LOW_PRECISION) gj = widen<T>(gather16(g16, q, mask));
+  else gj = gather(g_src, q, mask);
+  gj = c.sign * gj;
+  V wj;
+  U32 stored{};
+  if constexpr (LOW_PRECISION) {
+    stored = (U32)gather16(w16, q, mask);
+    wj = widen<T>((VI)stored) + widen_i8(residual + begin + t, nn) * unit<T>(stored);
+  } else {
+    wj = gather(w, q, mask);
+  }
+  const V mj = c.beta1 * widen<c10::BFloat16>(load16(m16 + t, nn)) + c.one_minus_b1 * gj;
+  const V vj = c.beta2 * widen<c10::BFloat16>(load16(v16 + t, nn)) + c.one_minus_b2 * gj * gj;
+  const V upd = c.neg_decay * wj - c.vstep * mj / (vsqrt(vj) * c.vinv + c.eps);
+  const V fresh = wj + upd;
+  if constexpr (LOW_PRECISION) {
+    alignas(64) uint16_t out[W];
+    narrow<T>(out, fresh);
+    for (int64_t u = 0; u < nn; ++u) w16[flat[t + u]] = out[u];
+    const VI rounded = load16(out, W);
+    const V back = widen<T>(rounded);
+    V r = (fresh - back) * inv_unit<T>((U32)rounded);
+    // Clamping before rounding to an integer gives the scalar loop's clamp(rint(r)): rint is
+    // monotone and keeps -128 and 127. Adding and taking away 1.5 * 2^23 rounds |r| <= 2^22
+    // to the nearest integer, ties to even, as nearbyint does.
+    r = r < -128.0f ? set1(-128.0f) : r;
+    r = r > 127.0f ? set1(127.0f) : r;
+    const I32 finite = ((U32)back & 0x7F800000u) != 0x7F800000u;
+    r = finite ? r : set1(0.0f);
+    r = (r + 12582912.0f) - 12582912.0f;
+    narrow_i8(residual + begin + t, (VI)__builtin_convertvector((F32)r, I32), nn);
+  } else {
+    scatter(w, flat + t, q, fresh, mask, nn);
+  }
+  const U32 bits = random_bits_v((U32)q, step);
+  store_bf16(m + begin + t, round_bf16_stochastic_v(mj, bits & 0xFFFFu), nn);
+  store_bf16(v + begin + t, round_bf16_stochastic_v(vj, bits >> 16), nn);
+}
+
 // Entries [0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`
 // (n_ahead >= n of them, the rest only prefetched).
-// Returns the first entry not stepped: n, or, for 16-bit dense grads, the start of a last block
-// that holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar
-// loop.
+// Returns the first entry not stepped: n, or, for 16-bit weights, the start of a last block that
+// holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar loop.
 template <typename T, typename G, bool COMPACT>
 int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
                           c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
                           int64_t begin, int64_t n, int64_t n_ahead, int64_t numel, uint32_t step, float step_size,
                           float inv_bc2_sqrt, const Hyper& h) {
-  constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
   const Coeffs c(h, step_size, inv_bc2_sqrt);
-  auto* w16 = reinterpret_cast<uint16_t*>(w);
-  const auto* g16 = reinterpret_cast<const uint16_t*>(g_src);
-  const auto* m16 = reinterpret_cast<const uint16_t*>(m + begin);
-  const auto* v16 = reinterpret_cast<const uint16_t*>(v + begin);
-  for (int64_t t = 0; t < n; t += W) {
-    const int64_t nn = std::min<int64_t>(W, n - t);
-    if (LOW_PRECISION && !COMPACT && t + nn == n && flat[n - 1] == numel - 1) return t;
-    for (int64_t a = t + LEAN_PREFETCH_DISTANCE, stop = std::min(n_ahead, a + nn); a < stop; ++a) {
-      if (!COMPACT) __builtin_prefetch(g_src + flat[a], 0, 3);
-      __builtin_prefetch(w + flat[a], 1, 3);  // PREFETCHW where the target has it
-    }
-    const auto mask = lanes(nn);
-    const auto q = load_idx(flat + t, mask);
-    V gj;
-    if constexpr (COMPACT) gj = loadu(g_src + begin + t, mask);
-    else if constexpr (LOW_PRECISION) gj = widen<T>(gather16(g16, q, mask));
-    else gj = gather(g_src, q, mask);
-    gj = c.sign * gj;
-    V wj;
-    U32 stored{};
-    if constexpr (LOW_PRECISION) {
-      // Scalar loads: the weight is stored one value at a time below anyway, and a second
-      // 16-bit gather cost more than these loads on the AVX2 machine measured.
-      alignas(64) uint32_t words[W] = {};
-      for (int64_t u = 0; u < nn; ++u) words[u] = w16[flat[t + u]];
-      std::memcpy(&stored, words, sizeof stored);
-      I8 r{};
-      copy_block(&r, residual + begin + t, nn);
-      wj = widen<T>((VI)stored) + (V)__builtin_convertvector(r, F32) * unit<T>(stored);
-    } else {
-      wj = gather(w, q, mask);
-    }
-    const V mj = c.beta1 * widen<c10::BFloat16>(load16(m16 + t, nn)) + c.one_minus_b1 * gj;
-    const V vj = c.beta2 * widen<c10::BFloat16>(load16(v16 + t, nn)) + c.one_minus_b2 * gj * gj;
-    const V upd = c.neg_decay * wj - c.vstep * mj / (vsqrt(vj) * c.vinv + c.eps);
-    const V fresh = wj + upd;
-    if constexpr (LOW_PRECISION) {
-      alignas(64) uint16_t out[W];
-      narrow<T>(out, fresh);
-      for (int64_t u = 0; u < nn; ++u) w16[flat[t + u]] = out[u];
-      const VI rounded = load16(out, W);
-      const V back = widen<T>(rounded);
-      V r = (fresh - back) * inv_unit<T>((U32)rounded);
-      // Clamping before rounding to an integer gives the scalar loop's clamp(rint(r)): rint is
-      // monotone and keeps -128 and 127. Adding and taking away 1.5 * 2^23 rounds |r| <= 2^22
-      // to the nearest integer, ties to even, as nearbyint does.
-      r = r < -128.0f ? set1(-128.0f) : r;
-      r = r > 127.0f ? set1(127.0f) : r;
-      const I32 finite = ((U32)back & 0x7F800000u) != 0x7F800000u;
-      r = finite ? r : set1(0.0f);
-      r = (r + 12582912.0f) - 12582912.0f;
-      const I8 r8 = __builtin_convertvector(__builtin_convertvector((F32)r, I32), I8);
-      copy_block(residual + begin + t, &r8, nn);
-    } else {
-      scatter(w, flat + t, q, fresh, mask, nn);
-    }
-    const U32 bits = random_bits_v((U32)q, step);
-    store_bf16(m + begin + t, round_bf16_stochastic_v(mj, bits & 0xFFFFu), nn);
-    store_bf16(v + begin + t, round_bf16_stochastic_v(vj, bits >> 16), nn);
+  const int64_t vector_end = !std::is_same_v<T, float> && n > 0 && flat[n - 1] == numel - 1 ? n - 1 - (n - 1) % W : n;
+  int64_t t = 0;
+  for (; t + W <= vector_end; t += W) {
+    lean_block<T, G, COMPACT>(w, g_src, flat, m, v, residual, begin, t, W, n_ahead, step, c, Full{});
   }
-  return n;
+  if (t < vector_end) {
+    lean_block<T, G, COMPACT>(w, g_src, flat, m, v, residual, begin, t, vector_end - t, n_ahead, step, c,
+                              lanes(vector_end - t));
+  }
+  return vector_end;
 }

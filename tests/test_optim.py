@@ -1502,6 +1502,27 @@ for dtype in (torch.bfloat16, torch.float16):
             assert "strictly increasing" in str(exc), exc
         else:
             raise AssertionError("bad indices in the second chunk were not reported")
+    # The lean step gathers the 16-bit weights as well: the weight (compact grads) or the
+    # gradient (dense grads) ends at the guard page.
+    from sift import _ops
+    for isa in [i for i in sys.argv[1:] if i in torch.ops.sift.sparse_adamw_lean_isa_levels().split(",")]:
+        for k in (1, 17, 513, 600):
+            idx = torch.arange(n - k, n)
+            low, off = _ops.encode_lean_indices(idx, n)
+            for compact in (True, False):
+                runs = []
+                for form in (isa, "generic"):
+                    weight = grad if compact else torch.randn(n).to(dtype)
+                    weight.copy_(torch.linspace(-1, 1, n))
+                    g = torch.randn(k) if compact else grad
+                    inputs = [[weight], [g], [low], [off], [torch.zeros(k, dtype=torch.bfloat16)],
+                              [torch.zeros(k, dtype=torch.bfloat16)], [torch.zeros(k, dtype=torch.int8)],
+                              [torch.tensor(1.0)]]
+                    torch.manual_seed(0)
+                    inputs[1][0].copy_(torch.randn(inputs[1][0].numel()))
+                    torch.ops.sift.sparse_adamw_lean_(*inputs, 1e-3, 0.9, 0.99, 1e-8, 0.0, False, compact, form)
+                    runs.append(weight.clone())
+                assert torch.equal(runs[0], runs[1]), ("lean", dtype, isa, k, compact)
 print("guard page ok")
 """
 
@@ -1510,10 +1531,11 @@ print("guard page ok")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mmap/mprotect guard page: Linux only")
 @pytest.mark.skipif(not cpu_isa_levels()[1:], reason="this CPU has no SIMD form")
 def test_cpp_simd_16bit_gather_never_reads_past_the_gradient():
-    """The bf16/fp16 forms gather 2-byte grads as 4-byte words, which reads 2 bytes past each:
-    with the gradient ending right before an unreadable page, choosing its last element (in
-    any chunk, valid or followed by a chunk that fails the index check) must not fault. In a
-    subprocess, so a fault fails this test instead of killing the run."""
+    """The bf16/fp16 forms gather 2-byte grads (and the lean form 2-byte weights) as 4-byte
+    words, which reads 2 bytes past each: with the gradient or weight ending right before an
+    unreadable page, choosing its last element (in any chunk, valid or followed by a chunk that
+    fails the index check) must not fault. In a subprocess, so a fault fails this test instead of
+    killing the run."""
     out = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT, *cpu_isa_levels()[1:]], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "guard page ok" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
