@@ -38,7 +38,7 @@ QUICK_PACKAGES = {"llm": ("nrclex", "afinn")}
 # Wall time of each suite on the 2-core CPU shared with other work where the committed results were made
 # (load average 3-7 while timed; bench/results/engine-before-after-cpu.md has the runs).
 DURATIONS = {
-    "adamw": "fp32 and bf16 with the machine-limit probe: 11 min at load 6-8, not yet timed quiet (--quick: about 1 min)",
+    "adamw": "about 5 min (fp32 and bf16, with the machine-limit probe; 11 min at load 6-8; --quick: under 1 min)",
     "backward": "about 6 min (--quick: under 1 min)",
     "delta": "about 2 min (--quick: under 1 min)",
     "distributed": "about 1 min (--quick: under 1 min)",
