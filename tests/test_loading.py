@@ -107,6 +107,37 @@ def test_a_hub_base_is_recorded_by_name_and_loaded_by_it(base_folder, tmp_path, 
     assert torch.equal(_logits(model), _logits(base))
 
 
+def _hub_cache(base_folder, cache, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """`cache` laid out as huggingface_hub's download cache holding `HUB_NAME` at `commit` (refs/main)."""
+    repo = cache / ("models--" + HUB_NAME.replace("/", "--"))
+    shutil.copytree(base_folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
+def test_a_hub_base_resolves_through_the_hub_cache_by_its_recorded_name(base_folder, tmp_path, monkeypatch):
+    """The base named as transformers names a Hub model (its name set by transformers itself, not by the test)
+    is found again by that name through the Hub's cache, offline."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no request, not even a HEAD
+    _hub_cache(base_folder, tmp_path / "hub")
+    hub = {"cache_dir": str(tmp_path / "hub"), "local_files_only": True}
+    base = transformers.AutoModelForCausalLM.from_pretrained(HUB_NAME, **hub).eval()
+    delta = SparseDelta.from_diff(base, _tuned_copy(base), density=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Hub name: nothing to warn about
+        delta.save_pretrained(tmp_path / "tune", base)
+    config = json.loads((tmp_path / "tune" / "sift_config.json").read_text())["base_model"]
+    assert (config["name_or_path"], config["local"]) == (HUB_NAME, False)
+    delta.apply_(base)
+    model = sift.from_pretrained(tmp_path / "tune", **hub)
+    assert model.config.name_or_path == HUB_NAME
+    assert torch.equal(_logits(model), _logits(base))
+    with pytest.raises(FileNotFoundError, match=re.escape(repr(HUB_NAME))):  # not in that cache: named, with the fix
+        sift.from_pretrained(tmp_path / "tune", cache_dir=str(tmp_path / "empty"), local_files_only=True)
+
+
 def test_save_pretrained_records_the_hub_name_it_is_given_for_a_local_base(base_folder, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
