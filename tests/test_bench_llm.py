@@ -18,6 +18,7 @@ pytest.importorskip("peft")
 pytest.importorskip("nrclex")
 pytest.importorskip("afinn")
 
+import sift  # noqa: E402
 from sift.bench import llm  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def tiny(tiny_folder):
 
 def _methods() -> list[str]:
     return [m for m in ("zero-shot", "sift attn 1%", "sift all 0.25%", "lora matched", "lora r16 all", "shira matched",
-                        "sparta 1%", "full", "sift attn 1% nf4", "qlora r16 all")
+                        "sparta 1%", "sift attn 1% colnorm", "full", "sift attn 1% nf4", "qlora r16 all")
             if llm.METHODS[m].bits is None or importlib.util.find_spec("bitsandbytes")]
 
 
@@ -242,7 +243,7 @@ def test_methods_at_one_count_train_equally_many_entries(board, tiny_folder):
     shapes = [(64, 64), (32, 64), (32, 64), (64, 64)] * layers  # q, k, v, o of the tiny Llama
     sift_entries = sum(math.ceil(0.01 * rows * cols) for rows, cols in shapes)
     per_rank = sum(rows + cols for rows, cols in shapes)
-    assert count["sift attn 1%"] == count["sparta 1%"] == sift_entries
+    assert count["sift attn 1%"] == count["sparta 1%"] == count["sift attn 1% colnorm"] == sift_entries
     assert count["lora matched"] == count["shira matched"] == per_rank * max(1, round(sift_entries / per_rank))
     mlp = [(128, 64), (128, 64), (64, 128)] * layers
     assert count["sift all 0.25%"] == sum(math.ceil(0.0025 * r * c) for r, c in shapes + mlp)
@@ -252,6 +253,29 @@ def test_methods_at_one_count_train_equally_many_entries(board, tiny_folder):
     assert count["zero-shot"] == 0
     full = transformers.LlamaForCausalLM.from_pretrained(tiny_folder)
     assert count["full"] == sum(p.numel() for p in full.parameters())
+
+
+def test_column_normalized_entries_are_the_top_of_grad_over_its_column_rms_and_the_first_step_moves_them():
+    """The board's column-normalized rule picks the top k of |g| / rms_col(|g|) (k as sift counts, ties to the
+    lower index), not plain |g|'s, and the first step then moves those entries and no other."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(24, 10))
+    opt = sift.SparseAdamW([w], lr=1e-2, density=0.1)
+    x = torch.randn(6, 10)
+    x[:, 3] *= 40.0  # a column of massive activations: plain |grad| would spend the budget there
+    (x @ w.t()).square().mean().backward()
+    g = w.grad.detach().abs()
+    score = (g / g.pow(2).mean(0, keepdim=True).sqrt()).flatten()
+    k = math.ceil(0.1 * w.numel())
+    expected = sorted(sorted(range(w.numel()), key=lambda i: (-float(score[i]), i))[:k])
+    plain = sorted(sorted(range(w.numel()), key=lambda i: (-float(g.flatten()[i]), i))[:k])
+    assert expected != plain and sum(i % 10 == 3 for i in plain) > sum(i % 10 == 3 for i in expected)
+    before = w.detach().clone()
+    llm.choose_column_normalized(opt)
+    assert opt.indices_of(w).tolist() == expected
+    opt.step()
+    moved = (w.detach() != before).flatten().nonzero().flatten().tolist()
+    assert moved == expected
 
 
 def test_loss_is_on_the_answer_tokens_only(tiny):

@@ -122,7 +122,8 @@ class Method:
     """One board row: how to fine-tune, its learning-rate grid, and what it is.
 
     kind: "zero-shot", "sift", "lora", "shira", "full" or "frozen" (the timing rows' floor). For sift: `targets`, `density`,
-    `selection`, `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
+    `selection` (a `SparseAdamW` rule, or the board's own "column-normalized", `llm.choose_column_normalized`),
+    `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
     count of sift at `targets`/`density`) and `targets` ("all-linear" for peft's).
     """
 
@@ -167,6 +168,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            select_steps=4),
     Method("sift attn 1% reselect", "sift", SIFT_LRS, "1% of q/k/v/o, drop-and-grow every 16 steps",
            reselect_every=16),
+    Method("sift attn 1% colnorm", "sift", SIFT_LRS, "1% of q/k/v/o by |grad| over its input column's RMS |grad|",
+           selection="column-normalized"),
     Method("sift attn 1% nf4", "sift", SIFT_LRS, "sift attn 1% as a sparse delta over the NF4 model", bits=4),
     Method("lora matched", "lora", LORA_LRS, "peft LoRA on q/k/v/o, rank matched to sift attn 1%'s entries"),
     Method("lora r16 all", "lora", LORA_LRS, "peft LoRA r=16, alpha 32, all linear layers", targets="all-linear",
@@ -184,7 +187,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
             "sparta 1%", "shira matched", "qlora r16 all", "sift attn 1% nf4", "sift attn 2%", "sift attn 5%",
             "sift all 0.5%", "sift all 2%", "sift all 5%", "sift attn 1% saliency", "sift attn 1% select 4",
-            "sift attn 1% reselect")
+            "sift attn 1% reselect", "sift attn 1% colnorm")
 
 
 @dataclass(frozen=True)
