@@ -47,7 +47,7 @@ DURATIONS = {
            "--report only rewrites the tables (--quick: about 2 min, a tiny random Llama)",
     "memory": "under 1 min (--quick: about 1 min)",
     "quantized": "about 25 min (--quick: about 2 min)",
-    "serving": "about 3 min, plus the SmolLM2 table where the model is installed (--quick: under 1 min)",
+    "serving": "about 3 min, plus about 8 for the SmolLM2 table where the model is installed (--quick: under 1 min)",
 }
 
 

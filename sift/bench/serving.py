@@ -8,7 +8,7 @@ different deltas, one of 8 rows sharing 2 deltas, and a prefill of 4 rows x 128 
 deltas. Each row times the deltas' products over the 4 layers and, in the same rotation, the base
 layers' dense products `x W^T`: the ratio is what serving adds to the base's own work. Switch
 rows: 4 bf16 layers of [4096, 4096], two deltas per density, `switch_to` alternating between them.
-Then `sift.bench.serving_llm`: SmolLM2-135M-Instruct served with 1, 2 and 8 fine-tunes per batch
+Then `sift.bench.serving_llm`: SmolLM2-135M-Instruct served at batch 8 and 32, 1 to 32 fine-tunes per batch,
 against the base and peft's mixed LoRA batch, and each fine-tune's memory against its file.
 """
 

@@ -4,9 +4,10 @@ memory against its file. Part of `python -m sift.bench serving` (`sift.bench.ser
 
 Deltas: 8 random sparse fine-tunes at sift's default density (1%) of the default targets (q, k, v, o
 of every layer). LoRA: 8 adapters (B not zero, so the products are real) of rank r on the same
-modules, r matching the deltas' entries (`r (in + out)` summed over the modules). Batches of 8 rows
-spread over 1, 2 or 8 fine-tunes; decode: one token per row on a 16-token cache, each step timed;
-prefill: 8 rows of 32 tokens; then `switch_to` between two of the fine-tunes. Every configuration runs in one rotation with the others, so load
+modules, r matching the deltas' entries (`r (in + out)` summed over the modules); 32 of each. Batches of 8
+rows spread over 1, 2 or 8 fine-tunes and of 32 rows over 1, 2, 8 or 32; decode: one token per row on a
+16-token cache, each step timed; prefill: the batch's rows of 32 tokens; then `switch_to` between two of
+the fine-tunes. Every configuration runs in one rotation with the others, so load
 from other work falls on all alike. `--quick`: a tiny random Llama instead (figures not comparable).
 """
 
@@ -27,7 +28,8 @@ COLUMNS = ("phase", "fine-tunes in the batch", "base ms", "sift ms", "sift / bas
 MEMORY_COLUMNS = ("fine-tune", "entries", "bytes held", "file bytes", "held / file", "LoRA rank (matched)",
                   "LoRA adapter bytes")
 SWITCH_COLUMNS = ("entries per fine-tune", "switch_to median ms", "p20 ms", "p80 ms", "ms per million entries")
-SPREADS = (1, 2, 8)
+SPREADS = (1, 2, 8, 32)
+BATCHES = (8, 32)
 DENSITY = 0.01  # sift's default (SparseAdamW, for_model)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # for_model's default for the Llama family
 
@@ -87,17 +89,36 @@ def _names(prefix: str, spread: int, rows: int) -> list[str]:
     return [f"{prefix}{r % spread}" for r in range(rows)]
 
 
-def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[list[dict], list[dict], list[dict]]:
+def bench_llm(quick: bool = False, repeat: int = 5) -> tuple[list[dict], list[dict], list[dict]]:
     """The speed rows (decode, prefill), the memory rows and the switch row (see the module docstring)."""
     from sift import ServedDeltas
 
     model = _model(quick)
-    deltas = [_delta(model, seed) for seed in range(max(SPREADS))]
+    batches = BATCHES[:1] if quick else BATCHES
+    deltas = [_delta(model, seed) for seed in range(max(s for s in SPREADS if s <= max(batches)))]
     served = ServedDeltas(model)
     for i, d in enumerate(deltas):
         served.load_delta(f"d{i}", d)
     entries = sum(e.nnz for e in deltas[0].entries.values())
-    lora, rank = _lora(model, entries, max(SPREADS))
+    lora, rank = _lora(model, entries, len(deltas))
+    rows = [row for batch in batches for row in _speed_rows(served, lora, model, batch, quick, repeat)]
+    memory = _memory_rows(served, deltas, model, rank)
+    served.switch_to("d0")
+    switches = []
+    for i in range(2 * repeat + 1):
+        t0 = time.perf_counter()
+        served.switch_to(f"d{(i + 1) % 2}")
+        switches.append((time.perf_counter() - t0) * 1e3)
+    t = summary(switches[1:])
+    switch = [{"entries per fine-tune": entries, "switch_to median ms": t["median_ms"], "p20 ms": t["p20_ms"],
+               "p80 ms": t["p80_ms"], "ms per million entries": t["median_ms"] / (entries / 1e6)}]
+    served.close()
+    return rows, memory, switch
+
+
+def _speed_rows(served, lora, model, batch: int, quick: bool, repeat: int) -> list[dict]:
+    """Decode and prefill rows at `batch` rows, spread over each of `SPREADS` up to `batch` fine-tunes."""
+    spreads = [s for s in SPREADS if s <= batch]
     gen = torch.Generator().manual_seed(2)
     vocab = model.config.vocab_size
     prompt = torch.randint(3, vocab, (batch, 16), generator=gen)
@@ -105,7 +126,7 @@ def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[lis
     step_ids = torch.randint(3, vocab, (batch, 1), generator=gen)
 
     runs = {"base": lambda ids, **kw: served(ids, **kw)}
-    for s in SPREADS:
+    for s in spreads:
         runs[f"sift {s}"] = lambda ids, s=s, **kw: served(ids, delta_names=_names("d", s, batch), **kw)
         runs[f"peft {s}"] = lambda ids, s=s, **kw: lora(input_ids=ids, adapter_names=_names("a", s, batch), **kw)
     samples: dict[str, list[float]] = {f"{phase} {name}": [] for phase in ("decode", "prefill") for name in runs}
@@ -126,23 +147,12 @@ def bench_llm(quick: bool = False, batch: int = 8, repeat: int = 5) -> tuple[lis
     rows = []
     for phase in ("decode", "prefill"):
         base = times[f"{phase} base"]
-        for s in SPREADS:
+        for s in spreads:
             sift_ms, peft_ms = times[f"{phase} sift {s}"], times[f"{phase} peft {s}"]
             rows.append({"phase": f"{phase}, batch {batch}", "fine-tunes in the batch": s, "base ms": base,
                          "sift ms": sift_ms, "sift / base": sift_ms / base, "peft LoRA ms": peft_ms,
                          "peft / base": peft_ms / base, "sift / peft": sift_ms / peft_ms})
-    memory = _memory_rows(served, deltas, model, rank)
-    served.switch_to("d0")
-    switches = []
-    for i in range(2 * repeat + 1):
-        t0 = time.perf_counter()
-        served.switch_to(f"d{(i + 1) % 2}")
-        switches.append((time.perf_counter() - t0) * 1e3)
-    t = summary(switches[1:])
-    switch = [{"entries per fine-tune": entries, "switch_to median ms": t["median_ms"], "p20 ms": t["p20_ms"],
-               "p80 ms": t["p80_ms"], "ms per million entries": t["median_ms"] / (entries / 1e6)}]
-    served.close()
-    return rows, memory, switch
+    return rows
 
 
 def _memory_rows(served, deltas, model, rank: int) -> list[dict]:
