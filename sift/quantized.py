@@ -206,13 +206,14 @@ class QuantizedRoute:
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         if self.unscored:  # a later backward of a selecting step whose score ranked nothing
             return None
-        rule = optimizer.selection
+        settings = optimizer.settings
+        rule = settings.selection
         state = optimizer.state[self.values]
-        final = state.get("selection_calls", 0) + 1 >= optimizer.select_steps
+        final = state.get("selection_calls", 0) + 1 >= settings.select_steps
         if rule == "random":
             if not final:
                 return None
-            self.tentative = random_entries(optimizer.seed, f"{self.name}.weight", self.position, self.numel, self.k,
+            self.tentative = random_entries(settings.seed, f"{self.name}.weight", self.position, self.numel, self.k,
                                             dy.device)
             return _ops.call("sparse_weight_grad", dy, x, self.tentative)
         dense = dy.t().float() @ x.float()  # [out, in] fp32: this layer's alone, freed on return
@@ -331,7 +332,7 @@ class QuantizedRoute:
 
     def commit(self) -> None:
         """step() updates: commit this step's tentative entries, or add its score (select_steps > 1)."""
-        state = self.optimizer.state[self.values]
+        state, entries = self.optimizer.state[self.values], self.optimizer.entries
         if not self.selected and self.reached:
             score = self.step_score
             if score is not None:
@@ -343,16 +344,11 @@ class QuantizedRoute:
             if unranked:
                 self._leave_pending()  # not counted, as a step that did not reach the layer
             else:
-                state["selection_calls"] = state.get("selection_calls", 0) + 1
-            if self.tentative is not None and self.optimizer.state_layout == "lean":
-                state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(
-                    self.tentative, self.numel)
-                state.pop("score", None)
-            elif self.tentative is not None:
-                state["delta_indices"] = self.tentative
-                state.pop("score", None)
+                entries.count_selection_step(self.values, state.get("selection_calls", 0) + 1)
+            if self.tentative is not None:
+                entries.choose_delta_entries(self.values, self.tentative, self.numel)
             elif score is not None and not unranked:
-                state["score"] = score if "score" not in state else state["score"].add_(score)
+                entries.add_selection_score(self.values, score)
         self.discard()
 
     def _leave_pending(self) -> None:

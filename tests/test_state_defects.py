@@ -96,9 +96,9 @@ def test_a_copy_of_lowest_falls_back_from_accumulation_as_the_original(make_copy
 class CountingReselector(Reselector):
     """A part swapped in by a subclass: counts its per-step resets, saves them in state_dict and carries them."""
 
-    def __init__(self, opt) -> None:
+    def __init__(self, opt, settings) -> None:
         self.resets = 0
-        super().__init__(opt)  # which resets once
+        super().__init__(opt, settings)  # which resets once
 
     def new_step(self) -> None:
         super().new_step()

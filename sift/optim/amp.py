@@ -39,6 +39,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 from sift.optim.state import is_selected, local_tensor, uses_grad
 
 
@@ -90,8 +91,8 @@ class ScalerLink(Part):
     """`SparseAdamW`'s side of GradScaler's protocol (`grad_scale`, `found_inf`), and the step's one
     agreement across ranks (`agree`)."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         self.scaler: torch.amp.GradScaler | None = None  # `optimizer.grad_scaler`: not pickled or copied
         # Whether a GradScaler has driven a step: the compact buffers then hold loss-scaled gradients that only a
         # linked scaler can unscale before a clip. Saved in state_dict, since a resumed optimizer has no link.
@@ -178,7 +179,7 @@ class ScalerLink(Part):
                 cannot find; `scaler.unscale_` ran, compact buffers are scaled, and the optimizer does not know
                 the scaler (`grad_scaler` unset).
         """
-        update_in_backward = self.opt.update_in_backward if update_in_backward is None else update_in_backward
+        update_in_backward = self.opt.memory.update_in_backward if update_in_backward is None else update_in_backward
         grad_scale = getattr(self.opt, "grad_scale", None)
         found_inf = getattr(self.opt, "found_inf", None)
         under_scaler = grad_scale is not None or found_inf is not None
@@ -186,7 +187,7 @@ class ScalerLink(Part):
             raise RuntimeError("update_in_backward=True cannot be used with GradScaler: the weights were stepped "
                                "inside backward, before the scaler's inf/NaN check could skip the step")
         link = self.scaler
-        if under_scaler and self.opt.compact_grads and link is None:
+        if under_scaler and self.settings.compact_grads and link is None:
             link = self.calling_scaler()
             if link is None:
                 raise RuntimeError("SparseAdamW was stepped by a GradScaler it cannot find, and compact_grads mode "
@@ -297,7 +298,7 @@ class ScalerLink(Part):
         """How many weights this rank takes into a cross-rank selection this step: every pending one under a
         process group (averaged before it selects), the FSDP2 weights choosing the whole weight's top-k."""
         pending = self.opt.selector.pending_with_grad()
-        if self.opt.process_group is not None:
+        if self.opt.grads.process_group is not None:
             return len(pending)
         return sum(1 for _, p in pending if self.opt.selector.selects_globally(p))
 
@@ -345,7 +346,7 @@ class ScalerLink(Part):
                     continue
                 if group["density"] >= 1.0:
                     dense.append(local_tensor(p.grad))
-                elif not self.opt.compact_grads and is_selected(self.opt.state.get(p, {})):
+                elif not self.settings.compact_grads and is_selected(self.opt.state.get(p, {})):
                     gathered.append(self.opt.selector.gathered_grad(p))
         # The scaler already checked these `.grad` values.
         _unscale_(gathered + dense, inv_scale, None)

@@ -14,6 +14,8 @@ from sift import _ops
 from sift._index import check_indices as _check_indices
 from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
+from sift.optim.settings import NAMES as SETTING_NAMES
+from sift.optim.settings import Settings
 from sift.optim.state import RETIRED_KEYS, SPARSE_KEYS, is_dtensor, is_selected, local_tensor
 
 
@@ -37,9 +39,8 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, density: Any) 
 
 
 
-# What a copy carries besides torch's own state: the settings, and the gradients gathered this step.
-PICKLED = ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend", "max_grad_norm",
-           "sharded_selection")
+# What a copy carries besides torch's own state and its parts': the settings, each under its own key.
+PICKLED = SETTING_NAMES
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -55,15 +56,22 @@ def getstate(opt: Any) -> dict[str, Any]:
     for name, _ in opt.PARTS:  # the copy builds its own
         state.pop(name, None)
     state.pop("last_step_skipped", None)
-    state.update({name: getattr(opt, name) for name in PICKLED})
+    state.update({name: getattr(opt.settings, name) for name in PICKLED})
     state["parts"] = {name: getattr(opt, name).carried() for name, _ in opt.PARTS}
-    state["had_process_group"] = opt.process_group is not None
+    state["had_process_group"] = opt.grads.process_group is not None
     return state
 
 
+def pickled_settings(state: dict[str, Any]) -> Settings:
+    """The settings a pickled optimizer was built with (earlier versions pickled no state layout or sharded
+    selection: theirs were the defaults)."""
+    return Settings(**{name: state[name] for name in PICKLED if name in state})
+
+
 def setstate(opt: Any, state: dict[str, Any]) -> None:
-    """Rebuild a copy whose parts were just built (`SparseAdamW._build_parts`): the pickled settings over them."""
-    state = dict(state)
+    """Rebuild a copy whose settings (`pickled_settings`) and parts were just built (`SparseAdamW._build_parts`):
+    torch's state, and what each part carried, over them."""
+    state = {key: value for key, value in state.items() if key not in PICKLED}
     had_process_group = state.pop("had_process_group", False)
     state.pop("process_group", None)  # pickled by earlier versions (always None there)
     # Pickled by earlier versions under their own keys (before them, the mixins' attribute names).
@@ -79,14 +87,12 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
     for name, _ in opt.PARTS:
         getattr(opt, name).carry(carried.get(name, {}))
     opt.__dict__.pop("keep_base", None)  # pickled by versions that had the option
-    opt.__dict__.setdefault("state_layout", "exact")
-    opt.__dict__.setdefault("sharded_selection", "global")
     if had_process_group:
         warnings.warn("SparseAdamW: the copy has no process_group (a process group cannot be copied or "
                       "pickled); set `optimizer.process_group` to average gradients across ranks again",
                       stacklevel=3)
     # Hooks are not copied with the params: the copy hooks its own.
-    if opt.compact_grads:
+    if opt.settings.compact_grads:
         opt.grads.install_hooks()
 
 
@@ -96,10 +102,11 @@ def state_dict(opt: Any) -> dict[str, Any]:
     # Each param's shape, so that a load can tell a state meant for another weight of equal size.
     shapes = {pid: list(local_tensor(p).shape) for saved, group in zip(sd["param_groups"], opt.param_groups)
               for pid, p in zip(saved["params"], group["params"])}
-    sd["sift"] = {"select_steps": opt.select_steps, "selection": opt.selection, "seed": opt.seed,
-                  "state": opt.state_layout, "format": 1, "param_shapes": shapes,
-                  "sharded_selection": opt.sharded_selection,
-                  "compact_grads": opt.compact_grads}
+    settings = opt.settings
+    sd["sift"] = {"select_steps": settings.select_steps, "selection": settings.selection, "seed": settings.seed,
+                  "state": settings.state_layout, "format": 1, "param_shapes": shapes,
+                  "sharded_selection": settings.sharded_selection,
+                  "compact_grads": settings.compact_grads}
     for name, _ in opt.PARTS:
         sd["sift"].update(getattr(opt, name).saved())
     return sd
@@ -172,11 +179,9 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 group[key] = value
         group["betas"] = tuple(group["betas"])
         group["density"] = float(group["density"])
-    opt.state_layout = layout
-    opt.select_steps = meta.get("select_steps", opt.select_steps)
-    opt.selection = meta.get("selection", opt.selection)
-    opt.seed = meta.get("seed", opt.seed)
-    opt.sharded_selection = meta.get("sharded_selection", opt.sharded_selection)
+    opt.settings = opt.settings.adopting(meta)
+    for name, _ in opt.PARTS:
+        getattr(opt, name).adopt(opt.settings)
     for name, _ in opt.PARTS:
         getattr(opt, name).resume(meta)
     opt.grads.after_load()

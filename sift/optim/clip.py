@@ -72,13 +72,14 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
     # Under DDP the first step adopts the default group for the sparse weights DDP leaves out: a clip before it
     # must average with it too, or each rank would clip by its own local norm.
     optimizer.grads.check_data_parallel()
-    if optimizer.compact_grads and optimizer.loss_scaled and optimizer.grad_scaler is None and optimizer.grads.ready:
+    if optimizer.settings.compact_grads and optimizer.amp.loss_scaled and optimizer.amp.scaler is None and \
+            optimizer.grads.ready:
         # The compact buffers hold the scaled loss's gradients, and only the scaler knows its scale: clipping them
         # as they are would clip by a norm `scale` times too large (a resumed optimizer has lost the link).
         raise RuntimeError("clip_grad_norm_: this optimizer's compact gradients are scaled by a GradScaler it is not "
                            "linked to (an optimizer loaded from a state_dict does not know it): set "
                            "`optimizer.grad_scaler = scaler` (or pass grad_scaler= to SparseAdamW.for_model)")
-    if optimizer.update_in_backward:
+    if optimizer.memory.update_in_backward:
         raise RuntimeError("clip_grad_norm_ cannot clip an optimizer with update_in_backward=True: its sparse "
                            "gradients were applied and freed during backward; pass max_grad_norm to the optimizer "
                            "(it clips each tensor on its own)")
@@ -109,7 +110,7 @@ def clip_grad_norm_(optimizer: SparseAdamW, max_norm: float, norm_type: float = 
                 if uses_grad(p):
                     used.append(optimizer.selector.gathered_grad(p, optimizer.reselector.plan(group, p)))
                 continue
-            if optimizer.compact_grads and is_selected(state):
+            if optimizer.settings.compact_grads and is_selected(state):
                 if p in optimizer.grads.ready:
                     used.append(optimizer.grads.compact[p])
                 continue

@@ -1,9 +1,9 @@
 """`SparseAdamW`: the optimizer class, its param groups, and `step()`, composed of named parts
 (`_build_parts`), each owned by one sibling module: `entries` (state.py), `grads` (hooks.py),
 `selector` (selection.py), `amp` (amp.py), `steps` (steps.py), `memory` (memory.py); checkpoints
-and copies are checkpoint.py's functions. A part reads the optimizer's settings and its sibling
-parts' public members, never another module's private attribute, and changes a sibling's data only
-through the sibling's methods."""
+and copies are checkpoint.py's functions. A part reads the settings it was built with (`self.settings`,
+`sift.optim.settings`) and its sibling parts' public members, never another module's private attribute,
+and changes a sibling's data (a param's state: the entries') only through the sibling's methods."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from sift.optim.plan import WeightPlan, plans_of
 from sift.optim.reselection import (Reselector, check_reselect_modes, check_reselect_param, reselect_memory,
                                     reselect_settings)
 from sift.optim.selection import Selector
+from sift.optim.settings import Settings, setting_view
 from sift.optim.sharded import check_sharded_param, check_sparse_backward
 from sift.optim.state import SPARSE_DTYPES, EntryState, is_dtensor, local_tensor, uses_grad
 from sift.optim.steps import Steps
@@ -191,19 +192,14 @@ class SparseAdamW(torch.optim.Optimizer):
         if reselect is not None:
             check_reselect_modes(state=state, rule=reselect_rule, drop=reselect_drop)
             defaults["reselect"] = reselect
-        self.select_steps = select_steps
-        self.selection = selection
-        self.sharded_selection = sharded_selection
-        self.seed = seed
-        self.compact_grads = compact_grads
-        self.state_layout = state
-        self.backend = backend
-        self.max_grad_norm = max_grad_norm
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         if grad_scaler is not None and update_in_backward:
             raise ValueError("update_in_backward=True cannot be used with a GradScaler: weights stepped inside "
                              "backward cannot be unstepped when the scaler finds inf/NaN")
+        self.settings = Settings(select_steps=select_steps, selection=selection, seed=seed, compact_grads=compact_grads,
+                                 state_layout=state, backend=backend, max_grad_norm=max_grad_norm,
+                                 sharded_selection=sharded_selection)
         self._build_parts()
         self.memory.start(update_in_backward)
         self.grads.average_over(process_group)
@@ -212,7 +208,11 @@ class SparseAdamW(torch.optim.Optimizer):
         if compact_grads:
             self.grads.install_hooks()
 
-    # The settings a part owns, read and set here under their public names.
+    # The constructor's settings (`self.settings`, handed to every part), read-only under their public names.
+    select_steps, selection, seed, compact_grads, state_layout, backend, max_grad_norm, sharded_selection = map(
+        setting_view, ("select_steps", "selection", "seed", "compact_grads", "state_layout", "backend",
+                       "max_grad_norm", "sharded_selection"))
+    # The data a part owns, read and set here under their public names.
     update_in_backward = property(lambda self: self.memory.update_in_backward,
                                   doc="Whether weights are stepped inside backward (`sift.optim.memory`).")
     loss_scaled = property(lambda self: self.amp.loss_scaled, doc="Whether a GradScaler has driven a step.")
@@ -232,8 +232,9 @@ class SparseAdamW(torch.optim.Optimizer):
                              doc="The ranks whose gradients `step()` averages (`sift.optim.hooks`).")
 
     def _build_parts(self) -> None:
-        """The parts a mode is composed of (`PARTS`), each owned by one module, and what lives with this process
-        alone. The constructor and every copy (`__setstate__`) build them here, so a copy never lacks one.
+        """The parts a mode is composed of (`PARTS`), each owned by one module and given `self.settings`, and what
+        lives with this process alone. The constructor and every copy (`__setstate__`) build them here, so a copy
+        never lacks one.
 
         `entries` (sift.optim.state): the sparse params, their state layout, `set_indices`, `indices_of`.
         `grads` (sift.optim.hooks): where each weight's gradient comes from and waits: hooks, compact buffers,
@@ -249,7 +250,7 @@ class SparseAdamW(torch.optim.Optimizer):
         # steps by "step() was not called" (accelerate) read this instead.
         self.last_step_skipped = False
         for name, part in self.PARTS:
-            setattr(self, name, part(self))
+            setattr(self, name, part(self, self.settings))
 
     def _forget_step_caches(self) -> None:
         """What lived for one step only, in each part (see their `new_step`)."""
@@ -351,7 +352,7 @@ class SparseAdamW(torch.optim.Optimizer):
             if is_dtensor(p):
                 check_sharded_param(self, p, label, sparse=merged["density"] < 1.0)
             if merged.get("reselect") and merged["density"] < 1.0:
-                check_reselect_param(p, label, merged["reselect"], self.state_layout == "lean")
+                check_reselect_param(p, label, merged["reselect"], self.settings.state_layout == "lean")
         self.selector.rescan()
         group = dict(param_group)
         group["params"] = params
@@ -479,7 +480,8 @@ class SparseAdamW(torch.optim.Optimizer):
         return checkpoint.getstate(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._build_parts()  # every part from the constructor's own list, then the pickled settings over them
+        self.settings = checkpoint.pickled_settings(state)
+        self._build_parts()  # every part from the constructor's own list, then what each part carried over them
         checkpoint.setstate(self, state)
         self.entries.index_groups()
         self.reselector.refresh()
@@ -489,9 +491,9 @@ class SparseAdamW(torch.optim.Optimizer):
     def _validate_grads(self) -> None:
         """Every refusal of `step()`, before anything (the memory mode's settling, selection included) changes,
         in the mode the step will run in (`memory="lowest"` may still drop the update in backward at it)."""
-        update_in_backward = self.update_in_backward and self.memory.drop_reason() is None
+        update_in_backward = self.memory.update_in_backward and self.memory.drop_reason() is None
         self.grads.check_one_backward()
-        if self.compact_grads and not self.state:
+        if self.settings.compact_grads and not self.state:
             self._check_params_not_replaced()
         self.amp.check(update_in_backward)
         devices = set()
@@ -510,8 +512,8 @@ class SparseAdamW(torch.optim.Optimizer):
                         f"expected {tuple(p.shape)} and {p.dtype}"
                     )
         for device in devices:  # a forced backend that cannot run raises here, not mid-step
-            _ops.resolve("sparse_adamw_lean_" if self.state_layout == "lean" else "sparse_adamw_", device,
-                         self.backend)
+            lean = self.settings.state_layout == "lean"
+            _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.settings.backend)
         # Last: where it does not refuse, it may adopt the default process group.
         self.grads.check_data_parallel(update_in_backward)
 
@@ -556,12 +558,12 @@ class SparseAdamW(torch.optim.Optimizer):
         for route in self.grads.quantized.values():
             route.commit()
         self.amp.unscale_after_selection()
-        if self.max_grad_norm is not None and self.update_in_backward:
+        if self.settings.max_grad_norm is not None and self.memory.update_in_backward:
             # No global norm exists once layers were stepped in backward: each dense grad on its own.
             clip_each_([local_tensor(p.grad) for group in self.param_groups if group["density"] >= 1.0
-                        for p in group["params"] if uses_grad(p)], self.max_grad_norm)
-        elif self.max_grad_norm is not None:
-            clip_grad_norm_(self, self.max_grad_norm)
+                        for p in group["params"] if uses_grad(p)], self.settings.max_grad_norm)
+        elif self.settings.max_grad_norm is not None:
+            clip_grad_norm_(self, self.settings.max_grad_norm)
         self.reselector.seed()  # from the gradient the update applies: unscaled and clipped by now
         try:
             for group in self.param_groups:

@@ -27,6 +27,7 @@ import torch
 
 from sift.optim.clip import clip_each_
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 from sift.optim.sharded import attach_sparse_backward, refresh_if_stale, refresh_sparse_backward, sharded_update_hook
 from sift.optim.state import first_shard, is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
@@ -56,8 +57,8 @@ class GradRoutes(Part):
     `compact_grads` mode, the [k] fp32 compact buffers (and the shared scratch of the update in backward),
     the 4-bit layers' delta values, and the averaging across a process group's ranks."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         self.compact: dict[torch.Tensor, torch.Tensor] = {}  # param -> [k] fp32 gathered grad
         self.ready: set[torch.Tensor] = set()  # params whose compact grad holds this step's grad
         # update_in_backward: device -> [max k] fp32 scratch gradient shared by every weight, and
@@ -111,12 +112,12 @@ class GradRoutes(Part):
         itself; otherwise (or with update_in_backward, which cannot average inside backward) it
         refuses before anything changes, since unaveraged replicas would silently drift apart.
         """
-        if not self.opt.compact_grads or self.process_group is not None:
+        if not self.settings.compact_grads or self.process_group is not None:
             return
         import torch.distributed as dist
 
         # The mode the step runs in (memory="lowest" may drop the update in backward at it); default: the optimizer's.
-        update_in_backward = self.opt.update_in_backward if update_in_backward is None else update_in_backward
+        update_in_backward = self.opt.memory.update_in_backward if update_in_backward is None else update_in_backward
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         world = dist.get_world_size()
@@ -202,7 +203,7 @@ class GradRoutes(Part):
     def new_compact(self, p: torch.Tensor, k: int) -> None:
         """p's entries were just chosen (k of them): a zeroed [k] fp32 compact buffer where the mode keeps one (the
         update in backward gathers into its scratch instead)."""
-        if self.opt.compact_grads and not self.opt.update_in_backward:
+        if self.settings.compact_grads and not self.opt.memory.update_in_backward:
             self.compact[p] = torch.zeros(k, dtype=torch.float32, device=p.device)
 
     def keep_compact(self, p: torch.Tensor, kept: torch.Tensor, values: torch.Tensor) -> None:
@@ -263,7 +264,7 @@ class GradRoutes(Part):
     def register_grad_hook(self, p: torch.Tensor):
         """compact_grads: a post-accumulate-grad hook on p. update_in_backward: a pre-hook on p's
         AccumulateGrad node, which autograd runs once per backward after all of p's uses."""
-        if not self.opt.update_in_backward:
+        if not self.opt.memory.update_in_backward:
             return p.register_post_accumulate_grad_hook(self.grad_hook)
         if is_dtensor(p):  # an FSDP2 shard: FSDP2 runs this hook once its gradient is reduce-scattered
             return p.register_post_accumulate_grad_hook(functools.partial(sharded_update_hook, self.opt))
@@ -280,7 +281,7 @@ class GradRoutes(Part):
     def hook_quantized(self) -> None:
         """update_in_backward: each 4-bit layer's [k] delta values are stepped from a pre-hook on
         their AccumulateGrad node, so at most one layer's [k] gradient is alive at a time."""
-        if not self.opt.update_in_backward:
+        if not self.opt.memory.update_in_backward:
             return
         for values in self.quantized:
             if values not in self.quantized_handles:
@@ -303,9 +304,9 @@ class GradRoutes(Part):
         self.mark_backward(p, selected)
         if not selected or not p.requires_grad:
             return None
-        if self.opt.max_grad_norm is not None:
+        if self.settings.max_grad_norm is not None:
             grad = grad.clone()  # clipped on its own, as every weight stepped in backward
-            clip_each_([grad], self.opt.max_grad_norm)
+            clip_each_([grad], self.settings.max_grad_norm)
         self.opt.steps.dense_update(self.opt.entries.group_of(p), [p], [grad])
         return (None,)
 
@@ -314,7 +315,7 @@ class GradRoutes(Part):
         for p in [q for q in self.unhooked if q.requires_grad]:
             self.unhooked.remove(p)
             self.hook_handles[p] = self.register_grad_hook(p)
-            if self.opt.update_in_backward:
+            if self.opt.memory.update_in_backward:
                 continue  # a gradient that arrived before the hook is dense: step() selects from it
             # This step's gradient arrived before the hook existed: gather (and free) it now.
             self.grad_hook(p)
@@ -407,9 +408,9 @@ class GradRoutes(Part):
 
     def compact_grad_target(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """See `SparseAdamW.compact_grad_target`."""
-        if not self.opt.compact_grads or not self.gathers_entries(param):
+        if not self.settings.compact_grads or not self.gathers_entries(param):
             return None
-        if self.opt.update_in_backward:
+        if self.opt.memory.update_in_backward:
             # Each use adds its part; the accumulator's pre-hook steps once all uses have.
             indices = self.opt.indices_of(param)
             return indices, self.open_buffer(param, indices.numel())
@@ -534,8 +535,8 @@ class GradRoutes(Part):
         run p's fused step at once."""
         if not p.requires_grad:
             return
-        if clip and self.opt.max_grad_norm is not None:
-            clip_each_([compact], self.opt.max_grad_norm)
+        if clip and self.settings.max_grad_norm is not None:
+            clip_each_([compact], self.settings.max_grad_norm)
         layout = "lean" if "indices_low" in self.opt.state[p] else self.opt.state[p]["indices"].dtype
         self.opt.steps.fused_step(self.opt.entries.group_of(p), p.device, p.dtype, layout, True, [(p, compact)])
 
@@ -552,7 +553,7 @@ class GradRoutes(Part):
         state = self.opt.state.get(param, {})
         if not is_selected(state):
             return None
-        if self.opt.compact_grads:
+        if self.settings.compact_grads:
             return self.compact[param] if param in self.ready else None
         if param.grad is None:
             return None

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 from sift.optim.state import is_selected
 
 logger = logging.getLogger("sift")
@@ -121,8 +122,8 @@ def resolve_memory(memory: str, model: torch.nn.Module, kwargs: dict[str, Any]) 
 class MemoryPolicy(Part):
     """`SparseAdamW`'s side of `memory="lowest"`: the first step may still drop the update in backward."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         self.update_in_backward = False  # `optimizer.update_in_backward`, given at build (`start`)
         # memory="lowest" chose the update in backward: the first step may still drop it. Saved in state_dict.
         self.auto = False
@@ -157,7 +158,7 @@ class MemoryPolicy(Part):
         if self.accumulation_seen:
             return "micro-batches accumulate before each step"
         if getattr(self.opt, "grad_scale", None) is not None or getattr(self.opt, "found_inf", None) is not None or \
-                self.opt.grad_scaler is not None:
+                self.opt.amp.scaler is not None:
             return "a GradScaler may skip a step that backward would already have applied"
         return None
 

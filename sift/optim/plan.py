@@ -39,20 +39,20 @@ class WeightPlan:
 def plan_of(opt: Any, group: dict[str, Any], p: torch.Tensor) -> WeightPlan:
     """`p`'s plan in `opt` (a SparseAdamW), from its group and the parts that will handle it."""
     route = opt.grads.quantized.get(p)
-    in_backward = opt.update_in_backward
+    in_backward, layout = opt.memory.update_in_backward, opt.settings.state_layout
     if route is not None:
         from_packed = "4-bit" if route.quant_state is not None else "int8"  # an int8 weight has no quant state
-        return WeightPlan(f"{from_packed} delta", "4-bit backward", opt.state_layout,
+        return WeightPlan(f"{from_packed} delta", "4-bit backward", layout,
                           "backward" if in_backward else "step()", route.k if route.selected else None)
     if group["density"] >= 1.0:
         return WeightPlan("dense", "dense .grad", "dense", "step()", p.numel())
     state = opt.state.get(p, {})
     selected = is_selected(state)
-    if not opt.compact_grads:
+    if not opt.settings.compact_grads:
         gradient = "dense .grad"
     else:
         gradient = "sparse backward" if opt.grads.routed(p) else "hook"
-    return WeightPlan("entries", gradient, opt.state_layout, "backward" if in_backward else "step()",
+    return WeightPlan("entries", gradient, layout, "backward" if in_backward else "step()",
                       num_entries(state) if selected else None)
 
 

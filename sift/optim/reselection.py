@@ -69,13 +69,13 @@ from typing import Any
 
 import torch
 
-from sift import _ops
 from sift._index import lookup as _lookup
 from sift._index import top_k_positions
 from sift._rules import step_score
 from sift.optim.clip import clip_each_
 from sift.optim.part import Part
 from sift.optim.selection import sharded_top_k
+from sift.optim.settings import Settings
 from sift.optim.sharded import shard_group
 from sift.optim.state import is_dtensor, is_selected, local_tensor, num_entries, uses_grad
 
@@ -186,8 +186,8 @@ class Reselector(Part):
     drop and grow each one would make (`plan`, also what `clip_grad_norm_` clips by), and the commit in
     `step()` with the grown entries' moments seeded from the gradient the update applies."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         self.due: dict[torch.Tensor, int] = {}  # weight -> its update count, for the weights the next step re-selects
         self.scoring: dict[torch.Tensor, int] = {}  # the same for those it scores for a later re-selection
         # Host copies of the update counts (`state["step"]`), kept by `stepped`, so that a step reads no device
@@ -281,8 +281,7 @@ class Reselector(Part):
 
     def add_score(self, p: torch.Tensor, score: torch.Tensor) -> None:
         """A scoring step's score joins p's summed score (optimizer state, so `state_dict` carries it)."""
-        state = self.opt.state[p]
-        state["reselect_score"] = score if "reselect_score" not in state else state["reselect_score"].add_(score)
+        self.opt.entries.add_reselect_score(p, score)
         self.scoring.pop(p, None)
 
     def plan(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
@@ -413,30 +412,28 @@ class Reselector(Part):
                 continue
             if p in self.scoring:
                 self.add_score(p, self.score_now(group, p, p.grad, self.opt.amp.grad_inv_scale))
-                if self.opt.update_in_backward:  # its update waited for the dense gradient, as on a selecting step
+                # Its update waited for the dense gradient, as on a selecting step.
+                if self.opt.memory.update_in_backward:
                     self.opt.grads.update_now(p, self.applied(p, p.grad), clip=False)
                     p.grad = None
                     continue
             else:
                 self.commit(group, p, self.plan(group, p))
-            if self.opt.compact_grads and not self.opt.update_in_backward:
+            if self.settings.compact_grads and not self.opt.memory.update_in_backward:
                 self.opt.grads.gather_selected(p, self.opt.selector.clipped_grad(p))
                 p.grad = None  # as the hook does once the entries are known
 
     def commit(self, group: dict[str, Any], p: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Give p the entries `indices` (its plan): revert or retire the leaving ones, keep the rest's state.
         Returns which of the new entries are grown ([k] bool)."""
-        state = self.opt.state[p]
         old = self.opt.indices_of(p)
         if group["reselect"]["drop"] == "revert":
-            leaving = ~_lookup(indices, old)[0]
-            local_tensor(p.detach()).view(-1)[old[leaving].long()] = state["base"][leaving]
-            state["delta"][leaving] = 0.0  # back at its base: nothing to retire
+            self.opt.entries.revert(p, old, ~_lookup(indices, old)[0])
         # What a clip gathered was gathered at these very entries: it outlives the change of entries.
         self.opt.entries.set_indices(p, indices, keep_gathered=True)
         fresh = ~_lookup(old, indices)[0]
         self.grown[p] = (fresh, self.due.pop(p))
-        state.pop("reselect_score", None)
+        self.opt.entries.drop_reselect_score(p)
         return fresh
 
 
@@ -454,8 +451,8 @@ class Reselector(Part):
         self.commit(group, p, indices)
         # Its own [k] buffer: the shared scratch may hold another weight's gradient still arriving.
         compact = torch.index_select(local_tensor(grad).reshape(-1), 0, indices).float()
-        if self.opt.max_grad_norm is not None:
-            clip_each_([compact], self.opt.max_grad_norm)
+        if self.settings.max_grad_norm is not None:
+            clip_each_([compact], self.settings.max_grad_norm)
         self.seed_one(p, grad, compact)
         del self.grown[p]
 
@@ -467,17 +464,7 @@ class Reselector(Part):
         new = route.tentative
         if new is None:  # no backward reached the layer this step
             return
-        state, old = self.opt.state[values], route.indices
-        kept, pos = _lookup(old, new)
-        for tensor in (values.data, state["exp_avg"], state["exp_avg_sq"]):
-            moved = torch.zeros_like(tensor)
-            moved[kept] = tensor[pos[kept]]
-            tensor.copy_(moved)
-        if "delta_indices_low" in state:
-            state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(new, route.numel)
-        else:
-            state["delta_indices"] = new.to(old.dtype)
-        state.pop("reselect_score", None)
+        kept = self.opt.entries.move_delta_entries(values, route.indices, new, route.numel)
         self.grown[values] = (~kept, self.due.pop(values))
 
     def seed(self) -> None:
@@ -491,28 +478,26 @@ class Reselector(Part):
         """The [k] gradient this step's update applies to p (a 4-bit delta's: its whole gradient)."""
         if p in self.opt.grads.quantized:
             return p.grad  # a dense group's gradient: unscaled and clipped in place by now
-        if self.opt.update_in_backward:
+        if self.opt.memory.update_in_backward:
             compact = self.opt.grads.gather_scratch(p, grad)
-            if self.opt.max_grad_norm is not None:
-                clip_each_([compact], self.opt.max_grad_norm)
+            if self.settings.max_grad_norm is not None:
+                clip_each_([compact], self.settings.max_grad_norm)
             return compact
-        if self.opt.compact_grads:
+        if self.settings.compact_grads:
             return self.opt.grads.compact[p]
         return self.opt.selector.gathered_grad(p)
 
     def seed_one(self, p: torch.Tensor, grad: torch.Tensor, compact: torch.Tensor | None = None) -> None:
         """`seed` for one weight whose dense gradient is `grad` (`compact`: its [k] gradient, gathered already)."""
         fresh, count = self.grown[p]
-        group, state = self.opt.entries.group_of(p), self.opt.state[p]
+        group = self.opt.entries.group_of(p)
         if compact is None:
             compact = self.applied(p, grad)
         g = compact[fresh]
         if group["maximize"]:
             g = -g
         beta1, beta2 = (float(b) for b in group["betas"])
-        # The lean state's bf16 moments take the seeds rounded to nearest.
-        state["exp_avg"][fresh] = ((1.0 - beta1 ** count) * g).to(state["exp_avg"].dtype)
-        state["exp_avg_sq"][fresh] = ((1.0 - beta2 ** count) * g * g).to(state["exp_avg_sq"].dtype)
-        if self.opt.update_in_backward and p not in self.opt.grads.quantized:
+        self.opt.entries.seed_moments(p, fresh, g, count, (beta1, beta2))
+        if self.opt.memory.update_in_backward and p not in self.opt.grads.quantized:
             self.opt.grads.update_now(p, compact, clip=False)
             p.grad = None

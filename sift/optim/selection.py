@@ -30,6 +30,7 @@ from sift._index import entries_for as _entries_for
 from sift._index import index_dtype as _index_dtype
 from sift._rules import random_entries, ranks_nothing, score_flags, step_score, top_k, total_score, warn_unscored
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 from sift.optim.sharded import shard_group, shard_offset
 from sift.optim.state import is_dtensor, is_selected, local_tensor, uses_grad
 
@@ -116,8 +117,8 @@ class Selector(Part):
     pending, the random stream keyed by the weight's name). 4-bit layers score through the same rules
     in `sift.quantized`."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         # Sparse params still waiting for their selection (None: scan all of them). Frozen
         # and gradless params stay on it, so a layer unfrozen later is still selected.
         self.pending: list[tuple[dict[str, Any], torch.Tensor]] | None = None
@@ -138,7 +139,7 @@ class Selector(Part):
 
     def selects_globally(self, p: torch.Tensor) -> bool:
         """Whether p is an FSDP2 shard whose entries are the whole weight's top-k (`sharded_selection`)."""
-        return is_dtensor(p) and getattr(self.opt, "sharded_selection", "global") == "global"
+        return is_dtensor(p) and self.settings.sharded_selection == "global"
 
     def num_selected(self, group: dict[str, Any], p: torch.Tensor) -> int:
         """k: of the whole weight when selecting globally (`p.numel()` of a DTensor is the full one)."""
@@ -148,16 +149,16 @@ class Selector(Part):
     def choose(self, group: dict[str, Any], p: torch.Tensor, score: torch.Tensor | None) -> torch.Tensor:
         k = self.num_selected(group, p)
         local = local_tensor(p).numel()
-        if self.opt.selection == "random":
+        if self.settings.selection == "random":
             # Drawn by the weight's name (the group's param_names); a param given without one by its position.
             position = next(i for i, q in enumerate(q for _, q in self.opt.entries.sparse_params()) if q is p)
             names = group.get("param_names") or ()
             name = next((n for n, q in zip(names, group["params"]) if q is p), None)
             if not self.selects_globally(p):
-                return random_entries(self.opt.seed, name, position, local, k, p.device)
+                return random_entries(self.settings.seed, name, position, local, k, p.device)
             # Every rank draws the whole weight's scores, as one process does, and keeps its shard's part.
             start = shard_offset(p)
-            chosen = random_entries(self.opt.seed, name, position, p.numel(), k, p.device).long()
+            chosen = random_entries(self.settings.seed, name, position, p.numel(), k, p.device).long()
             chosen = chosen[(chosen >= start) & (chosen < start + local)] - start
             return chosen.to(_index_dtype(local))
         assert score is not None
@@ -175,7 +176,7 @@ class Selector(Part):
         is selected. The weights considered are the same on every rank (empty shards included)."""
         import torch.distributed as dist
 
-        if self.opt.selection == "random":
+        if self.settings.selection == "random":
             return  # drawn locally, from the seed (see _choose)
         pending = [(group, p) for group, p in self.pending_with_grad()
                    if self.selects_globally(p) and p.numel() > 0 and self.is_final_selection(p)]
@@ -213,7 +214,7 @@ class Selector(Part):
     def score_now(self, p: torch.Tensor) -> torch.Tensor | None:
         """This step's contribution to p's selection score (fp32, p's local shape; `sift._rules.step_score`), unscaled
         by GradScaler's scale, whose value may change between selection steps; None for "random"."""
-        return step_score(self.opt.selection, local_tensor(p.grad.detach()), local_tensor(p.detach()),
+        return step_score(self.settings.selection, local_tensor(p.grad.detach()), local_tensor(p.detach()),
                           self.opt.amp.grad_inv_scale)
 
     @staticmethod
@@ -223,7 +224,7 @@ class Selector(Part):
         return (id(g), g._version, g.data_ptr()) if g is not None else ()
 
     def is_final_selection(self, p: torch.Tensor) -> bool:
-        return self.opt.state.get(p, {}).get("selection_calls", 0) + 1 >= self.opt.select_steps
+        return self.opt.state.get(p, {}).get("selection_calls", 0) + 1 >= self.settings.select_steps
 
     def has_entries_to_choose(self, p: torch.Tensor) -> bool:
         """An empty shard (FSDP2 pads dim 0) chooses nothing per shard; selecting globally it takes part
@@ -242,7 +243,9 @@ class Selector(Part):
         """The score p's entries are chosen by on its last selection step (fp32, p's local shape; a new
         tensor): this step's plus the earlier steps'; None for "random"."""
         score = self.score_now(p)
-        return None if score is None else total_score(self.opt.selection, score, self.opt.state.get(p, {}).get("score"))
+        if score is None:
+            return None
+        return total_score(self.settings.selection, score, self.opt.state.get(p, {}).get("score"))
 
     def tentative_indices(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor | None:
         """The entries this step would choose for pending p (its final selection step); not committed. None
@@ -252,7 +255,7 @@ class Selector(Part):
         hit = self.tentative.get(p)
         if hit is not None and hit[0] == key:
             return hit[1]
-        if self.selects_globally(p) and self.opt.selection != "random":
+        if self.selects_globally(p) and self.settings.selection != "random":
             # Chosen together with the other ranks: computing it here alone would leave them waiting.
             raise RuntimeError("the gradient of an FSDP2 weight changed after its entries were searched across "
                                "the ranks in this step; change gradients before clip_grad_norm_ and step()")
@@ -267,17 +270,16 @@ class Selector(Part):
         self.average_pending()
         for group, p in self.pending_with_grad():
             calls = self.opt.state.get(p, {}).get("selection_calls", 0) + 1
-            if calls >= self.opt.select_steps:
+            if calls >= self.settings.select_steps:
                 indices = self.tentative_indices(group, p)
                 if indices is None:  # nothing to rank the entries by
                     self.leave_pending(group, p)
                     continue
-                state = self.opt.state[p]
                 self.opt.entries.allocate(p, indices)
-                if self.opt.update_in_backward:
+                if self.opt.memory.update_in_backward:
                     # The first update, here since the gradient was dense in backward.
                     self.opt.grads.update_now(p, self.opt.grads.gather_scratch(p, p.grad))
-                elif self.opt.compact_grads:
+                elif self.settings.compact_grads:
                     self.opt.grads.gather_selected(p, self.clipped_grad(p))
             else:
                 score = self.score_now(p)
@@ -286,11 +288,10 @@ class Selector(Part):
                     # shards add theirs: their ranks agree on the whole weight's score at the final step alone.
                     self.leave_pending(group, p)
                     continue
-                state = self.opt.state[p]
                 if score is not None:
-                    state["score"] = score if "score" not in state else state["score"].add_(score)
-            state["selection_calls"] = calls
-            if self.opt.compact_grads:
+                    self.opt.entries.add_selection_score(p, score)
+            self.opt.entries.count_selection_step(p, calls)
+            if self.settings.compact_grads:
                 p.grad = None  # as the hook does once the entries are known
         # Only params still pending are scanned next time: after selection the per-step cost is nil.
         candidates = self.pending if self.pending is not None else list(self.opt.entries.sparse_params())
@@ -300,7 +301,7 @@ class Selector(Part):
     def leave_pending(self, group: dict[str, Any], p: torch.Tensor) -> None:
         """p's score ranked nothing this step: its state stays as it was (the step is not counted), its
         gradient is used up as on any selection step, and it is said once per weight."""
-        if self.opt.compact_grads:
+        if self.settings.compact_grads:
             p.grad = None
         if p in self.warned_unscored:
             return

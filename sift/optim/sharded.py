@@ -38,19 +38,19 @@ if TYPE_CHECKING:
 
 def check_sharded_param(optimizer: SparseAdamW, p: torch.Tensor, label: str, sparse: bool) -> None:
     """Refuse a DTensor param this optimizer cannot train (called while adding its group, before any change)."""
-    if optimizer.process_group is not None:
+    if optimizer.grads.process_group is not None:
         raise ValueError(f"process_group averages whole gradients across ranks, and {label} is an FSDP2 shard whose "
                          "gradient FSDP2 already reduce-scatters (each rank's shard differs): leave process_group unset")
     if not sparse:
         return
-    if getattr(optimizer, "sharded_selection", "global") == "global" and not is_row_sharded(p):
+    if optimizer.settings.sharded_selection == "global" and not is_row_sharded(p):
         raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                          "mesh: the global selection supports FSDP2's default sharding, Shard(0) over a 1-D mesh; "
                          "pass sharded_selection='per_shard' to select within each shard")
-    if optimizer.compact_grads and not is_row_sharded(p):
+    if optimizer.settings.compact_grads and not is_row_sharded(p):
         raise ValueError(f"{label} is a DTensor with placements {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                          "mesh: compact_grads mode supports FSDP2's default sharding, Shard(0) over a 1-D mesh")
-    if optimizer.update_in_backward and optimizer.max_grad_norm is not None:
+    if optimizer.memory.update_in_backward and optimizer.settings.max_grad_norm is not None:
         raise ValueError("max_grad_norm with update_in_backward=True clips each tensor by its own norm, and an FSDP2 "
                          f"shard ({label}) holds part of a tensor: clip with update_in_backward=False (which takes "
                          "the global norm across shards), or leave max_grad_norm unset")

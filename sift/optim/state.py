@@ -20,6 +20,7 @@ from sift._index import index_dtype as _index_dtype
 from sift._index import lookup as _lookup
 from sift._index import merge_disjoint as _merge_disjoint
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 
 SPARSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPARSE_KEYS = ("indices", "exp_avg", "exp_avg_sq", "delta", "step")
@@ -30,8 +31,8 @@ class EntryState(Part):
     """`SparseAdamW`'s sparse state: the groups' sparse params, allocation at selection, `set_indices`,
     `indices_of`, `state_bytes`."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         # id(param) -> (param, its group), for `group_of`; the param is held so that its id is not reused.
         self.groups_by_param: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
@@ -61,7 +62,7 @@ class EntryState(Part):
         k = indices.numel()
         zeros = dict(dtype=torch.float32, device=p.device)
         state.clear()
-        if self.opt.state_layout == "lean":
+        if self.settings.state_layout == "lean":
             low, offsets = _ops.encode_lean_indices(indices.to(p.device), local_tensor(p).numel())
             state["indices_low"], state["window_offsets"] = low, offsets
             state["exp_avg"] = torch.zeros(k, dtype=torch.bfloat16, device=p.device)
@@ -97,7 +98,7 @@ class EntryState(Part):
         self.opt.selector.forget_gathered(param, keep_clipped=keep_gathered)
         old = dict(self.opt.state.get(param, {}))
         old_compact = self.opt.grads.compact.get(param) if param in self.opt.grads.ready else None
-        if self.opt.state_layout == "lean":
+        if self.settings.state_layout == "lean":
             self.set_lean_indices(param, indices, old, old_compact)
             return
         state = self.carry_over(param, indices, old, old_compact, old.get("indices"),
@@ -151,7 +152,7 @@ class EntryState(Part):
         `old` had no entries (nothing carried over)."""
         self.allocate(param, indices)
         state = self.opt.state[param]
-        state["selection_calls"] = max(old.get("selection_calls", 0), self.opt.select_steps)
+        state["selection_calls"] = max(old.get("selection_calls", 0), self.settings.select_steps)
         if old_indices is None:
             return None
         state["step"].copy_(old["step"])
@@ -162,6 +163,90 @@ class EntryState(Part):
         if old_compact is not None:
             self.opt.grads.keep_compact(param, kept, old_compact[pos[kept]])
         return state
+
+    # -------------------------------------------- what other parts change, through these methods
+
+    def count_selection_step(self, p: torch.Tensor, calls: int) -> None:
+        """p's selection has scored `calls` steps so far (a selecting step's count stays with the chosen entries)."""
+        self.opt.state[p]["selection_calls"] = calls
+
+    def add_selection_score(self, p: torch.Tensor, score: torch.Tensor) -> None:
+        """A selection step that does not choose yet: its `score` ([numel] fp32, unscaled) joins p's summed score."""
+        state = self.opt.state[p]
+        state["score"] = score if "score" not in state else state["score"].add_(score)
+
+    def add_reselect_score(self, p: torch.Tensor, score: torch.Tensor) -> None:
+        """A re-selection's scoring step: its `score` ([numel] fp32, unscaled) joins p's summed re-selection score."""
+        state = self.opt.state[p]
+        state["reselect_score"] = score if "reselect_score" not in state else state["reselect_score"].add_(score)
+
+    def drop_reselect_score(self, p: torch.Tensor) -> None:
+        """p re-selected: the score summed for it is used up."""
+        self.opt.state[p].pop("reselect_score", None)
+
+    def revert(self, p: torch.Tensor, entries: torch.Tensor, leaving: torch.Tensor) -> None:
+        """Put p's `entries` ([k] flat positions, its chosen ones) where `leaving` ([k] bool) holds back at their
+        base (exact state): their increment goes to 0, so nothing of them is retired."""
+        state = self.opt.state[p]
+        local_tensor(p.detach()).view(-1)[entries[leaving].long()] = state["base"][leaving]
+        state["delta"][leaving] = 0.0
+
+    def seed_moments(self, p: torch.Tensor, fresh: torch.Tensor, grad: torch.Tensor, count: int,
+                     betas: tuple[float, float]) -> None:
+        """Grown entries (`fresh`, [k] bool) start their moments as if `grad` ([fresh.sum()] fp32, signed as the
+        update applies it) had been the gradient of all `count` updates so far (bias-corrected Adam's moments)."""
+        state = self.opt.state[p]
+        beta1, beta2 = betas
+        # The lean state's bf16 moments take the seeds rounded to nearest.
+        state["exp_avg"][fresh] = ((1.0 - beta1 ** count) * grad).to(state["exp_avg"].dtype)
+        state["exp_avg_sq"][fresh] = ((1.0 - beta2 ** count) * grad * grad).to(state["exp_avg_sq"].dtype)
+
+    def choose_delta_entries(self, values: torch.Tensor, indices: torch.Tensor, numel: int) -> None:
+        """A 4-bit or int8 layer's selection (`sift.quantized`): its [k] delta `values` train at `indices` ([k]
+        sorted flat positions of its weight of `numel` elements); the summed score is used up."""
+        state = self.opt.state[values]
+        if self.settings.state_layout == "lean":
+            state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(indices, numel)
+        else:
+            state["delta_indices"] = indices
+        state.pop("score", None)
+
+    def move_delta_entries(self, values: torch.Tensor, old: torch.Tensor, new: torch.Tensor, numel: int
+                           ) -> torch.Tensor:
+        """A 4-bit or int8 layer's re-selection: its delta `values` and their moments follow their entries from `old`
+        to `new` ([k] sorted flat positions of its weight of `numel` elements); dropped ones leave (their increment
+        gone), grown ones start at 0. Returns which of `new` were kept ([k] bool)."""
+        state = self.opt.state[values]
+        kept, pos = _lookup(old, new)
+        for tensor in (values.data, state["exp_avg"], state["exp_avg_sq"]):
+            moved = torch.zeros_like(tensor)
+            moved[kept] = tensor[pos[kept]]
+            tensor.copy_(moved)
+        if "delta_indices_low" in state:
+            state["delta_indices_low"], state["delta_window_offsets"] = _ops.encode_lean_indices(new, numel)
+        else:
+            state["delta_indices"] = new.to(old.dtype)
+        state.pop("reselect_score", None)
+        return kept
+
+    def start_lean_moments(self, values: torch.Tensor) -> None:
+        """The lean step's first update of a 4-bit layer's [k] delta `values`: zero bf16 moments, a device count."""
+        state = self.opt.state[values]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros(values.numel(), dtype=torch.bfloat16, device=values.device)
+            state["exp_avg_sq"] = torch.zeros(values.numel(), dtype=torch.bfloat16, device=values.device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=values.device)
+
+    def start_dense_moments(self, p: torch.Tensor, capturable: bool) -> None:
+        """torch's AdamW state of a dense `p` before its update: zero moments of its shape and a step count, on the
+        device when `capturable` (a CUDA graph may capture the step), else on the CPU."""
+        state = self.opt.state[p]
+        if "exp_avg" not in state:  # a 4-bit delta's state holds its indices before its moments
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif capturable and state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
 
     def indices_of(self, param: torch.Tensor) -> torch.Tensor:
         """See `SparseAdamW.indices_of`."""

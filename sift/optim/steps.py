@@ -11,6 +11,7 @@ import torch
 
 from sift import _ops
 from sift.optim.part import Part
+from sift.optim.settings import Settings
 from sift.optim.state import is_selected, local_tensor, uses_grad
 
 
@@ -18,8 +19,8 @@ class Steps(Part):
     """The update kernels: the fused sparse step of selected weights (bucketed by device, dtype and state
     layout), torch's AdamW for `density=1.0` groups, and the lean step of the quantized layers' delta values."""
 
-    def __init__(self, opt: Any) -> None:
-        self.opt = opt
+    def __init__(self, opt: Any, settings: Settings) -> None:
+        super().__init__(opt, settings)
         # The kernels' launch tables: a CUDA graph captured over step() reads them, so they live
         # as long as the optimizer (never in state_dict, pickles or copies).
         self.kernel_cache: dict = {}
@@ -30,16 +31,12 @@ class Steps(Part):
         lean kernel over each values vector as a weight whose every entry is chosen. The identity
         indices are views of one shared table per device, not state."""
         for p in params:
-            state = self.opt.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
-                state["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.bfloat16, device=p.device)
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            self.opt.entries.start_lean_moments(p)
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
         for p, g in zip(params, grads):
             by_device[p.device].append((p, g))
         for device, members in by_device.items():
-            _, fn = _ops.resolve("sparse_adamw_lean_", device, self.opt.backend)
+            _, fn = _ops.resolve("sparse_adamw_lean_", device, self.settings.backend)
             states = [self.opt.state[p] for p, _ in members]
             lows, offsets = zip(*(self.identity_lean_indices(device, p.numel()) for p, _ in members))
             state_args = (list(lows), list(offsets), [s["exp_avg"] for s in states],
@@ -72,7 +69,7 @@ class Steps(Part):
         """AdamW on dense `params` with `grads` (4-bit layers' delta values: the lean step in the lean state)."""
         from torch.optim.adamw import adamw
 
-        if self.opt.state_layout == "lean" and any(p in self.opt.grads.quantized for p in params):
+        if self.settings.state_layout == "lean" and any(p in self.opt.grads.quantized for p in params):
             members = [(p, g) for p, g in zip(params, grads) if p in self.opt.grads.quantized]
             self.lean_delta_step(group, [p for p, _ in members], [g for _, g in members])
             kept = [(p, g) for p, g in zip(params, grads) if p not in self.opt.grads.quantized]
@@ -82,13 +79,7 @@ class Steps(Part):
         lr = group["lr"]
         capturable = isinstance(lr, torch.Tensor) and any(p.is_cuda for p in params)
         for p in params:
-            state = self.opt.state[p]
-            if "exp_avg" not in state:  # a 4-bit delta's state holds its indices before its moments
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif capturable and state["step"].device != p.device:
-                state["step"] = state["step"].to(p.device)
+            self.opt.entries.start_dense_moments(p, capturable)
         states = [self.opt.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adamw(params, grads, [s["exp_avg"] for s in states],
@@ -103,7 +94,7 @@ class Steps(Part):
             state = self.opt.state.get(p)
             if not state or not is_selected(state):
                 continue
-            if self.opt.compact_grads:
+            if self.settings.compact_grads:
                 # The hook gathered a gradient this step (and freed .grad).
                 if not (p.requires_grad and p in self.opt.grads.ready):
                     continue
@@ -129,7 +120,7 @@ class Steps(Part):
         states = [self.opt.state[p] for p in params]
         steps = [s["step"] for s in states]
         lean = layout == "lean"
-        _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.opt.backend)
+        _, fn = _ops.resolve("sparse_adamw_lean_" if lean else "sparse_adamw_", device, self.settings.backend)
         if lean:
             state_args = ([s["indices_low"] for s in states], [s["window_offsets"] for s in states],
                           [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],

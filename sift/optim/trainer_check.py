@@ -43,7 +43,8 @@ def check_trainer(optimizer: Any) -> None:
     Raises:
         ValueError: `max_grad_norm > 0` in the Trainer's arguments, which its clip would not apply.
     """
-    if optimizer.__dict__.get("_trainer_checked") or not (optimizer.compact_grads or optimizer.update_in_backward):
+    frees_grads = optimizer.settings.compact_grads or optimizer.memory.update_in_backward
+    if optimizer.__dict__.get("_trainer_checked") or not frees_grads:
         return
     trainer = calling_trainer()
     if trainer is None or getattr(trainer, "sift_integrated", False):
