@@ -44,7 +44,7 @@ def _prompts() -> datasets.Dataset:
 
 def _trainer(cls, folder: str, out, model=None, save_strategy: str = "no", **kwargs):
     args = trl.GRPOConfig(
-        output_dir=str(out), max_steps=4, per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+        output_dir=str(out), max_steps=kwargs.pop("max_steps", 4), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
         learning_rate=1e-2, max_grad_norm=MAX_NORM, lr_scheduler_type="constant", bf16=False, use_cpu=True,
         report_to=[], logging_steps=1, save_strategy=save_strategy, seed=0, data_seed=0, **kwargs)
     model = model if model is not None else transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -117,3 +117,30 @@ def test_integrated_grpo_trainer_trains_clips_saves_and_resumes(tmp_path, folder
     for (name, a), b in zip(resumed.model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     assert [h["grad_norm"] for h in resumed.state.log_history if "grad_norm" in h] == logged
+
+
+def test_a_resume_past_the_first_epoch_continues_the_uninterrupted_order_bit_for_bit(tmp_path, folder):
+    """TRL's RepeatSampler has no set_epoch: a Trainer resumed in the second epoch replayed the first epoch's
+    prompts. Through sparse_trainer the order of every epoch is TRL's own, and a resume there is bit for bit."""
+    from sift.integrations import sparse_trainer
+    from trl.trainer.utils import RepeatSampler
+
+    cls = sparse_trainer(trl.GRPOTrainer)
+    straight = _trainer(_recording(cls), folder, tmp_path / "straight", max_steps=6)  # 4 steps an epoch
+    sampler = straight._get_train_sampler()
+    own = RepeatSampler(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
+                        shuffle=True, seed=sampler.seed)
+    passes = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        passes.append(list(sampler))
+    assert passes == [list(own), list(own)], "the uninterrupted order must stay TRL's"
+    assert passes[0] != passes[1], "epochs in the same order would not show a replay"
+    straight.train()
+    _trainer(cls, folder, tmp_path / "b", max_steps=6, save_strategy="steps", save_steps=5).train()
+    resumed = _recording(cls)
+    resumed = _trainer(resumed, folder, tmp_path / "b", max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-5"))
+    assert [b["prompt_ids"].tolist() for b in resumed.batches] == [straight.batches[-1]["prompt_ids"].tolist()]
+    for (name, a), b in zip(resumed.model.named_parameters(), straight.model.parameters()):
+        assert torch.equal(a, b), name

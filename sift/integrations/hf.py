@@ -21,6 +21,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError("sift.integrations.hf needs transformers: pip install 'sift-kernels[hf]'") from exc
 
+from sift.integrations.epochs import with_epochs
 from sift.optim import SparseAdamW, clip_grad_norm_
 from sift.optim.memory import resolve_memory
 from sift.optim.reselection import reselect_settings
@@ -460,6 +461,9 @@ class SparseTrainerMixin:
             self._sift_loading_best = False
         # save_model after this writes the best fine-tune, not the optimizer's last one.
         self._sift_best_delta = SparseDelta.from_pretrained(best)
+
+    def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+        return with_epochs(super()._get_train_sampler(*args, **kwargs))  # GRPO's order, resumable past epoch 1
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         # fp16 loss scaling: clip (and report) the true gradients, not the scaled ones; the
