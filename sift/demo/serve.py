@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ def fine_tune(folder: str, tokenizer: Any, task: Task, out: str, steps: int, bat
               base_model: str | None = None) -> str:
     """Train one sift fine-tune of the model in `folder` on `task`'s training words; its directory `out`."""
     import transformers
+    from tqdm import tqdm
 
     import sift
 
@@ -74,7 +76,7 @@ def fine_tune(folder: str, tokenizer: Any, task: Task, out: str, steps: int, bat
     order = random.Random(seed)
     pad = end_id(tokenizer)
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=f"sift.demo.serve: fine-tuning on {task.name}", unit="step", file=sys.stderr):
         examples = [encode_example(tokenizer, task, w, a) for w, a in order.sample(train, batch)]
         loss, _ = batch_loss(model, examples, pad)
         loss.backward()
