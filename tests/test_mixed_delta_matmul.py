@@ -69,12 +69,62 @@ def _assert_close(got, y0, x, ids, deltas) -> None:
     assert err <= 2 * torch_err + atol, f"error {err:.3g} > 2 x torch's {torch_err:.3g} + {atol:.3g}"
 
 
-def _case(t, r, c, dtype, seed=0, densities=DENSITIES):
+def _case(t, r, c, dtype, seed=0, densities=DENSITIES, values_dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    deltas = _deltas((r, c), gen, densities)
+    deltas = [(rows, cols, vals.to(values_dtype)) for rows, cols, vals in _deltas((r, c), gen, densities)]
     x = torch.randn(t, c, generator=gen).to(dtype)
     y0 = torch.randn(t, r, generator=gen).to(dtype)
     return y0, x, _ids(t, len(deltas), gen), deltas, DeltaBank.from_rows_and_cols((r, c), deltas)
+
+
+def _in_form(bank: DeltaBank, row_ptr=None, col=None, values=None) -> DeltaBank:
+    """The bank with its fields cast to other forms the kernels take (None: as built)."""
+    return DeltaBank(bank.row_ptr.to(row_ptr or bank.row_ptr.dtype), bank.col_indices.to(col or bank.col_indices.dtype),
+                     bank.values.to(values or bank.values.dtype), bank.max_row_entries, bank.in_features)
+
+
+# A bank's forms: row pointers int32 (built) or int64, columns int16 (built for C <= 32768) or int32, values
+# in the deltas' dtype. Each is read as fp32, so every form gives the bits of the same values held in fp32.
+FORMS = {"ptr32-col16": (None, None), "ptr64-col16": (torch.int64, None), "ptr32-col32": (None, torch.int32),
+         "ptr64-col32": (torch.int64, torch.int32)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS.values(), ids=FORMS.keys())
+@pytest.mark.parametrize("values_dtype", DTYPES.values(), ids=[f"values-{k}" for k in DTYPES])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_every_bank_form_gives_the_bits_of_its_values_in_fp32(backend, dtype, values_dtype, form):
+    """16-bit values, int16 columns and int32 row pointers change no bit against the fp32/int32/int64 bank."""
+    require_backend(backend)
+    y0, x, ids, deltas, bank = _case(13, 23, 29, dtype, seed=8, values_dtype=values_dtype)
+    assert bank.values.dtype == values_dtype
+    assert (bank.row_ptr.dtype, bank.col_indices.dtype) == (torch.int32, torch.int16)
+    wide = _in_form(bank, torch.int64, torch.int32, torch.float32)
+    want = _ops.mixed_delta_matmul_(y0.clone(), x, ids, wide, backend=backend)
+    got = _ops.mixed_delta_matmul_(y0.clone(), x, ids, _in_form(bank, *form), backend=backend)
+    assert torch.equal(got, want)
+    _assert_close(got, y0, x, ids, deltas)
+    assert not torch.equal(got, y0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16], ids=["values-fp32", "values-bf16"])
+def test_int32_columns_of_a_wide_weight(backend, values_dtype):
+    """Beyond 32768 inputs the bank's columns are int32, and columns past 32767 are read right."""
+    require_backend(backend)
+    c = 40_000
+    gen = torch.Generator().manual_seed(9)
+    deltas = [(torch.tensor([0, 0, 2, 2]), torch.tensor([3, 39_999, 32_768, 35_001]),
+               torch.randn(4, generator=gen).to(values_dtype)), (torch.tensor([1]), torch.tensor([32_767]),
+                                                                  torch.ones(1, dtype=values_dtype))]
+    bank = DeltaBank.from_rows_and_cols((3, c), deltas)
+    assert bank.col_indices.dtype == torch.int32 and bank.values.dtype == values_dtype
+    x = torch.randn(4, c, generator=gen)
+    y0 = torch.randn(4, 3, generator=gen)
+    ids = torch.tensor([0, 1, -1, 0])
+    y = _ops.mixed_delta_matmul_(y0.clone(), x, ids, bank, backend=backend)
+    _assert_close(y, y0, x, ids, deltas)
+    assert y[0, 0] != y0[0, 0] and y[1, 1] != y0[1, 1]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -171,9 +221,32 @@ def test_bank_layout():
     assert bank.row_ptr.tolist() == [[0, 1, 1, 3], [3, 3, 3, 3], [3, 3, 4, 4]]
     assert bank.col_indices.tolist() == [3, 0, 1, 1]
     assert bank.values.tolist() == [2.0, 3.0, 1.0, 4.0]
+    assert (bank.row_ptr.dtype, bank.col_indices.dtype, bank.values.dtype) == (torch.int32, torch.int16, torch.float32)
     assert (bank.max_row_entries, bank.n_deltas, bank.out_features, bank.in_features) == (2, 3, 3, 4)
+    assert bank.delta_bytes(0) == 3 * (2 + 4) + 4 * 4 and bank.delta_bytes(1) == 4 * 4
     with pytest.raises(ValueError, match="repeated"):
         DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([1, 1]), torch.tensor([2, 2]), torch.ones(2))])
+
+
+def test_bank_values_take_the_widest_dtype_of_its_deltas():
+    """bf16 stays bf16; bf16 next to fp16 or fp32 is fp32 (it holds both); a delta without entries has no say;
+    narrowing to a 16-bit dtype happens only when every value is exact there, and removing the delta that
+    needed fp32 lets the bank narrow again."""
+    one = (torch.tensor([0]), torch.tensor([1]))
+    none = (torch.tensor([], dtype=torch.long),) * 2 + (torch.tensor([]),)
+    bf16 = DeltaBank.from_rows_and_cols((2, 3), [(*one, torch.tensor([0.5], dtype=torch.bfloat16)), none])
+    assert bf16.values.dtype == torch.bfloat16 and bf16.delta_bytes(0) == 2 + 2 + 3 * 4
+    mixed = bf16.appended(*one, torch.tensor([0.25], dtype=torch.float16))
+    assert mixed.values.dtype == torch.float32 and mixed.values.tolist() == [0.5, 0.25]
+    assert bf16.appended(*none).values.dtype == torch.bfloat16
+    inexact = bf16.appended(*one, torch.tensor([0.1]))
+    assert inexact.values.dtype == torch.float32
+    assert inexact.narrowed(torch.bfloat16) is inexact
+    back = inexact.without(2).narrowed(torch.bfloat16)
+    assert back.values.dtype == torch.bfloat16 and torch.equal(back.values, bf16.values)
+    assert torch.equal(back.row_ptr, bf16.row_ptr) and back.row_ptr.dtype == torch.int32
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        bf16.narrowed(torch.float64)
     with pytest.raises(ValueError, match="outside the \\[3, 4\\] weight"):
         DeltaBank.from_rows_and_cols((3, 4), [(torch.tensor([3]), torch.tensor([0]), torch.ones(1))])
 
@@ -204,18 +277,25 @@ def _bad_cases():
         "device-mismatch": ((y, x.to("meta"), ids, bank), "x must be on y's device"),
         "not-a-bank": ((y, x, ids, (bank.row_ptr, bank.col_indices, bank.values)), "bank must be a DeltaBank"),
         "row-ptr-width": ((y, x, ids, edited(row_ptr=bank.row_ptr[:, :3].contiguous())),
-                          r"bank.row_ptr must be a contiguous int64 \[n_deltas, 4\]"),
-        "row-ptr-int32": ((y, x, ids, edited(row_ptr=bank.row_ptr.int())), "bank.row_ptr must be a contiguous int64"),
+                          r"bank.row_ptr must be a contiguous int32 or int64 \[n_deltas, 4\]"),
+        "row-ptr-int16": ((y, x, ids, edited(row_ptr=bank.row_ptr.short())),
+                          "bank.row_ptr must be a contiguous int32 or int64"),
         "row-ptr-decreasing": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 2, 1, 2], [2, 3, 3, 4]]))),
                                "bank.row_ptr must be non-decreasing"),
         "row-ptr-past-entries": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 1, 1, 2], [2, 3, 3, 5]]))),
                                  r"within \[0, 4\]"),
         "cols-int64": ((y, x, ids, edited(col_indices=bank.col_indices.long())),
-                       "bank.col_indices must be a contiguous"),
-        "col-out-of-range": ((y, x, ids, edited(col_indices=torch.tensor([4, 5, 4, 1], dtype=torch.int32))),
+                       "bank.col_indices must be a contiguous 1-D int16 or int32"),
+        "cols-int16-too-narrow": ((torch.randn(4, 3), torch.randn(4, 40_000), ids, edited(in_features=40_000)),
+                                  "bank.col_indices is int16, which cannot address 40000 columns"),
+        "col-out-of-range": ((y, x, ids, edited(col_indices=torch.tensor([4, 5, 4, 1], dtype=torch.int16))),
                              r"bank.col_indices must lie in \[0, 5\)"),
-        "values-length": ((y, x, ids, edited(values=torch.ones(3))), r"bank.values must be a contiguous float32 \[4\]"),
+        "col-negative-int16": ((y, x, ids, edited(col_indices=torch.tensor([4, -1, 4, 1], dtype=torch.int16))),
+                               r"bank.col_indices must lie in \[0, 5\)"),
+        "values-length": ((y, x, ids, edited(values=torch.ones(3))),
+                          r"bank.values must be a contiguous float32, bfloat16 or float16 \[4\]"),
         "values-fp64": ((y, x, ids, edited(values=torch.ones(4, dtype=torch.float64))), "bank.values must be"),
+        "values-int16": ((y, x, ids, edited(values=torch.ones(4, dtype=torch.int16))), "bank.values must be"),
         "in-features": ((y, x, ids, edited(in_features=6)), "bank.in_features is 6, x has 5 features"),
         "max-row-too-small": ((y, x, ids, edited(row_ptr=torch.tensor([[0, 2, 2, 2], [2, 3, 3, 4]]))),
                               "bank.max_row_entries is 1, but a row holds 2 entries"),
@@ -255,10 +335,11 @@ def test_cpp_op_refuses_bad_ids_and_rows_before_writing():
     with pytest.raises(RuntimeError, match="row_ptr\\[1\\] decreases at row"):
         op(y, x, ids.int(), bad_ptr, bank.col_indices, bank.values, bank.max_row_entries)
     assert torch.equal(y, y0)
-    bad_col = bank.col_indices.clone()
-    bad_col[0] = 8
-    with pytest.raises(RuntimeError, match=r"col_indices has 8 at position 0, outside \[0, 8\)"):
-        op(y, x, torch.zeros(6, dtype=torch.int32), bank.row_ptr, bad_col, bank.values, bank.max_row_entries)
+    for column in (8, -3):  # a negative int16 column reads as a huge unsigned one
+        bad_col = bank.col_indices.clone()
+        bad_col[0] = column
+        with pytest.raises(RuntimeError, match=rf"col_indices has {column} at position 0, outside \[0, 8\)"):
+            op(y, x, torch.zeros(6, dtype=torch.int32), bank.row_ptr, bad_col, bank.values, bank.max_row_entries)
 
 
 # Delta ids per token: random, one delta for all (groups of 8 and a ragged one), runs of 3, and a decode step's

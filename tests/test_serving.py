@@ -269,6 +269,68 @@ def test_switch_to_puts_one_delta_in_place_and_back(dtype):
     assert not all(torch.equal(want["a"][n], want["b"][n]) for n in original)
 
 
+def _small_steps(model: torch.nn.Module, seed: int, density: float = 0.05) -> SparseDelta:
+    """A fine-tune moving 5% of each linear weight by at most a quarter of itself: every increment is exact in
+    a 16-bit weight's dtype, as every step of at most half its weight is."""
+    gen = torch.Generator().manual_seed(seed)
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in tuned.modules():
+            if isinstance(m, torch.nn.Linear):
+                mask = torch.rand(m.weight.shape, generator=gen) < density
+                scale = 1 + mask * (torch.rand(m.weight.shape, generator=gen) - 0.5) / 2
+                m.weight.copy_((m.weight.float() * scale).to(m.weight.dtype))
+    return SparseDelta.from_diff(model, tuned, density=1.0)
+
+
+def _bank_bytes(delta: SparseDelta, value_bytes: int) -> int:
+    """Per weight with entries: an int16 column and a value per entry, an int32 pointer per row and one more."""
+    return sum(e.nnz * (2 + value_bytes) + (e.shape[0] + 1) * 4 for e in delta.entries.values() if e.nnz)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_held_bytes_are_the_banks_and_16_bit_increments_stay_16_bit(dtype):
+    """A fine-tune of small steps holds 4 bytes an entry over a 16-bit base (6 over fp32) plus the row pointers;
+    a delta whose increments need fp32 widens the banks it shares, changing no served bit, and its unload
+    narrows them back; switch_to gives apply_'s bits from the 16-bit banks."""
+    base = _base(dtype)
+    small, wide = _small_steps(base, 30), _fine_tune(base, 31)
+    served, original, want = served_and_applied(base, {"small": small})
+    own = 4 if dtype == torch.float32 else 2
+    assert served.held_bytes("small") == _bank_bytes(small, own)
+    rows, ids = ["small", None, "small"], _ids(3)
+    with torch.no_grad():
+        narrow_rows = served(ids, delta_names=rows).logits
+        served.load_delta("wide", wide)
+        assert served.held_bytes("small") == _bank_bytes(small, 4)
+        assert served.held_bytes("wide") == _bank_bytes(wide, 4)
+        assert torch.equal(served(ids, delta_names=rows).logits, narrow_rows)
+        served.unload_delta("wide")
+    assert served.held_bytes("small") == _bank_bytes(small, own)
+    assert not torch.equal(narrow_rows[0], base(ids).logits[0])
+    served.switch_to("small")
+    assert all(torch.equal(p, want["small"][n]) for n, p in base.state_dict().items())
+    served.switch_to(None)
+    assert all(torch.equal(p, original[n]) for n, p in base.state_dict().items())
+    served.close()
+
+
+def test_unloading_another_delta_while_one_is_in_place_keeps_the_switch_whole():
+    """Regression: unhooking the layers only the unloaded delta touched shifted the saved base values of the
+    delta in place onto the wrong layers, so the next switch refused them."""
+    base = _base()
+    deltas = {"attn": _fine_tune(base, 40, only="self_attn"), "mlp": _fine_tune(base, 41, only="mlp")}
+    served, original, want = served_and_applied(base, deltas)
+    hooked = _hooks(base)
+    served.switch_to("attn")
+    served.unload_delta("mlp")
+    assert _hooks(base) < hooked
+    assert all(torch.equal(p, want["attn"][n]) for n, p in base.state_dict().items())
+    served.switch_to(None)
+    assert all(torch.equal(p, original[n]) for n, p in base.state_dict().items())
+    served.close()
+
+
 def test_while_a_delta_is_in_place_rows_loads_and_its_unload_are_refused():
     base = _base()
     served = ServedDeltas(base)

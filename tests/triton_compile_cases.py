@@ -156,18 +156,23 @@ def _launches() -> Iterator[tuple[str, Callable[[], None]]]:
                 yield f"sparse_weight_grad {names[dtype]} {names[i_dtype]} T={tokens}", weight_grad
 
     for dtype in (f32, bf16, f16):
-        for tokens in (8, 4096):
-            for recorded in (False, True):
-                # A served model's layer: y [T, R] the base product, x [T, C], one delta id per token,
-                # a bank of 3 deltas of a [768, 64] weight; a decode step (one token per row) and a prefill.
-                def mixed(a=(dtype, tokens, recorded)):
-                    k = entries()
-                    bank = DeltaBank(torch.zeros(3, 769, dtype=torch.int64), torch.zeros(k, dtype=torch.int32),
-                                     torch.zeros(k), 5, 64)
-                    with _launch.recording() if a[2] else contextlib.nullcontext():
-                        mixed_delta_matmul_(torch.zeros(a[1], 768, dtype=a[0]), torch.zeros(a[1], 64, dtype=a[0]),
-                                            torch.zeros(a[1], dtype=torch.int32), bank)
-                yield (f"mixed_delta_matmul_ {names[dtype]} T={tokens}{' recorded' if recorded else ''}", mixed)
+        for tokens, recorded, wide in ((8, False, False), (8, True, False), (4096, False, False),
+                                       (4096, True, False), (4096, False, True)):
+            # A served model's layer: y [T, R] the base product, x [T, C], one delta id per token,
+            # a bank of 3 deltas of a [768, 64] weight; a decode step (one token per row) and a prefill.
+            # The bank as DeltaBank builds it (int32 row pointers, int16 columns, the layer's dtype's
+            # values), and once in the wide forms (int64, int32, fp32: a bank past int32's entries).
+            def mixed(a=(dtype, tokens, recorded, wide)):
+                k = entries()
+                bank = (DeltaBank(torch.zeros(3, 769, dtype=torch.int64), torch.zeros(k, dtype=torch.int32),
+                                  torch.zeros(k), 5, 64) if a[3] else
+                        DeltaBank(torch.zeros(3, 769, dtype=torch.int32), torch.zeros(k, dtype=torch.int16),
+                                  torch.zeros(k, dtype=a[0]), 5, 64))
+                with _launch.recording() if a[2] else contextlib.nullcontext():
+                    mixed_delta_matmul_(torch.zeros(a[1], 768, dtype=a[0]), torch.zeros(a[1], 64, dtype=a[0]),
+                                        torch.zeros(a[1], dtype=torch.int32), bank)
+            yield (f"mixed_delta_matmul_ {names[dtype]} T={tokens}{' wide bank' if wide else ''}"
+                   f"{' recorded' if recorded else ''}", mixed)
 
     for dtype in (f16, bf16, f32, torch.float64):
         for k in (16, 32, 64, 128):

@@ -1,10 +1,12 @@
 """Mixed sparse deltas in one batch: each token's output gains its own delta's product.
 
 For y = x W^T over T tokens, W [R, C], and a `DeltaBank` of n deltas of W (CSR per delta,
-concatenated: row_ptr [n, R + 1] int64, col [nnz] int32, val [nnz] fp32), with d = ids[t]:
+concatenated: row_ptr [n, R + 1] int32/int64, col [nnz] int16/int32, val [nnz] fp32/bf16/fp16),
+with d = ids[t]:
 
     d == -1:  y[t] untouched
-    d >= 0:   y[t, i] = dtype(fp32(y[t, i]) + sum_{e in [row_ptr[d, i], row_ptr[d, i + 1])} val[e] * fp32(x[t, col[e]]))
+    d >= 0:   y[t, i] = dtype(fp32(y[t, i]) + sum_e fp32(val[e]) * fp32(x[t, col[e]]))
+              over e in [row_ptr[d, i], row_ptr[d, i + 1])
 
 y [T, R] and x [T, C] (fp32, bf16 or fp16, one dtype, any strides), ids [T] int32.
 
@@ -55,15 +57,16 @@ def _mixed_delta_matmul_kernel(
     ids = tl.load(ids_ptr + offs_t, mask=offs_t < T, other=-1).to(tl.int64)
     mask = (ids >= 0)[:, None] & (offs_r < R)[None, :]
     bounds = row_ptr_ptr + ids[:, None] * (R + 1) + offs_r[None, :]
-    start = tl.load(bounds, mask=mask, other=0)
-    end = tl.load(bounds + 1, mask=mask, other=0)
+    # The bank's narrow forms widen on load: int32 row pointers to int64 offsets, 16-bit values to fp32.
+    start = tl.load(bounds, mask=mask, other=0).to(tl.int64)
+    end = tl.load(bounds + 1, mask=mask, other=0).to(tl.int64)
     x_rows = x_ptr + offs_t[:, None] * stride_x_t
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for j in range(max_row_entries):
         entry = start + j
         live = entry < end
         col = tl.load(col_ptr + entry, mask=live, other=0).to(tl.int64)
-        val = tl.load(val_ptr + entry, mask=live, other=0.0)
+        val = tl.load(val_ptr + entry, mask=live, other=0.0).to(tl.float32)
         xv = tl.load(x_rows + col * stride_x_c, mask=live, other=0.0).to(tl.float32)
         acc += val * xv
     y_tile = y_ptr + offs_t[:, None] * stride_y_t + offs_r[None, :] * stride_y_r

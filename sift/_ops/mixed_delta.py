@@ -9,16 +9,19 @@ import math
 import torch
 
 from sift._ops.registry import _no_output, call, define, define_schema, register
-from sift.triton_kernels._delta_bank import DeltaBank
+from sift.triton_kernels._delta_bank import INT16_COLUMNS, INT32_ENTRIES, DeltaBank
 
 # ---------------------------------------------------------------------------------------
 # mixed_delta_matmul_(y, x, delta_ids, bank): for y = x W^T over T tokens, W [R, C], and a bank
 # of n sparse deltas of W (`DeltaBank`: CSR per delta, concatenated), with d = delta_ids[t]:
 #   d == -1:  y[t] is left as it is, bit for bit
-#   d >= 0:   y[t, i] = dtype(fp32(y[t, i]) + sum_{e in row i of delta d} values[e] * fp32(x[t, col[e]]))
+#   d >= 0:   y[t, i] = dtype(fp32(y[t, i]) + sum_{e in row i of delta d} fp32(values[e]) * fp32(x[t, col[e]]))
 # y [T, R] and x [T, C] share one dtype (fp32, bf16 or fp16) and their leading dims (flattened
-# into T); delta_ids [T] int32/int64 in [-1, n). Products and sums are fp32 (summation order is the
-# backend's); a row with no entries keeps its value exactly (a 16-bit value survives fp32).
+# into T); delta_ids [T] int32/int64 in [-1, n). The bank's fields come in the forms `DeltaBank`
+# builds: row_ptr int32 or int64, col_indices int16 (C <= 32768) or int32, values fp32, bf16 or
+# fp16, each read as fp32 (exact), so a bank gives the bits its values give held in fp32. Products
+# and sums are fp32 (summation order is the backend's); a row with no entries keeps its value
+# exactly (a 16-bit value survives fp32).
 #
 # Layout: one delta id per token, not tokens sorted into segments. Serving computes the base
 # product first and adds every row's delta into it in place; sorting the tokens by delta would
@@ -33,6 +36,10 @@ from sift.triton_kernels._delta_bank import DeltaBank
 # ---------------------------------------------------------------------------------------
 
 MIXED_DELTA_MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The forms of a bank's fields every backend takes (`DeltaBank` picks the narrowest that holds them).
+BANK_ROW_PTR_DTYPES = (torch.int32, torch.int64)
+BANK_COL_DTYPES = (torch.int16, torch.int32)
+BANK_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Temporaries of the reference per chunk of tokens: a [tokens, entries] fp32 product.
 _MIXED_DELTA_REF_BYTES = 64 << 20
 
@@ -70,17 +77,11 @@ def check_mixed_delta_matmul_args(y: torch.Tensor, x: torch.Tensor, delta_ids: t
         if t.device != device:
             raise ValueError(f"{name} must be on y's device {device}, got {t.device}")
     n_rows, n_cols = y.shape[-1], x.shape[-1]
-    if bank.row_ptr.dim() != 2 or bank.row_ptr.dtype != torch.int64 or bank.row_ptr.shape[1] != n_rows + 1 \
-            or not bank.row_ptr.is_contiguous():
-        raise ValueError(f"bank.row_ptr must be a contiguous int64 [n_deltas, {n_rows + 1}] tensor (R + 1, R = "
-                         f"y.shape[-1]), got {bank.row_ptr.dtype} {tuple(bank.row_ptr.shape)}")
-    nnz = bank.col_indices.numel()
-    if bank.col_indices.dim() != 1 or bank.col_indices.dtype != torch.int32 or not bank.col_indices.is_contiguous():
-        raise ValueError(f"bank.col_indices must be a contiguous 1-D int32 tensor, got {bank.col_indices.dtype} "
-                         f"{tuple(bank.col_indices.shape)}")
-    if bank.values.shape != (nnz,) or bank.values.dtype != torch.float32 or not bank.values.is_contiguous():
-        raise ValueError(f"bank.values must be a contiguous float32 [{nnz}] tensor (one per column index), got "
-                         f"{bank.values.dtype} {tuple(bank.values.shape)}")
+    if bank.row_ptr.dim() != 2 or bank.row_ptr.dtype not in BANK_ROW_PTR_DTYPES \
+            or bank.row_ptr.shape[1] != n_rows + 1 or not bank.row_ptr.is_contiguous():
+        raise ValueError(f"bank.row_ptr must be a contiguous int32 or int64 [n_deltas, {n_rows + 1}] tensor (R + 1, "
+                         f"R = y.shape[-1]), got {bank.row_ptr.dtype} {tuple(bank.row_ptr.shape)}")
+    _check_bank_fields(bank, "bank.")
     if bank.in_features != n_cols:
         raise ValueError(f"bank.in_features is {bank.in_features}, x has {n_cols} features")
     if not isinstance(bank.max_row_entries, int) or bank.max_row_entries < 0:
@@ -96,6 +97,23 @@ def check_mixed_delta_matmul_args(y: torch.Tensor, x: torch.Tensor, delta_ids: t
     if check_values:
         _check_values(delta_ids, bank, n_cols)
     return y2, x.reshape(-1, n_cols), delta_ids.to(torch.int32)
+
+
+def _check_bank_fields(bank: DeltaBank, name: str) -> None:
+    """The columns' and values' forms, and what int32 row pointers and int16 columns can address."""
+    nnz = bank.col_indices.numel()
+    col = bank.col_indices
+    if col.dim() != 1 or col.dtype not in BANK_COL_DTYPES or not col.is_contiguous():
+        raise ValueError(f"{name}col_indices must be a contiguous 1-D int16 or int32 tensor, got {col.dtype} "
+                         f"{tuple(col.shape)}")
+    if col.dtype == torch.int16 and bank.in_features > INT16_COLUMNS:
+        raise ValueError(f"{name}col_indices is int16, which cannot address {bank.in_features} columns "
+                         f"(int32 beyond {INT16_COLUMNS})")
+    if bank.row_ptr.dtype == torch.int32 and nnz >= INT32_ENTRIES:
+        raise ValueError(f"{name}row_ptr is int32, which cannot address {nnz} entries (int64 from {INT32_ENTRIES})")
+    if bank.values.shape != (nnz,) or bank.values.dtype not in BANK_VALUE_DTYPES or not bank.values.is_contiguous():
+        raise ValueError(f"{name}values must be a contiguous float32, bfloat16 or float16 [{nnz}] tensor (one per "
+                         f"column index), got {bank.values.dtype} {tuple(bank.values.shape)}")
 
 
 def _check_values(delta_ids: torch.Tensor, bank: DeltaBank, n_cols: int) -> None:
@@ -134,8 +152,8 @@ def mixed_delta_matmul_ref(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Te
             continue
         tokens = (ids == d).nonzero().view(-1)
         cols = bank.col_indices[start:end].long()
-        vals = bank.values[start:end]
-        rows = torch.repeat_interleave(torch.arange(n_rows, device=y2.device), ptr.diff())
+        vals = bank.values[start:end].float()
+        rows = torch.repeat_interleave(torch.arange(n_rows, device=y2.device), ptr.diff().long())
         chunk = max(1, _MIXED_DELTA_REF_BYTES // (4 * (end - start)))
         for s in range(0, tokens.numel(), chunk):
             part = tokens[s : s + chunk]
@@ -230,10 +248,12 @@ def mixed_delta_matmul_(
 # banks out of the weights and another in, in place. For each layer l, W = weights[l] [R, C] (any
 # strides: a Conv1D weight is passed transposed), bank = banks[l], over the entries (i, j, v) of:
 #   delta off (>= 0):  W[i, j] = originals_off[l][e]          (e: the entry's place in its delta)
-#   then delta on (>= 0): originals_on[l][e] = W[i, j];  W[i, j] = dtype(fp32(W[i, j]) + v)
+#   then delta on (>= 0): originals_on[l][e] = W[i, j];  W[i, j] = dtype(fp32(W[i, j]) + fp32(v))
 # originals_* are [k] tensors in W's dtype (k: that delta's entries in the layer), lists empty
-# for a delta of -1. The apply is `sparse_delta_apply_`'s arithmetic, so the weights are what
-# `SparseDelta.apply_` of the same values gives, bit for bit; the restore writes saved bits back.
+# for a delta of -1. The banks' fields take the forms mixed_delta_matmul_ takes (int32/int64 row
+# pointers, int16/int32 columns, fp32/bf16/fp16 values read as fp32). The apply is
+# `sparse_delta_apply_`'s arithmetic, so the weights are what `SparseDelta.apply_` of the same
+# values gives, bit for bit; the restore writes saved bits back.
 # "cpp" fuses both per block of rows; "torch" is the reference on any device.
 # ---------------------------------------------------------------------------------------
 
@@ -242,8 +262,8 @@ def _entries_of(bank: DeltaBank, delta: int) -> tuple[torch.Tensor, torch.Tensor
     """Delta `delta`'s `(rows, cols, values)` in the bank, in its CSR order."""
     ptr = bank.row_ptr[delta]
     start, end = int(ptr[0]), int(ptr[-1])
-    rows = torch.repeat_interleave(torch.arange(bank.out_features, device=ptr.device), ptr.diff())
-    return rows, bank.col_indices[start:end].long(), bank.values[start:end]
+    rows = torch.repeat_interleave(torch.arange(bank.out_features, device=ptr.device), ptr.diff().long())
+    return rows, bank.col_indices[start:end].long(), bank.values[start:end].float()
 
 
 def _check_switch_lists(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
@@ -280,6 +300,11 @@ def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaB
         if w.dtype not in MIXED_DELTA_MATMUL_DTYPES or w.device != bank.device:
             raise ValueError(f"weights[{layer}] must be float32, bfloat16 or float16 on its bank's device "
                              f"{bank.device}, got {w.dtype} on {w.device}")
+        ptr = bank.row_ptr
+        if ptr.dim() != 2 or ptr.dtype not in BANK_ROW_PTR_DTYPES or not ptr.is_contiguous():
+            raise ValueError(f"banks[{layer}].row_ptr must be a contiguous int32 or int64 [n_deltas, R + 1] tensor, "
+                             f"got {ptr.dtype} {tuple(ptr.shape)}")
+        _check_bank_fields(bank, f"banks[{layer}].")
         for name, d, saved in (("off", off, originals_off), ("on", on, originals_on)):
             if d < 0:
                 continue
@@ -294,9 +319,13 @@ def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaB
 
 
 def delta_bank_switch_ref(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
-                          originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
+                          originals_off: list[torch.Tensor], originals_on: list[torch.Tensor],
+                          trusted_banks: bool = False) -> None:
     """Plain-torch reference of the switch (see the contract above)."""
-    check_delta_bank_switch_args(weights, banks, off, on, originals_off, originals_on)
+    if trusted_banks:  # the per-layer checks read each bank's bounds (a device sync per layer on a GPU)
+        _check_switch_lists(weights, banks, off, on, originals_off, originals_on)
+    else:
+        check_delta_bank_switch_args(weights, banks, off, on, originals_off, originals_on)
     with torch.no_grad():
         for layer, (w, bank) in enumerate(zip(weights, banks)):
             if off >= 0:
@@ -313,13 +342,16 @@ define("delta_bank_switch_", delta_bank_switch_ref)
 
 
 @register("delta_bank_switch_", "cpp")
-def _delta_bank_switch_cpp(weights, banks, off, on, originals_off, originals_on):
+def _delta_bank_switch_cpp(weights, banks, off, on, originals_off, originals_on, trusted_banks=False):
     # The kernel checks every tensor before it writes (a model's hundred layers checked here cost more
-    # than the switch); here only what it cannot see: the lists' lengths and each bank's columns.
-    _check_switch_lists(weights, banks, off, on, originals_off, originals_on)
-    for layer, (w, bank) in enumerate(zip(weights, banks)):
-        if w.dim() != 2 or w.shape[1] != bank.in_features:
-            raise ValueError(f"weights[{layer}] must be [R, {bank.in_features}] (its bank's), got {tuple(w.shape)}")
+    # than the switch); here only what it cannot see: the lists' lengths and each bank's columns, unless
+    # the caller built the banks for these weights (a served model).
+    if not trusted_banks:
+        _check_switch_lists(weights, banks, off, on, originals_off, originals_on)
+        for layer, (w, bank) in enumerate(zip(weights, banks)):
+            if w.dim() != 2 or w.shape[1] != bank.in_features:
+                raise ValueError(f"weights[{layer}] must be [R, {bank.in_features}] (its bank's), got "
+                                 f"{tuple(w.shape)}")
     try:
         torch.ops.sift.delta_bank_switch_(weights, [b.row_ptr for b in banks], [b.col_indices for b in banks],
                                           [b.values for b in banks], off, on, originals_off, originals_on)
@@ -340,7 +372,7 @@ define_schema("delta_bank_switch_", "delta_bank_switch_(Tensor(a!)[] weights, Te
 
 def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
                        originals_off: list[torch.Tensor], originals_on: list[torch.Tensor], *,
-                       backend: str | None = None) -> None:
+                       backend: str | None = None, trusted_banks: bool = False) -> None:
     """Takes delta `off` of the banks out of the weights and puts delta `on` in, in place.
 
     Args:
@@ -351,6 +383,9 @@ def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off:
         originals_off: `[k]` per layer, W's dtype: the values `off`'s entries had before it went in.
         originals_on: `[k]` per layer, W's dtype: written with the values `on`'s entries have now.
         backend: force "torch" or "cpp" (default: the automatic choice).
+        trusted_banks: the banks were built (`DeltaBank`) for these weights and checked then, as a served
+            model's are: the Python checks of each bank against its weight are skipped. The C++ kernel
+            still checks every tensor, row pointer and column it reads through before it writes.
 
     Raises:
         ValueError: a bad argument, named (nothing is written).
@@ -367,4 +402,4 @@ def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off:
         0.0
     """
     call("delta_bank_switch_", weights, banks, off, on, originals_off, originals_on, backend=backend,
-         device=weights[0].device if weights else torch.device("cpu"))
+         device=weights[0].device if weights else torch.device("cpu"), trusted_banks=trusted_banks)

@@ -22,7 +22,10 @@ What a row gets: the weights `SparseDelta.apply_` would give its delta. At load,
 weight's entries keep v (w + v rounds once, as in the apply). The outputs then differ from the
 fine-tune applied in place only by how the product is rounded: `dtype(dtype(x W^T) + x D^T)`, the
 base product rounded before the delta's term is added (fp32, a few units of fp32 rounding;
-bf16/fp16, about one more rounding of the output per layer).
+bf16/fp16, about one more rounding of the output per layer). A layer's bank holds a 16-bit weight's
+increments in the weight's dtype when each of them is exact there (a step of at most half the
+weight always is), else in fp32, with int16 columns (int32 past 32768 inputs) and int32 row pointers:
+about 4 bytes an entry (`held_bytes`), 6 with fp32 values.
 
 Over a bitsandbytes 4-bit or 8-bit base, a quantized layer's delta stays its fp32 entries `v` and
 its rows gain `x S^T` on top of the layer's own output, as a fine-tune attached to that layer
@@ -94,6 +97,8 @@ class _ServedLayer:
         # delta name -> (weight, bias) its rows are computed with: a head trained densely (None: the layer's)
         self.heads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.int8 = is_linear8bit(module)
+        # The base values the entries of the delta `switch_to` put in place overwrote (None: none in place).
+        self.saved: torch.Tensor | None = None
         self.handle = module.register_forward_hook(self._hook)
 
     @property
@@ -102,6 +107,11 @@ class _ServedLayer:
 
     @bank.setter
     def bank(self, bank: DeltaBank) -> None:
+        # A 16-bit weight's increments are held in its dtype when every one of them is exact there (they
+        # are when no step exceeds half its weight), else in fp32; an fp32 weight's stay fp32.
+        dtype = self.module.weight.dtype
+        if dtype in (torch.bfloat16, torch.float16) and not is_quantized_linear(self.module):
+            bank = bank.narrowed(dtype)
         self._bank = bank
         # Each delta's entry count, on the host: switch_to sizes its buffers without reading the device.
         self.entries = (bank.row_ptr[:, -1] - bank.row_ptr[:, 0]).tolist()
@@ -144,6 +154,35 @@ class _ServedLayer:
         return
 
 
+class _SwitchPlan:
+    """What every `switch_to` hands the op, gathered once per set of loaded deltas (a load or an unload
+    makes a new one): the layers in order, their banks, the first bitsandbytes layer (which refuses the
+    switch), and the layers grouped by weight dtype and device, so that the base values a delta's
+    entries overwrite are saved in one allocation split into the layers' parts."""
+
+    def __init__(self, layers: dict[str, _ServedLayer]):
+        self.layers = list(layers.values())
+        self.banks = [layer.bank for layer in self.layers]
+        self.packed = next((owner for owner, layer in layers.items() if is_quantized_linear(layer.module)), None)
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            groups.setdefault((layer.module.weight.dtype, layer.bank.device), []).append(i)
+        self.groups = list(groups.items())
+
+    def weights(self) -> list[torch.Tensor]:
+        # Taken at each switch, not kept: the weights are the modules' tensors of the moment.
+        return [layer.weight_rows() for layer in self.layers]
+
+    def buffers(self, delta: int) -> list[torch.Tensor]:
+        """Per layer, an uninitialised `[k]` tensor in the weight's dtype, k the delta's entries in the layer."""
+        out: list[torch.Tensor] = [None] * len(self.layers)  # type: ignore[list-item]
+        for (dtype, device), members in self.groups:
+            sizes = [self.layers[i].entries[delta] for i in members]
+            for i, part in zip(members, torch.empty(sum(sizes), dtype=dtype, device=device).split(sizes)):
+                out[i] = part
+        return out
+
+
 def _no_entries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
 
@@ -184,7 +223,7 @@ class ServedDeltas:
         self._layers: dict[str, _ServedLayer] = {}
         self._rows: _Rows | None = None
         self._in_place: str | None = None  # the delta applied to the weights by `switch_to`
-        self._saved: list[torch.Tensor] = []  # per layer (in `_layers` order), the base values it overwrote
+        self._plan: _SwitchPlan | None = None  # switch_to's view of the layers; None after a load or unload
         self._dense_saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, base copy) its heads replaced
 
     # -- loading --------------------------------------------------------------------------
@@ -275,10 +314,12 @@ class ServedDeltas:
         for owner, (weight, bias) in heads.items():
             self._layers[owner].heads[name] = (weight, bias)
         self._names.append(name)
+        self._plan = None
 
     def held_bytes(self, name: str) -> int:
-        """Bytes the loaded delta `name` holds: its entries (int32 column, fp32 value) and row pointers
-        in every layer's bank, and its dense heads.
+        """Bytes the loaded delta `name` holds: in every layer's bank its entries (an int16 column, or
+        int32 beyond 32768 inputs, and a value in the bank's dtype: the weight's 16-bit dtype where every
+        increment is exact there, else fp32) and its row pointers (int32), and its dense heads.
 
         Raises:
             KeyError: no delta of that name is loaded.
@@ -287,10 +328,7 @@ class ServedDeltas:
             raise KeyError(f"no delta named {name!r} is loaded (loaded: {self._names})")
         number, held = self._names.index(name), 0
         for layer in self._layers.values():
-            bank = layer.bank
-            ptr = bank.row_ptr[number]
-            held += int(ptr[-1] - ptr[0]) * (bank.col_indices.element_size() + bank.values.element_size())
-            held += ptr.numel() * ptr.element_size()
+            held += layer.bank.delta_bytes(number)
             held += sum(t.numel() * t.element_size() for t in layer.heads.get(name, ()) if t is not None)
         return held
 
@@ -315,6 +353,7 @@ class ServedDeltas:
                 layer.handle.remove()
                 del self._layers[owner]
         self._names.pop(number)
+        self._plan = None
 
     def close(self) -> None:
         """Unload every delta and remove every hook: the model is the plain base again."""
@@ -324,6 +363,7 @@ class ServedDeltas:
         self._layers.clear()
         self._names.clear()
         self._rows = None
+        self._plan = None
 
     # -- one delta for the whole model, in place ----------------------------------------------
 
@@ -358,32 +398,33 @@ class ServedDeltas:
             raise RuntimeError("cannot switch the weights while rows are being served (inside `rows(...)`)")
         if name == self._in_place:
             return
-        packed = [owner for owner, layer in self._layers.items() if is_quantized_linear(layer.module)]
-        if packed:
-            raise RuntimeError(f"cannot switch the weights in place: {packed[0]!r} is a bitsandbytes quantized layer "
+        if self._plan is None:
+            self._plan = _SwitchPlan(self._layers)
+        plan = self._plan
+        if plan.packed is not None:
+            raise RuntimeError(f"cannot switch the weights in place: {plan.packed!r} is a bitsandbytes quantized layer "
                                "(its packed weight cannot take the delta's entries); serve every row with the "
                                "delta instead: rows([name] * batch)")
         off = -1 if self._in_place is None else self._names.index(self._in_place)
         on = -1 if name is None else self._names.index(name)
-        layers = list(self._layers.values())
-        banks = [layer.bank for layer in layers]
-        saved = []
-        if on >= 0:
-            saved = [torch.empty(layer.entries[on], dtype=layer.module.weight.dtype, device=b.device)
-                     for layer, b in zip(layers, banks)]
+        saved = plan.buffers(on) if on >= 0 else []
         with torch.no_grad():
             for param, original in self._dense_saved:  # the previous delta's heads out first
                 param.copy_(original)
-            # One call for the whole model: every layer's restore and apply, fused per block of rows.
-            _ops.delta_bank_switch_([layer.weight_rows() for layer in layers], banks, off, on,
-                                    self._saved if off >= 0 else [], saved, backend=self.backend)
+            # One call for the whole model: every layer's restore and apply, fused per block of rows. The banks
+            # were checked as they were built; the op still checks what it reads through.
+            _ops.delta_bank_switch_(plan.weights(), plan.banks, off, on,
+                                    [layer.saved for layer in plan.layers] if off >= 0 else [], saved,
+                                    backend=self.backend, trusted_banks=True)
             dense_saved = []
-            for layer in layers:
+            for layer in plan.layers:
                 for param, part in zip((layer.module.weight, layer.module.bias), layer.heads.get(name, ())):
                     if part is not None:
                         dense_saved.append((param, param.detach().clone()))
                         param.copy_(part)
-        self._saved, self._dense_saved = saved, dense_saved
+        for i, layer in enumerate(plan.layers):
+            layer.saved = saved[i] if on >= 0 else None
+        self._dense_saved = dense_saved
         self._in_place = name
 
     @property

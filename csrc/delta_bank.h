@@ -1,0 +1,85 @@
+// The forms of a DeltaBank's fields (sift/triton_kernels/_delta_bank.py) the CPU kernels take, and
+// the dispatch over them: row pointers int32 or int64, columns int16 or int32, values fp32, bf16
+// or fp16 (each read as fp32, exact). DeltaBank stores the narrowest that holds a bank; the
+// kernels are instantiated for each form so that no call widens a field into a temporary.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace sift {
+namespace delta_bank {
+
+inline bool row_ptr_type_ok(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+}
+inline bool col_type_ok(const at::Tensor& t) {
+  return t.scalar_type() == at::kShort || t.scalar_type() == at::kInt;
+}
+inline bool value_type_ok(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
+// f(P{}, I{}, V{}) with P the row pointers' type, I the columns', V the values'.
+template <typename F>
+void dispatch(const at::Tensor& row_ptr, const at::Tensor& col, const at::Tensor& val, F&& f) {
+  auto by_value = [&](auto p, auto i) {
+    switch (val.scalar_type()) {
+      case at::kFloat:
+        f(p, i, float{});
+        break;
+      case at::kBFloat16:
+        f(p, i, c10::BFloat16{});
+        break;
+      default:
+        f(p, i, c10::Half{});
+        break;
+    }
+  };
+  auto by_col = [&](auto p) {
+    if (col.scalar_type() == at::kShort) {
+      by_value(p, int16_t{});
+    } else {
+      by_value(p, int32_t{});
+    }
+  };
+  if (row_ptr.scalar_type() == at::kInt) {
+    by_col(int32_t{});
+  } else {
+    by_col(int64_t{});
+  }
+}
+
+// Whether column c is outside [0, C): a negative column reads as a huge unsigned one.
+template <typename I>
+inline bool outside(I c, int64_t C) {
+  return static_cast<uint64_t>(static_cast<std::make_unsigned_t<I>>(c)) >= static_cast<uint64_t>(C);
+}
+
+// Whether every column of cp[begin, end) lies in [0, C): one pass of unsigned maxima (vectorized),
+// since a negative column reads as a huge unsigned one.
+template <typename I>
+bool columns_inside(const I* __restrict cp, int64_t begin, int64_t end, int64_t C) {
+  using U = std::make_unsigned_t<I>;
+  U top = 0;
+  for (int64_t e = begin; e < end; ++e) top = std::max(top, static_cast<U>(cp[e]));
+  return begin >= end || static_cast<uint64_t>(top) < static_cast<uint64_t>(C);
+}
+
+// The column at position e of an int16 or int32 column tensor, for error messages.
+inline int64_t column_at(const at::Tensor& col, int64_t e) {
+  return col.scalar_type() == at::kShort ? col.data_ptr<int16_t>()[e] : col.data_ptr<int32_t>()[e];
+}
+
+// Row pointer i of delta d, for checks and messages.
+inline int64_t row_ptr_at(const at::Tensor& ptr, int64_t d, int64_t i) {
+  const int64_t at = d * ptr.size(1) + i;
+  return ptr.scalar_type() == at::kInt ? ptr.data_ptr<int32_t>()[at] : ptr.data_ptr<int64_t>()[at];
+}
+
+}  // namespace delta_bank
+}  // namespace sift
