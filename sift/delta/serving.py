@@ -97,6 +97,7 @@ class _ServedLayer:
         # delta name -> (weight, bias) its rows are computed with: a head trained densely (None: the layer's)
         self.heads: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.int8 = is_linear8bit(module)
+        self.conv1d = _is_conv1d(module)
         # The base values the entries of the delta `switch_to` put in place overwrote (None: none in place).
         self.saved: torch.Tensor | None = None
         self.handle = module.register_forward_hook(self._hook)
@@ -117,9 +118,10 @@ class _ServedLayer:
         self.entries = (bank.row_ptr[:, -1] - bank.row_ptr[:, 0]).tolist()
 
     def weight_rows(self) -> torch.Tensor:
-        """The weight as `[out_features, in_features]`, the bank's rows and columns (a view)."""
-        w = self.module.weight.detach()
-        return w.t() if _is_conv1d(self.module) else w
+        """The weight as `[out_features, in_features]`, the bank's rows and columns: the parameter itself,
+        or its transposed view for Conv1D (written under no_grad, so no detached alias is needed)."""
+        w = self.module.weight
+        return w.t() if self.conv1d else w
 
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         rows = self.served._rows
@@ -163,6 +165,7 @@ class _SwitchPlan:
     def __init__(self, layers: dict[str, _ServedLayer]):
         self.layers = list(layers.values())
         self.banks = [layer.bank for layer in self.layers]
+        self.headed = [layer for layer in self.layers if layer.heads]  # layers with a dense head to put in
         self.packed = next((owner for owner, layer in layers.items() if is_quantized_linear(layer.module)), None)
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, layer in enumerate(self.layers):
@@ -417,7 +420,7 @@ class ServedDeltas:
                                     [layer.saved for layer in plan.layers] if off >= 0 else [], saved,
                                     backend=self.backend, trusted_banks=True)
             dense_saved = []
-            for layer in plan.layers:
+            for layer in plan.headed:
                 for param, part in zip((layer.module.weight, layer.module.bias), layer.heads.get(name, ())):
                     if part is not None:
                         dense_saved.append((param, param.detach().clone()))
