@@ -93,10 +93,19 @@ class _Writes(ast.NodeVisitor):
         elif isinstance(target, ast.Attribute) and (whose := self.whose(target.value)) is not None:
             self.found.append((whose, target.attr, target.lineno))
 
+    def state_root(self, node: ast.AST) -> bool:
+        """`opt.state[p]` or a tensor in it (`opt.state[p]["exp_avg"]`, `st["exp_avg"][0]`)."""
+        while isinstance(node, ast.Subscript) and self.whose(node) != STATE:
+            node = node.value
+        return self.whose(node) == STATE
+
     def alias(self, name: ast.AST, value: ast.AST) -> None:
-        """`name = value`: a local name for the optimizer, a part or a param's state."""
+        """`name = value`: a local name for the optimizer, a part, a param's state or one of its tensors (an
+        in-place op through `m = st["exp_avg"]` writes the state as `st["exp_avg"].add_()` does)."""
         if isinstance(name, ast.Name) and (whose := self.whose(value)) is not None:
             self.aliases[-1][name.id] = whose
+        elif isinstance(name, ast.Name) and isinstance(value, ast.Subscript) and self.state_root(value):
+            self.aliases[-1][name.id] = STATE
         elif isinstance(name, ast.Tuple) and isinstance(value, ast.Tuple) and len(name.elts) == len(value.elts):
             for element, part in zip(name.elts, value.elts):
                 self.alias(element, part)
@@ -150,13 +159,11 @@ class _Writes(ast.NodeVisitor):
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr in MUTATORS:
             self.written(func.value, through=True)
-        elif isinstance(func, ast.Attribute) and _is_in_place(func.attr) and isinstance(func.value, ast.Subscript):
-            # `st["score"].add_(x)`: an in-place op on a tensor of a param's state writes that state.
-            root = func.value
-            while isinstance(root, ast.Subscript) and self.whose(root) != STATE:
-                root = root.value
-            if self.whose(root) == STATE:
-                self.found.append((STATE, "", node.lineno))
+        elif isinstance(func, ast.Attribute) and _is_in_place(func.attr) and \
+                isinstance(func.value, (ast.Subscript, ast.Name)) and self.state_root(func.value):
+            # `st["score"].add_(x)`, `m = st["exp_avg"]; m.mul_(b)`: an in-place op on a tensor of a param's state
+            # writes that state.
+            self.found.append((STATE, "", node.lineno))
         elif isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and len(node.args) >= 2:
             whose = self.whose(node.args[0])
             if whose is not None:
@@ -220,6 +227,10 @@ PLANTED = {
     "a param's state, in place": "def f(self, p, s):\n    st = self.opt.state[p]\n    st['score'].add_(s)\n",
     "a param's state, in a pair": "def f(self, p, r):\n    st, old = self.opt.state[p], r.indices\n"
                                   "    st['delta_indices'] = old\n",
+    "a param's state, through one of its tensors": "def f(self, p, b):\n    m = self.opt.state[p]['exp_avg']\n"
+                                                  "    m.mul_(b)\n",
+    "a param's state, into one of its tensors": "def f(opt, p, fresh):\n    idx = opt.state[p]['delta_indices']\n"
+                                                "    idx[fresh] = 0\n",
     "a param's state, in a loop": "def f(self):\n    for p, st in self.opt.state.items():\n        st.clear()\n",
 }
 
@@ -238,7 +249,8 @@ def test_the_check_lets_owners_and_their_own_state_be():
     other = "def f(opt, p, group, d):\n    p.grad = None\n    group['lr'] = 1.0\n    d.clear()\n    x = opt.state[p]\n"
     assert foreign_writes(other, "sift.optim.selection", owners) == []
     # Reading a param's state through a local name is no write; the entries' module writes it.
-    read = "def f(self, p):\n    st = self.opt.state.get(p, {})\n    n = st.get('selection_calls', 0) + 1\n"
+    read = ("def f(self, p):\n    st = self.opt.state.get(p, {})\n    n = st.get('selection_calls', 0) + 1\n"
+            "    m = st['exp_avg']\n    return m * 2, m.sum()\n")
     assert foreign_writes(read, "sift.optim.selection", owners) == []
     entries = ("class EntryState:\n    def count(self, p, n):\n        st = self.opt.state[p]\n"
                "        st['selection_calls'] = n\n")
