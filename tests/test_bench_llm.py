@@ -328,7 +328,9 @@ def test_timing_rows_are_against_the_frozen_floor(tiny_folder, tmp_path):
     frozen, sift_runs = result["runs"]["frozen"], result["runs"]["sift attn 1%"]
     assert frozen[0]["num_trainable_params"] == 0 and frozen[0]["file_size"] == 0
     assert sift_runs[0]["num_trainable_params"] > 0 and sift_runs[0]["metrics"][-1]["test exact"] is None
-    assert "| frozen | " in result["markdown"] and " | 1.000 | " in result["markdown"]
+    assert "| frozen | " in result["markdown"] and " | 1.000 | 1.000 (1.000-1.000) | " in result["markdown"]
+    ratio = sift_runs[0]["metrics"][-1]["step time median"] / frozen[0]["metrics"][-1]["step time median"]
+    assert f" | {ratio:.3f} | {ratio:.3f} ({ratio:.3f}-{ratio:.3f}) | " in result["markdown"]
     assert len(result["loads"]) == 4
 
 

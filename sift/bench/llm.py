@@ -427,7 +427,8 @@ TIMED = ("frozen", "sift attn 1%", "lora matched", "lora r16 all", "full")
 def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] = TIMED, steps: int = 8,
            rounds: int = 2, threads: int | None = None, isolate: bool = True) -> dict[str, Any]:
     """Step time, tokens/s and peak RSS growth of `methods`, interleaved `rounds` times, `steps` steps each, with
-    `threads` torch threads (None: torch's default, every core), no scoring; the ratio of each to "frozen"."""
+    `threads` torch threads (None: torch's default, every core), no scoring; the ratio of each to "frozen", of the
+    medians and per round (a round's runs follow each other, so its ratio is the least moved by a drifting load)."""
     task = next(iter(TASKS))
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     loads = []
@@ -442,14 +443,20 @@ def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] =
             loads.append(os.getloadavg()[0])
     lines = [f"#### Cost, {task} task: {rounds} interleaved rounds of {steps} steps per method, batch {config.batch_size}",
              "", f"Load average (1 min) at each run's start and end: {', '.join(f'{v:.2f}' for v in loads)}", "",
-             "| method | s/step (median) | x frozen | tokens/s | peak RSS growth MiB | saved bytes |",
-             "|---|---|---|---|---|---|"]
+             "| method | s/step (median) | x frozen | x frozen per round (median, min-max) | tokens/s | "
+             "peak RSS growth MiB | saved bytes |", "|---|---|---|---|---|---|---|"]
     medians = {m: statistics.median(i["metrics"][-1]["step time median"] for i in infos) for m, infos in per.items()}
     for m, infos in per.items():
         tok = statistics.median(i["metrics"][-1]["tokens / sec"] for i in infos)
         rss = statistics.median((i["peak_rss_growth_bytes"] or 0) / 2**20 for i in infos)
-        floor = f"{medians[m] / medians['frozen']:.3f}" if "frozen" in medians else "-"
-        lines.append(f"| {m} | {medians[m]:.3f} | {floor} | {tok:.0f} | {rss:.0f} | {infos[0]['file_size']:,} |")
+        floor, paired = "-", "-"
+        if "frozen" in medians:
+            floor = f"{medians[m] / medians['frozen']:.3f}"
+            ratios = [i["metrics"][-1]["step time median"] / f["metrics"][-1]["step time median"]
+                      for i, f in zip(infos, per["frozen"])]
+            paired = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        lines.append(f"| {m} | {medians[m]:.3f} | {floor} | {paired} | {tok:.0f} | {rss:.0f} | "
+                     f"{infos[0]['file_size']:,} |")
     return {"markdown": "\n".join(lines), "loads": loads, "runs": per}
 
 
@@ -523,7 +530,8 @@ def run(quick: bool = False, argv: Sequence[str] | None = None) -> str:
     folder = smollm2_dir(progress=True)
     root = os.path.join(out, "llm-board")
     if args.timing:
-        result = timing(folder, FULL, os.path.join(root, ".cache"))
+        result = timing(folder, FULL, os.path.join(root, ".cache"), args.timing_methods or TIMED,
+                        args.timing_steps, args.rounds)
         with open(os.path.join(out, "llm-cpu-timing.json"), "w") as f:
             json.dump(result, f, indent=1)
         print(result["markdown"])
@@ -546,6 +554,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--shard", default="0/1", help="i/n: this runner's share of the plan")
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the run files")
     parser.add_argument("--timing", action="store_true", help="only the interleaved timing rows (quiet machine)")
+    parser.add_argument("--timing-methods", nargs="*", default=None, help=f"--timing's methods (default {TIMED})")
+    parser.add_argument("--timing-steps", type=int, default=8, help="--timing's steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="--timing's interleaved rounds")
     return parser.parse_args(argv)
 
 
