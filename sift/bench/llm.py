@@ -554,7 +554,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--shard", default="0/1", help="i/n: this runner's share of the plan")
     parser.add_argument("--report", action="store_true", help="only rewrite the report from the run files")
     parser.add_argument("--timing", action="store_true", help="only the interleaved timing rows (quiet machine)")
-    parser.add_argument("--timing-methods", nargs="*", default=None, help=f"--timing's methods (default {TIMED})")
+    parser.add_argument("--timing-methods", nargs="*", default=None, help=f"--timing's methods (default {list(TIMED)})".replace("%", "%%"))
     parser.add_argument("--timing-steps", type=int, default=8, help="--timing's steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="--timing's interleaved rounds")
     return parser.parse_args(argv)
