@@ -51,6 +51,23 @@ _FAMILY_OF_TYPE = {
 # The heads transformers adds on top of a pretrained body (randomly initialised for a new task). A
 # causal LM's lm_head is pretrained: trained only when named in dense_modules (peft's habit).
 DEFAULT_HEADS: tuple[str, ...] = ("classifier", "score", "qa_outputs")
+# The entry points' rule and rate, chosen by the chat board (bench/results/llm-cpu.md, 3 seeds per task): a random
+# 1% of the attention projections at 1e-2 learned more than top-|grad| at its own best rate (1e-3 to 3e-3) on both
+# tasks and drifted a tenth as far from the base on general chat, whose top-|grad| entries crowd into the few
+# massive-activation input columns. SparseAdamW itself keeps SIFT's "magnitude".
+DEFAULT_SELECTION = "random"
+DEFAULT_LR = 1e-2
+
+
+def rate_advice(optimizer: torch.optim.Optimizer) -> str | None:
+    """A warning when every sparse group's learning rate is a dense fine-tune's (below 1e-4: Trainer's default
+    5e-5, TRL's 2e-5), at which sparse entries barely move; None otherwise."""
+    rates = [float(g["lr"]) for g in optimizer.param_groups if g.get("density", 1.0) < 1.0]
+    if not rates or max(rates) >= 1e-4:
+        return None
+    return (f"sift: learning_rate {max(rates):g} is a dense fine-tune's rate; sparse entries learn little at it "
+            "(the chat board's best at 1%: about 1e-2 for selection='random', 1e-3 to 3e-3 for 'magnitude'; "
+            "docs/modes.md)")
 _PLAIN_NAME = re.compile(r"[\w.]+")
 
 
@@ -247,11 +264,11 @@ def plan_targets(
 def for_model(
     model: nn.Module,
     density: float = 0.01,
-    lr: float = 1e-3,
+    lr: float = DEFAULT_LR,
     *,
     target_modules: str | Sequence[str] | None = None,
     dense_modules: str | Sequence[str] | None = None,
-    selection: str = "magnitude",
+    selection: str = DEFAULT_SELECTION,
     optimizer_cls: type[torch.optim.Optimizer],
     sparse_backward: bool = False,
     **optimizer_kwargs: Any,
@@ -266,10 +283,12 @@ def for_model(
     Args:
         model: the model to fine-tune.
         density: fraction of each target weight's entries to train, in (0, 1].
-        lr: learning rate of both groups.
+        lr: learning rate of both groups (default 1e-2, the chat board's best for a random 1% mask; top-|grad|
+            entries want 1e-3 to 3e-3).
         target_modules: see `plan_targets`.
         dense_modules: see `plan_targets`.
-        selection: `SparseAdamW(selection=...)`, passed through unchanged.
+        selection: `SparseAdamW(selection=...)`: "random" by default (the chat board's choice, see
+            `DEFAULT_SELECTION`), "magnitude" for SIFT's top-|grad|, or "saliency".
         optimizer_cls: the optimizer class to build, `SparseAdamW` or a subclass (`SparseAdamW.for_model`
             passes its own).
         sparse_backward: route the sparse linear weights through `sift.enable_sparse_backward` (needs
@@ -359,7 +378,7 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     """A markdown table of what `optimizer` trains in `model`, and how much state it keeps.
 
     Columns: name, shape, mode (sparse / dense / 4-bit delta / frozen), trainable entries, optimizer-state
-    bytes. A sparse weight not selected yet (before the first `step()`) shows the planned
+    bytes; after the table, the rule that picks a `SparseAdamW`'s sparse entries. A sparse weight not selected yet (before the first `step()`) shows the planned
     `ceil(density * numel)` entries, marked "pending"; its state bytes count once it exists.
     A last line gives the totals and the trainable share of all params; a 4-bit weight counts as its
     [out, in] elements (not its packed bytes) and its delta's values as entries of it. Works with any torch
@@ -439,10 +458,18 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     share = 100.0 * total_entries / total_params if total_params else 0.0
     lines.append(f"| **total** ({len(seen)} params, {total_params:,} elements) | | | "
                  f"**{total_entries:,}** ({share:.3g}% of all) | **{total_bytes:,}** |")
+    if isinstance(optimizer, SparseOptimizer) and any(mode == "sparse" for _, _, mode in rows):
+        lines += ["", "Sparse entries: " + _SELECTION_TEXT[optimizer.selection].format(
+            seed=optimizer.seed, steps=optimizer.select_steps) + "."]
     fates = head_fate(model, optimizer)
     if fates:
         lines += ["", "Heads: " + "; ".join(fates) + "."]
     return "\n".join(lines)
+
+
+_SELECTION_TEXT = {"random": 'a random mask (selection="random", seed {seed}), drawn per weight from its name',
+                   "magnitude": 'the top-|grad| of each weight over {steps} step(s) (selection="magnitude", SIFT)',
+                   "saliency": 'the top first-order saliency |w * grad| over {steps} step(s) (selection="saliency")'}
 
 
 def planned_entries(optimizer: SparseOptimizer) -> int:

@@ -297,10 +297,29 @@ def _row(task, method, exact, kl, other, std=0.01):
             "chat_kl": [kl], "other_choice": [other], "seeds": [0, 1]}
 
 
+def test_the_default_row_is_what_for_model_trains_by_default():
+    """The board's "(default)" row trains what `SparseAdamW.for_model` and the Trainer integration do when given
+    nothing but a model: the attention projections at 1% by the default rule."""
+    import inspect
+
+    import sift
+    from sift.integrations.hf import SparseTrainer
+    from sift.targets import DEFAULT_LR, DEFAULT_SELECTION, for_model
+
+    method = llm.METHODS[llm.default_method()]
+    assert (method.kind, method.targets, method.density, method.selection, method.bits) == \
+        ("sift", llm.ATTENTION, 0.01, DEFAULT_SELECTION, None)
+    assert DEFAULT_LR in method.lrs
+    for fn in (sift.SparseAdamW.for_model, for_model, SparseTrainer.__init__):
+        params = inspect.signature(fn).parameters
+        assert params["selection"].default == DEFAULT_SELECTION and params["density"].default == 0.01
+        assert "lr" not in params or params["lr"].default == DEFAULT_LR
+
+
 def test_targets_report_each_verdict_with_its_figures_and_noise():
     """Means over both tasks; a gap inside the seed spread is called within noise; a task missing: not measured."""
     table = [_row(t, m, *v) for t in ("sentiment", "emotion") for m, v in (
-        ("sift attn 1%", (0.80, 0.010, 0.70)), ("lora matched", (0.77, 0.020, 0.69)),
+        (llm.default_method(), (0.80, 0.010, 0.70)), ("lora matched", (0.77, 0.020, 0.69)),
         ("lora r16 all", (0.805, 0.030, 0.60)), ("full", (0.815, 0.050, 0.50)))]
     lines = llm.verdicts(table)
     text = "\n".join(lines)
@@ -317,7 +336,7 @@ def test_report_states_validity_with_its_figures(board):
     _, _, table = board
     text = llm.markdown(table, TINY_RUN, None)
     assert "#### Validity" in text and "needs >= 15" in text and "constant \"" in text
-    assert "sift attn 1% (default)" in text
+    assert f"{llm.default_method()} (default)" in text and text.count("(default)") == 1
 
 
 def test_timing_rows_are_against_the_frozen_floor(tiny_folder, tmp_path):

@@ -86,9 +86,40 @@ def test_for_model_picks_exactly_the_attention_weights_and_the_head(family):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
+def test_the_default_entries_are_a_random_mask_drawn_by_each_weights_name(family):
+    """for_model's default (the chat board's choice): each sparse weight's entries are the seeded draw keyed by its
+    name, whatever the batch; only they move."""
+    from sift._rules import random_entries
+
+    picked = []
+    for other in (0, 1):
+        model = MODELS[family]()
+        opt = SparseAdamW.for_model(model, density=0.05)
+        assert (opt.selection, opt.param_groups[0]["lr"]) == ("random", 1e-2)
+        before = _snapshot(model)
+        model(**_batch(model, n=4 + 2 * other, seq=7 - other)).loss.backward()  # another batch
+        opt.step()
+        params = dict(model.named_parameters())
+        chosen = {}
+        for name in EXPECTED_SPARSE[family]:
+            p = params[name]
+            idx = opt.indices_of(p).long()
+            k = math.ceil(0.05 * p.numel())
+            assert torch.equal(idx, random_entries(0, name, 0, p.numel(), k, p.device).long()), name
+            moved = (p.detach() != before[name][0]).reshape(-1)
+            outside = torch.ones_like(moved)
+            outside[idx] = False
+            assert moved[idx].any() and not moved[outside].any(), name
+            chosen[name] = idx
+        picked.append(chosen)
+    assert all(torch.equal(picked[0][n], picked[1][n]) for n in picked[0])
+
+
+@pytest.mark.parametrize("family", list(MODELS))
 def test_backward_leaves_frozen_grads_none_and_a_step_moves_only_chosen_entries(family):
     model = MODELS[family]()
-    opt = SparseAdamW.for_model(model, density=0.05, lr=1e-2, memory="plain")  # its dense grads are compared
+    # SIFT's rule, whose choice is checked against the dense grads (the default's random mask: test_selection).
+    opt = SparseAdamW.for_model(model, density=0.05, lr=1e-2, memory="plain", selection="magnitude")
     before = _snapshot(model)
     model(**_batch(model)).loss.backward()
     params = dict(model.named_parameters())
@@ -258,6 +289,10 @@ def test_trainable_summary_counts_planned_then_real_state():
     assert query[1:] == ["[32, 32]", "sparse", f"{math.ceil(0.05 * 1024)} (pending)", "0"]
     assert rows["classifier.weight"][2:4] == ["dense", "64"]
     assert rows["bert.encoder.layer.0.attention.self.query.bias"][2:] == ["frozen", "0", "0"]
+    assert 'Sparse entries: a random mask (selection="random", seed 0)' in sift.trainable_summary(model, opt)
+    other = _bert()
+    top = SparseAdamW.for_model(other, density=0.05, selection="magnitude", select_steps=2)
+    assert 'top-|grad| of each weight over 2 step(s) (selection="magnitude"' in sift.trainable_summary(other, top)
     model(**_batch(model)).loss.backward()
     opt.step()
     table = sift.trainable_summary(model, opt, by="param")

@@ -271,9 +271,10 @@ def _set_indices_midway(model, opt, rank: int, world: int, blocks: int) -> None:
 
 
 def _for_model(model, cls=SparseAdamW, **kwargs) -> SparseAdamW:
-    """The recipe of docs/distributed.md on the small model: for_model, sparse backward, lean state, clipping."""
+    """The recipe of docs/distributed.md on the small model: for_model, sparse backward, lean state, clipping; with
+    SIFT's top-|grad| rule, which the per-shard reference ranks by."""
     return cls.for_model(model, density=DENSITY, lr=1e-2, target_modules=["0", "2"], dense_modules=["4"],
-                         sparse_backward=True, state="lean", max_grad_norm=0.5, **kwargs)
+                         sparse_backward=True, state="lean", max_grad_norm=0.5, selection="magnitude", **kwargs)
 
 
 # Scores for `sharded_top_k` alone, each split over the ranks as FSDP2 splits rows (`torch.chunk`), with the

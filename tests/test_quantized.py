@@ -17,6 +17,12 @@ from conftest import step_and_zero
 bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import dequantize_4bit  # noqa: E402
 
+
+def _top_grad(model, **kwargs) -> SparseAdamW:
+    """`SparseAdamW.for_model` with SIFT's top-|grad| rule, whose scoring these tests follow (the default, a random
+    mask, reads no gradient to choose)."""
+    return SparseAdamW.for_model(model, **{"selection": "magnitude", **kwargs})
+
 QUANT = [pytest.param(qt, dq, id=f"{qt}{'-double' if dq else ''}") for qt in ("nf4", "fp4") for dq in (False, True)]
 QUANT.append(pytest.param("int8", False, id="int8"))
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -48,8 +54,8 @@ def _pair(quant_type: str = "nf4", double: bool = False, compute_dtype: torch.dt
 
 
 def _optimizers(quantized, dense, **kwargs):
-    opt_q = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
-                                  **kwargs)
+    opt_q = _top_grad(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                      **kwargs)
     for p in dense.parameters():
         p.requires_grad_(False)
     weights = [dense[0].weight, dense[2].weight]
@@ -148,7 +154,7 @@ def test_low_precision_compute_trains(compute_dtype):
 def test_an_overflow_on_the_selecting_step_leaves_the_selection_pending():
     """GradScaler skips the selecting step for inf: its tentative entries are dropped, nothing committed."""
     quantized, _ = _pair(compute_dtype=torch.float16)
-    opt = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    opt = _top_grad(quantized, density=0.1, target_modules=["0", "2"])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows fp16
     _train(quantized, opt, 1, scaler=scaler)
     assert scaler.get_scale() < 2.0**40
@@ -188,7 +194,7 @@ def test_nothing_weight_sized_is_kept_after_selection(quant_type):
     """After selection: no weight-shaped tensor saved for backward, no dense weight gradient formed, and the
     transient dequantized weights die with their layer's forward or backward."""
     quantized, _ = _pair(quant_type)
-    opt = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    opt = _top_grad(quantized, density=0.1, target_modules=["0", "2"])
     _train(quantized, opt, 1)  # selection
     shapes = {(24, 40), (9, 24), (40, 24), (24, 9)}
     saved = []
@@ -207,7 +213,7 @@ def test_the_selecting_step_holds_one_layers_dense_gradient_at_a_time():
     """select_steps=1: the selecting backward forms each layer's dense dW (and its dequantized weight) and
     frees both before the next layer; nothing weight-sized is left once backward returns."""
     quantized, _ = _pair()
-    SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
+    _top_grad(quantized, density=0.1, target_modules=["0", "2"])
     watch = _WeightSized({(24, 40), (9, 24)})
     x, y = _batch(0)
     with watch:
@@ -219,7 +225,7 @@ def test_the_selecting_step_holds_one_layers_dense_gradient_at_a_time():
 
 def test_state_dict_round_trip_continues_identically():
     quantized, _ = _pair()
-    opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
+    opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
     _train(quantized, opt, 2)
     saved = copy.deepcopy(opt.state_dict())
     values = [quantized[i].sift_delta.detach().clone() for i in (0, 2)]
@@ -227,7 +233,7 @@ def test_state_dict_round_trip_continues_identically():
     expected = [_effective(quantized, i) for i in (0, 2)]
 
     again, _ = _pair()
-    opt2 = SparseAdamW.for_model(again, density=0.1, lr=1e-2, target_modules=["0", "2"])
+    opt2 = _top_grad(again, density=0.1, lr=1e-2, target_modules=["0", "2"])
     with torch.no_grad():
         for i, v in zip((0, 2), values):
             again[i].sift_delta.copy_(v)
@@ -256,7 +262,7 @@ def test_real_minilm_in_4_or_8_bits_fine_tunes_through_for_model(bits):
     query = model.bert.encoder.layer[0].attention.self.query
     assert type(query).__name__ == ("Linear4bit" if bits == 4 else "Linear8bitLt")
     packed = query.weight.data.clone()
-    opt = SparseAdamW.for_model(model, density=0.01, lr=2e-3)
+    opt = _top_grad(model, density=0.01, lr=2e-3)
     assert {g["name"]: len(g["params"]) for g in opt.param_groups} == {"dense": 2, "quantized": 24}
     batch = tokenizer(["good", "bad", "terrible", "great", "awful", "lovely"], return_tensors="pt", padding=True)
     labels = torch.tensor([1, 0, 0, 1, 0, 1])
@@ -304,7 +310,7 @@ def test_a_quantized_fine_tunes_delta_reloads_and_merges_into_16_bits(bits):
     batch = tokenizer(["good", "bad", "terrible", "great", "awful", "lovely"], return_tensors="pt", padding=True)
     labels = torch.tensor([1, 0, 0, 1, 0, 1])
     model = _minilm(bits)
-    opt = SparseAdamW.for_model(model, density=0.01, lr=5e-3)
+    opt = _top_grad(model, density=0.01, lr=5e-3)
     for _ in range(4):
         model(**batch, labels=labels).loss.backward()
         opt.step()
@@ -339,7 +345,7 @@ def test_the_lean_state_keeps_10_bytes_an_entry_and_follows_the_exact_one():
     runs = {}
     for state in ("exact", "lean"):
         quantized, _ = _pair()
-        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state)
+        opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state)
         _train(quantized, opt, 3)
         runs[state] = (quantized, opt)
     (exact, _), (lean, opt_l) = runs["exact"], runs["lean"]
@@ -356,7 +362,7 @@ def test_the_lean_state_keeps_10_bytes_an_entry_and_follows_the_exact_one():
     _train(lean, opt_l, 2, start=3)
     expected = [_effective(lean, i) for i in (0, 2)]
     again, _ = _pair()
-    opt2 = SparseAdamW.for_model(again, density=0.1, lr=1e-2, target_modules=["0", "2"], state="lean")
+    opt2 = _top_grad(again, density=0.1, lr=1e-2, target_modules=["0", "2"], state="lean")
     with torch.no_grad():
         for i, v in zip((0, 2), values):
             again[i].sift_delta.copy_(v)
@@ -371,7 +377,7 @@ def test_autocast_computes_as_the_layers_compute_dtype():
     runs = []
     for autocast in (True, False):
         quantized, _ = _pair(compute_dtype=torch.float32 if autocast else torch.bfloat16)
-        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
+        opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"])
         for step in range(3):
             x, y = _batch(step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -391,8 +397,8 @@ def test_update_in_backward_steps_4_bit_deltas_inside_backward(state):
     runs = []
     for uib in (False, True):
         quantized, _ = _pair()
-        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state,
-                                    update_in_backward=uib)
+        opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], state=state,
+                        update_in_backward=uib)
         values = [quantized[i].sift_delta for i in (0, 2)]
         for step in range(4):
             x, y = _batch(step)
@@ -414,7 +420,7 @@ def test_the_memory_modes_train_4_bit_deltas_as_plain_mode(mode):
     runs = []
     for kwargs in ({}, {mode: True}):
         quantized, _ = _pair()
-        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], **kwargs)
+        opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=["0", "2"], **kwargs)
         _train(quantized, opt, 3)
         runs.append([_effective(quantized, i) for i in (0, 2)])
     for a, b in zip(*runs):

@@ -17,7 +17,8 @@ from conftest import backward_and_step, gloo_rank, run_ranks
 from sift import SparseAdamW
 
 bnb = pytest.importorskip("bitsandbytes")
-from test_quantized import _batch, _effective, _optimizers, _pair  # noqa: E402
+from test_quantized import _batch, _effective, _optimizers, _pair, _top_grad  # noqa: E402
+
 
 LAYERS = (0, 2)
 
@@ -40,8 +41,8 @@ def test_an_overflow_on_a_scoring_only_step_is_skipped_and_backs_off_the_scale(m
     """A 4-bit layer's inf/NaN selection score on a scoring-only step was not seen: the step ran, the scale
     stayed, the NaN score was kept and the entries degenerated to the flat positions 0..k-1."""
     quantized, _ = _pair(compute_dtype=torch.float16)
-    opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)),
-                                select_steps=3, memory=memory)
+    opt = _top_grad(quantized, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)),
+                    select_steps=3, memory=memory)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     _step(quantized, opt, 0, scaler, poison=True)
     assert opt.last_step_skipped
@@ -49,8 +50,8 @@ def test_an_overflow_on_a_scoring_only_step_is_skipped_and_backs_off_the_scale(m
     assert all(not opt.state.get(quantized[i].sift_delta) for i in LAYERS), "a skipped step left selection state"
 
     fresh, _ = _pair(compute_dtype=torch.float16)
-    opt_fresh = SparseAdamW.for_model(fresh, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)),
-                                      select_steps=3, memory=memory)
+    opt_fresh = _top_grad(fresh, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)),
+                          select_steps=3, memory=memory)
     scaler_fresh = torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=1000)
     for step in range(1, 5):
         _step(quantized, opt, step, scaler)
@@ -67,8 +68,8 @@ def test_scores_add_unscaled_when_the_scale_changes_between_selection_steps(memo
     """The 4-bit score was summed still loss-scaled: with a scale that grows between selection steps the
     layer chose other entries than its dequantized 16-bit twin (71 of 96 shared)."""
     quantized, dense = _pair()
-    opt_q = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0,
-                                  target_modules=list(map(str, LAYERS)), memory=memory, select_steps=3)
+    opt_q = _top_grad(quantized, density=0.1, lr=1e-2, weight_decay=0.0,
+                      target_modules=list(map(str, LAYERS)), memory=memory, select_steps=3)
     _, opt_d = _optimizers(_pair()[0], dense, select_steps=3)  # the twin's half
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) for _ in range(2)]
     for step in range(4):
@@ -82,7 +83,7 @@ def test_scores_add_unscaled_when_the_scale_changes_between_selection_steps(memo
 
 def _resumed(saved: dict, values: list[torch.Tensor], start: int, steps: int, **kwargs):
     model, _ = _pair()
-    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), **kwargs)
+    opt = _top_grad(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), **kwargs)
     with torch.no_grad():
         for i, v in zip(LAYERS, values):
             model[i].sift_delta.copy_(v)
@@ -99,7 +100,7 @@ def test_a_resume_between_selection_steps_continues_bit_for_bit(through, state):
     multi-step selection chose other entries (40 of 96 shared)."""
     kwargs = dict(select_steps=3, state=state)
     model, _ = _pair()
-    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), **kwargs)
+    opt = _top_grad(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), **kwargs)
     _step(model, opt, 0)
     source = {"state_dict": opt, "deepcopy": copy.deepcopy(opt), "pickle": pickle.loads(pickle.dumps(opt))}[through]
     saved = copy.deepcopy(source.state_dict())
@@ -115,7 +116,7 @@ def test_a_resume_between_selection_steps_continues_bit_for_bit(through, state):
 
 def test_a_saved_score_of_another_size_is_refused():
     model, _ = _pair()
-    opt = SparseAdamW.for_model(model, density=0.1, target_modules=list(map(str, LAYERS)), select_steps=3)
+    opt = _top_grad(model, density=0.1, target_modules=list(map(str, LAYERS)), select_steps=3)
     _step(model, opt, 0)
     saved = copy.deepcopy(opt.state_dict())
     assert saved["state"][0]["score"].shape == (24 * 40,)
@@ -130,7 +131,7 @@ def test_a_saved_score_of_another_size_is_refused():
 def _independent_run(seed: int, steps: int = 3) -> list[torch.Tensor]:
     """One 4-bit model trained on its own data (`seed`), in whatever process calls it."""
     model, _ = _pair()
-    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), select_steps=2)
+    opt = _top_grad(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), select_steps=2)
     for step in range(steps):
         _step(model, opt, 100 * seed + step)
     return _entries(model) + [model[i].sift_delta.detach().clone() for i in LAYERS]
@@ -141,8 +142,8 @@ def _shared_run(rank: int = 0, world: int = 1, steps: int = 3) -> list[torch.Ten
     process_group (no DDP) when `world` > 1."""
     model, _ = _pair()
     group = {"process_group": torch.distributed.group.WORLD} if world > 1 else {}
-    opt = SparseAdamW.for_model(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), select_steps=2,
-                                compact_grads=True, **group)
+    opt = _top_grad(model, density=0.1, lr=1e-2, target_modules=list(map(str, LAYERS)), select_steps=2,
+                    compact_grads=True, **group)
     for step in range(steps):
         x, y = _batch(step)
         (model(x[rank::world]) - y[rank::world]).square().mean().backward()
@@ -199,7 +200,7 @@ def _mixed(seed: int = 0) -> nn.Module:
 
 def _random_entries(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     model = _mixed()
-    opt = SparseAdamW.for_model(model, density=0.1, target_modules=["0", "2"], selection="random", seed=seed)
+    opt = _top_grad(model, density=0.1, target_modules=["0", "2"], selection="random", seed=seed)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(0))
     model(x).square().mean().backward()
     opt.step()
@@ -222,7 +223,7 @@ def test_the_random_rule_keys_a_4_bit_layer_as_the_16_bit_weight_of_its_name():
     """A 4-bit layer and a 16-bit weight of the same name (its dequantized twin) draw the same entries, and a
     param without a name keeps the seed offset by its position."""
     quantized, dense = _pair()
-    opt_q = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], selection="random", seed=5)
+    opt_q = _top_grad(quantized, density=0.1, target_modules=["0", "2"], selection="random", seed=5)
     named = SparseAdamW([("0.weight", dense[0].weight), ("2.weight", dense[2].weight)], density=0.1,
                         selection="random", seed=5)
     _step(quantized, opt_q, 0)
@@ -245,8 +246,8 @@ def test_trainable_summary_counts_a_4_bit_weight_by_its_logical_elements():
     """The packed 4-bit bytes were counted as elements (shape [480, 1]): the trainable share of a 4-bit model
     differed from its 16-bit twin's."""
     quantized, dense = _pair()
-    opt_q = SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"])
-    opt_d = SparseAdamW.for_model(dense, density=0.1, target_modules=["0", "2"])
+    opt_q = _top_grad(quantized, density=0.1, target_modules=["0", "2"])
+    opt_d = _top_grad(dense, density=0.1, target_modules=["0", "2"])
     _step(quantized, opt_q, 0)
     _step(dense, opt_d, 0)
     table_q, table_d = sift.trainable_summary(quantized, opt_q), sift.trainable_summary(dense, opt_d)
@@ -264,8 +265,8 @@ def test_a_zero_gradient_before_selection_does_not_count_an_adam_step():
     runs = []
     for ddp_zeros in (False, True):
         quantized, _ = _pair()
-        opt = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
-                                    select_steps=2, memory="plain")
+        opt = _top_grad(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                        select_steps=2, memory="plain")
         for step in range(3):
             x, y = _batch(step)
             (quantized(x) - y).square().mean().backward()

@@ -9,18 +9,17 @@ import io
 import pytest
 import torch
 
-from sift import SparseAdamW
 
 bnb = pytest.importorskip("bitsandbytes")
-from test_quantized import _effective, _optimizers, _pair, _train  # noqa: E402
+from test_quantized import _effective, _optimizers, _pair, _top_grad, _train  # noqa: E402
 
 
 def _twins(quant_type: str = "nf4", memory: str = "low", **kwargs):
     """A quantized MLP and its dequantized fp32 twin, with their optimizers (`memory` for the quantized one)."""
     quantized, dense = _pair(quant_type)
     _, opt_d = _optimizers(_pair(quant_type)[0], dense, **kwargs)
-    opt_q = SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
-                                  memory=memory, **kwargs)
+    opt_q = _top_grad(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                      memory=memory, **kwargs)
     return quantized, opt_q, dense, opt_d
 
 RESELECT = dict(reselect_every=2, reselect_fraction=0.5, reselect_drop="revert")
@@ -113,15 +112,15 @@ def test_merge_is_refused_on_a_quantized_base_before_anything_changes():
     quantized, _ = _pair()
     flags = [p.requires_grad for p in quantized.parameters()]
     with pytest.raises(ValueError, match="reselect_drop='merge' cannot fold"):
-        SparseAdamW.for_model(quantized, density=0.1, target_modules=["0", "2"], reselect_every=2)
+        _top_grad(quantized, density=0.1, target_modules=["0", "2"], reselect_every=2)
     assert flags == [p.requires_grad for p in quantized.parameters()]
     assert not any(hasattr(quantized[i], "sift_delta") for i in (0, 2))
 
 
 def _lean():
     quantized, _ = _pair()
-    return quantized, SparseAdamW.for_model(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
-                                            state="lean", reselect_rule="magnitude", **RESELECT)
+    return quantized, _top_grad(quantized, density=0.1, lr=1e-2, weight_decay=0.0, target_modules=["0", "2"],
+                                state="lean", reselect_rule="magnitude", **RESELECT)
 
 
 def test_the_lean_state_reselects_a_quantized_layer_and_resumes_bit_for_bit():

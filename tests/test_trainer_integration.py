@@ -146,6 +146,19 @@ def test_integrated_trainer_logs_what_it_trains_once(tmp_path, caplog):
     summaries = [r.getMessage() for r in caplog.records if "| mode |" in r.getMessage()]
     assert len(summaries) == 1
     assert "self_attn.q_proj.weight" in summaries[0] and "sparse" in summaries[0]
+    assert not [r for r in caplog.records if "a dense fine-tune's rate" in r.getMessage()]
+
+
+def test_integrated_trainer_warns_of_a_dense_learning_rate(tmp_path, caplog):
+    """Trainer's default rate (5e-5) barely moves a sparse fine-tune: the integration says so, once."""
+    from sift.integrations.hf import SparseTrainer
+
+    trainer = SparseTrainer(**_trainer_kwargs("trainer", _llama(), tmp_path, max_steps=1, learning_rate=5e-5),
+                            density=DENSITY)
+    with caplog.at_level(logging.INFO, logger="sift"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "a dense fine-tune's rate" in r.getMessage()]
+    assert len(warned) == 1 and "learning_rate 5e-05" in warned[0]
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])

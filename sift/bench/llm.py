@@ -421,7 +421,7 @@ def run_board(config: Config, root: str, folder: str, tasks: Sequence[str] | Non
 # ---------------------------------------------------------------------------------------------- timing
 
 
-TIMED = ("frozen", "sift attn 1%", "lora matched", "lora r16 all", "full")
+TIMED = ("frozen", "sparta 1%", "sift attn 1%", "lora matched", "lora r16 all", "full")
 
 
 def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] = TIMED, steps: int = 8,
@@ -496,7 +496,7 @@ def tiny_llama_dir(folder: str) -> str:
     return folder
 
 
-QUICK_METHODS = ("zero-shot", "sift attn 1%", "lora matched", "full")
+QUICK_METHODS = ("zero-shot", "sparta 1%", "sift attn 1%", "lora matched", "full")
 
 
 def run(quick: bool = False, argv: Sequence[str] | None = None) -> str:

@@ -27,7 +27,7 @@ from sift.optim.memory import resolve_memory
 from sift.optim.reselection import reselect_settings
 from sift.optim.state import first_shard, increments, quantized_routes
 from sift.quantized import DELTA, is_quantized_linear
-from sift.targets import model_family, plan_targets, trainable_summary
+from sift.targets import DEFAULT_SELECTION, model_family, plan_targets, rate_advice, trainable_summary
 
 logger = logging.getLogger(__name__)
 TRAINED_VALUES = "sift_trained_values.safetensors"  # in checkpoints: the trained entries' exact values
@@ -54,6 +54,8 @@ class _SummaryAtTrainStart(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, SparseAdamW) and model is not None and state.is_world_process_zero:
             logger.warning("sift trains:\n%s", trainable_summary(model, inner))
+            if (advice := rate_advice(inner)) is not None:
+                logger.warning(advice)
 
 
 class SparseTrainerMixin:
@@ -111,7 +113,8 @@ class SparseTrainerMixin:
             when the optimizer is built). Weight decay applies to every trained param
             (`TrainingArguments.weight_decay`, default 0).
         dense_modules: see `target_modules` (default there: the task head).
-        selection: `SparseAdamW(selection=...)`, e.g. "magnitude" or "random".
+        selection: `SparseAdamW(selection=...)`: "random" by default (`for_model`'s, the chat board's choice;
+            it wants a learning rate near 1e-2 at 1%), "magnitude" for SIFT's top-|grad| (1e-3 to 3e-3).
         reselect_every, reselect_fraction, reselect_schedule, reselect_total_steps, reselect_rule,
             reselect_drop, reselect_steps: `SparseAdamW`'s periodic drop-and-grow re-selection, off by
             default (`sift.optim.reselection`, docs/reselection.md); checked before the Trainer is built.
@@ -140,7 +143,7 @@ class SparseTrainerMixin:
                  select_steps: int = 1,
                  dense_1d: bool = True, indices: Mapping[str, torch.Tensor] | None = None,
                  target_modules: str | list[str] | None = None, dense_modules: str | list[str] | None = None,
-                 selection: str = "magnitude", reselect_every: int | None = None, reselect_fraction: float = 0.2,
+                 selection: str = DEFAULT_SELECTION, reselect_every: int | None = None, reselect_fraction: float = 0.2,
                  reselect_schedule: str = "constant", reselect_total_steps: int | None = None,
                  reselect_rule: str = "spiel", reselect_drop: str = "merge", reselect_steps: int = 1,
                  **kwargs: Any) -> None:

@@ -262,18 +262,20 @@ class SparseAdamW(torch.optim.Optimizer):
         cls,
         model: torch.nn.Module,
         density: float = 0.01,
-        lr: float | torch.Tensor = 1e-3,
+        lr: float | torch.Tensor = 1e-2,
         *,
         target_modules: str | list[str] | None = None,
         dense_modules: str | list[str] | None = None,
-        selection: str = "magnitude",
+        selection: str = "random",
         memory: str = "low",
         sparse_backward: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> SparseAdamW:
         """Train `model`'s attention projections sparsely and its task head densely; freeze the rest.
 
-        See `sift.targets.for_model` for the defaults per model family, the matching rules and errors.
+        See `sift.targets.for_model` for the defaults per model family, the matching rules and errors. The rule and
+        rate (a random mask at 1e-2; `sift.targets.DEFAULT_SELECTION`, `DEFAULT_LR`) are the chat board's choice;
+        `selection="magnitude"` trains SIFT's top-|grad| entries, best at 1e-3 to 3e-3.
 
         `memory` picks the memory mode (`sift.optim.memory`): "low" (the default: hook mode and the
         sparse backward, plain mode's result with no dense weight gradient after selection; 16-bit
