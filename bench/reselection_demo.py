@@ -40,7 +40,8 @@ def _run(config: dict, seeds: list[int], steps: int, batch_size: int) -> dict:
         torch.nn.init.normal_(model.classifier.weight, std=model.config.initializer_range)
         torch.nn.init.zeros_(model.classifier.bias)
         model.train()
-        opt = sift.SparseAdamW.for_model(model, density=0.01, lr=lr, seed=seed, memory="plain", **config["kwargs"])
+        kwargs = {"selection": "magnitude", **config["kwargs"]}  # SIFT's fixed top-|grad| is the reference row
+        opt = sift.SparseAdamW.for_model(model, density=0.01, lr=lr, seed=seed, memory="plain", **kwargs)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
         gen = torch.Generator().manual_seed(seed)
         epochs = math.ceil(steps * batch_size / train.labels.numel())

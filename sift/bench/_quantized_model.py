@@ -151,7 +151,7 @@ class Method:
         extra = 0  # tensors an adapter holds that are no param or buffer (SHiRA's index table)
         if kind in ("sift", "sift-lean", "sift-lean-uib"):
             self.opt: torch.optim.Optimizer = SparseAdamW.for_model(
-                model, density=arg, lr=LR, target_modules=list(MODULES), dense_modules=[],
+                model, density=arg, lr=LR, target_modules=list(MODULES), dense_modules=[], selection="magnitude",
                 state="exact" if kind == "sift" else "lean", update_in_backward=kind == "sift-lean-uib")
             self.params = [p for p in model.parameters() if p.requires_grad]
         else:

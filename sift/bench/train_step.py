@@ -58,7 +58,8 @@ def _one_method(method: str, quick: bool, density: float, steps: int, seed: int,
     elif method.startswith("SIFT"):
         sparse = method == "SIFT sparse backward"
         opt = sift.SparseAdamW.for_model(model, density=density, lr=1e-4, target_modules=list(TARGETS),
-                                         dense_modules=[], compact_grads=True, sparse_backward=sparse)
+                                         dense_modules=[], compact_grads=True, sparse_backward=sparse,
+                                         selection="magnitude")
         trainable = sum(max(1, round(density * p.numel())) for g in opt.param_groups for p in g["params"])
     else:
         import peft
