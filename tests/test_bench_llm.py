@@ -173,6 +173,19 @@ def test_plan_picks_the_best_validation_rate_and_runs_the_seeds_there():
     assert [s.method for s in grids_first][:2] == ["zero-shot", "zero-shot"] and all(s.seed == 0 for s in grids_first)
 
 
+def test_a_task_given_more_steps_plans_and_ranks_at_its_own_length():
+    """`Config.task_steps`: emotion's runs at its length; its shorter runs are another grid, reported aside."""
+    config = llm.Config(steps=8, task_steps=(("emotion", 16),), seeds=(0,))
+    method = "sift attn 1%"
+    first = llm.pending([], config, ["sentiment", "emotion"], [method])
+    assert {(s.task, s.steps) for s in first} == {("sentiment", 8), ("emotion", 16)}
+    assert config.describe_steps() == "8 steps (emotion: 16)" and llm.FULL.steps_for("emotion") == 128
+    lrs = llm.METHODS[method].lrs
+    short = [_run("emotion", method, lr, 0, 8, v) for lr, v in zip(lrs, (0.2, 0.3, 0.25))]
+    assert [(s.lr, s.steps) for s in llm.pending(short, config, ["emotion"], [method])][:1] == [(lrs[1], 16)]
+    assert llm.best_lr(short, "emotion", method, 8) == lrs[1] and llm.best_lr(short, "emotion", method, 16) is None
+
+
 def test_a_best_rate_at_the_grids_end_extends_the_grid_before_any_seed():
     """A method whose best validation rate is the grid's lowest (or highest) runs the next rate past it first, at
     most twice a side, so the rate the seeds use is an interior one."""

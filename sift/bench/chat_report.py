@@ -35,7 +35,7 @@ def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]
     out = []
     for task in TASKS:
         for method in METHODS:
-            steps = 0 if METHODS[method].kind == "zero-shot" else config.steps
+            steps = 0 if METHODS[method].kind == "zero-shot" else config.steps_for(task)
             tried, todo = grid_state(runs, task, method, steps)
             if not tried:
                 continue
@@ -62,10 +62,11 @@ def rows(runs: Sequence[dict[str, Any]], config: Config) -> list[dict[str, Any]]
     return out
 
 
-def markdown(table_rows: Sequence[dict[str, Any]], config: Config, timing: dict[str, Any] | None) -> str:
+def markdown(table_rows: Sequence[dict[str, Any]], config: Config, timing: dict[str, Any] | None,
+             earlier: Sequence[str] = ()) -> str:
     """The board: validity checks, then per task the methods at their best rate, then the mean over tasks."""
     base = {r["task"]: r for r in table_rows if r["method"] == "zero-shot"}
-    lines = [f"### Chat-model board: SmolLM2-135M-Instruct (fp32), CPU, {config.steps} steps of {config.batch_size}, "
+    lines = [f"### Chat-model board: SmolLM2-135M-Instruct (fp32), CPU, {config.describe_steps()} of {config.batch_size}, "
              f"{config.test_items} test / {config.val_items} validation items per task", "", *header_lines(), ""]
     lines += ["#### Validity", ""] + [f"- {v}" for v in validity(table_rows, config)] + [""]
     for task in TASKS:
@@ -94,6 +95,8 @@ def markdown(table_rows: Sequence[dict[str, Any]], config: Config, timing: dict[
         lines += [f"- {r['method']}: " + ", ".join(f"step {m['step']}: {100 * m['val exact']:.0f}" for m in r["curve"][0])
                   for r in mine if r["curve"] and r["method"] != "zero-shot"] + [""]
     lines += verdicts(table_rows)
+    if earlier:
+        lines += ["", *earlier]
     if timing:
         lines += ["", timing["markdown"]]
     return "\n".join(lines)
@@ -178,6 +181,24 @@ def verdicts(table_rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def earlier_budget(runs: Sequence[dict[str, Any]], config: Config) -> list[str]:
+    """The rows of tasks whose length was raised (`Config.task_steps`) at the board's shorter length: kept for
+    reference, ranked by nothing (their full fine-tuning had not stopped improving)."""
+    short = rows(runs, dataclasses.replace(config, task_steps=()))
+    lines = []
+    for task, steps in config.task_steps:
+        mine = [r for r in short if r["task"] == task and r["method"] != "zero-shot"]
+        if not mine or steps == config.steps:
+            continue
+        lines += [f"#### {task} at {config.steps} steps (too short: full fine-tuning was still improving; for "
+                  "reference only)", "", "| method | test exact % (mean ± std) | seeds | best lr | chat KL (mean) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['method']}{' (grid incomplete)' if r.get('partial') else ''} | "
+                  f"{100 * r['test_exact_mean']:.1f} ± {100 * r['test_exact_std']:.1f} | {len(r['seeds'])} | "
+                  f"{r['lr']:g} | {statistics.fmean(r['chat_kl']):.4f} |" for r in mine] + [""]
+    return lines
+
+
 def plot(table_rows: Sequence[dict[str, Any]], runs: Sequence[dict[str, Any]], stem: str) -> list[str]:
     """`<stem>-forgetting.png` (learning against forgetting, a point per method and seed) and
     `<stem>-curves.png` (validation exact match against steps, seed 0 at the best rate); the paths written."""
@@ -224,7 +245,7 @@ def report(root: str, out: str, config: Config, quick: bool = False) -> str:
     if os.path.isfile(stem + "-timing.json"):
         with open(stem + "-timing.json") as f:
             timing = json.load(f)
-    text = markdown(table_rows, config, timing)
+    text = markdown(table_rows, config, timing, earlier_budget(runs, config))
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
     with open(stem + ".json", "w") as f:

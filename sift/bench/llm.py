@@ -432,7 +432,8 @@ def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] =
     task = next(iter(TASKS))
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     loads = []
-    short = dataclasses.replace(config, steps=steps, curve_every=steps + 1, evaluate=False, threads=threads)
+    short = dataclasses.replace(config, steps=steps, task_steps=(), curve_every=steps + 1, evaluate=False,
+                                threads=threads)
     for _ in range(rounds):
         for m in methods:
             lr = METHODS[m].lrs[len(METHODS[m].lrs) // 2]
