@@ -209,9 +209,11 @@ def _optimizer(cell: Cell, model: nn.Module, scaler) -> sift.SparseAdamW:
                       reselect_rule="magnitude" if cell.lean or cell.quantized else "spiel")
     if not cell.head:
         model.head.requires_grad_(False)
+    # SIFT's top-|grad|, whose scoring over select_steps, micro-batches and ranks the cells exercise (for_model's
+    # default, a random mask, reads no gradient to choose).
     return sift.SparseAdamW.for_model(model, density=0.1, lr=LR, target_modules=["fc1", "fc2"],
                                       dense_modules=["head"] if cell.head else [], select_steps=cell.select_steps,
-                                      **kwargs)
+                                      selection="magnitude", **kwargs)
 
 
 def _wrap(cell: Cell, model: nn.Module) -> nn.Module:
