@@ -459,8 +459,8 @@ def trainable_summary(model: nn.Module, optimizer: torch.optim.Optimizer, *, by:
     lines.append(f"| **total** ({len(seen)} params, {total_params:,} elements) | | | "
                  f"**{total_entries:,}** ({share:.3g}% of all) | **{total_bytes:,}** |")
     if isinstance(optimizer, SparseOptimizer) and any(mode == "sparse" for _, _, mode in rows):
-        lines += ["", "Sparse entries: " + _SELECTION_TEXT[optimizer.selection].format(
-            seed=optimizer.seed, steps=optimizer.select_steps) + "."]
+        rule = _SELECTION_TEXT[optimizer.selection].format(seed=optimizer.seed, steps=optimizer.select_steps)
+        lines += ["", f"Sparse entries (those not given by set_indices): {rule}."]
     fates = head_fate(model, optimizer)
     if fates:
         lines += ["", "Heads: " + "; ".join(fates) + "."]
