@@ -185,6 +185,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("sparta all 0.25%", "sift", RANDOM_LRS, "random 0.25% of every linear layer (the attention 1% budget)",
            targets=ALL_LINEAR, density=ALL_AT_ATTENTION_BUDGET, selection="random"),
     Method("sparta 2%", "sift", RANDOM_LRS, "random 2% of q/k/v/o", density=0.02, selection="random"),
+    Method("sparta 1% nf4", "sift", RANDOM_LRS, "the default (random 1% of q/k/v/o) as a sparse delta over the NF4 "
+           "model", selection="random", bits=4),
     Method("full", "full", FULL_LRS, "every parameter, torch AdamW"),
     Method("frozen", "frozen", (0.0,), "the step's floor (timing only): forward and backward through the "
            "activations, nothing trained"),
@@ -193,7 +195,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
             "sparta 1%", "shira matched", "qlora r16 all", "sift attn 1% nf4", "sift attn 2%", "sift attn 5%",
             "sift all 0.5%", "sift all 2%", "sift all 5%", "sift attn 1% saliency", "sift attn 1% select 4",
-            "sift attn 1% reselect", "sift attn 1% colnorm", "sparta all 0.25%", "sparta 2%")
+            "sift attn 1% reselect", "sift attn 1% colnorm", "sparta all 0.25%", "sparta 2%", "sparta 1% nf4")
 
 
 @dataclass(frozen=True)

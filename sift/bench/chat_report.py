@@ -193,7 +193,8 @@ def earlier_budget(runs: Sequence[dict[str, Any]], config: Config) -> list[str]:
         lines += [f"#### {task} at {config.steps} steps (too short: full fine-tuning was still improving; for "
                   "reference only)", "", "| method | test exact % (mean ± std) | seeds | best lr | chat KL (mean) |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['method']}{' (grid incomplete)' if r.get('partial') else ''} | "
+        lines += [f"| {r['method']}{' (default)' if r['method'] == default_method() else ''}"
+                  f"{' (grid incomplete)' if r.get('partial') else ''} | "
                   f"{100 * r['test_exact_mean']:.1f} ± {100 * r['test_exact_std']:.1f} | {len(r['seeds'])} | "
                   f"{r['lr']:g} | {statistics.fmean(r['chat_kl']):.4f} |" for r in mine] + [""]
     return lines
