@@ -180,7 +180,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("qlora r16 all", "lora", LORA_LRS, "LoRA r=16 all linear layers over the NF4 model",
            targets="all-linear", rank=16, bits=4),
     Method("shira matched", "shira", SIFT_LRS, "peft SHiRA (random mask) on q/k/v/o, sift attn 1%'s count"),
-    Method("sparta 1%", "sift", SIFT_LRS, "SpaRTA's recipe: random 1% of q/k/v/o (sift selection='random')",
+    Method("sparta 1%", "sift", RANDOM_LRS, "SpaRTA's recipe: random 1% of q/k/v/o (sift selection='random')",
            selection="random"),
     Method("sparta all 0.25%", "sift", RANDOM_LRS, "random 0.25% of every linear layer (the attention 1% budget)",
            targets=ALL_LINEAR, density=ALL_AT_ATTENTION_BUDGET, selection="random"),
