@@ -184,7 +184,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            selection="random"),
     Method("sparta all 0.25%", "sift", RANDOM_LRS, "random 0.25% of every linear layer (the attention 1% budget)",
            targets=ALL_LINEAR, density=ALL_AT_ATTENTION_BUDGET, selection="random"),
+    Method("sparta 0.5%", "sift", RANDOM_LRS, "random 0.5% of q/k/v/o", density=0.005, selection="random"),
     Method("sparta 2%", "sift", RANDOM_LRS, "random 2% of q/k/v/o", density=0.02, selection="random"),
+    Method("sparta 5%", "sift", RANDOM_LRS, "random 5% of q/k/v/o", density=0.05, selection="random"),
     Method("sparta 1% nf4", "sift", RANDOM_LRS, "the default (random 1% of q/k/v/o) as a sparse delta over the NF4 "
            "model", selection="random", bits=4),
     Method("full", "full", FULL_LRS, "every parameter, torch AdamW"),
@@ -195,7 +197,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 PRIORITY = ("zero-shot", "sift attn 1%", "lora matched", "full", "lora r16 all", "sift all 0.25%", "sift all 1%",
             "sparta 1%", "shira matched", "qlora r16 all", "sift attn 1% nf4", "sift attn 2%", "sift attn 5%",
             "sift all 0.5%", "sift all 2%", "sift all 5%", "sift attn 1% saliency", "sift attn 1% select 4",
-            "sift attn 1% reselect", "sift attn 1% colnorm", "sparta all 0.25%", "sparta 2%", "sparta 1% nf4")
+            "sift attn 1% reselect", "sift attn 1% colnorm", "sparta all 0.25%", "sparta 2%", "sparta 1% nf4",
+            "sparta 0.5%", "sparta 5%")
 
 
 @dataclass(frozen=True)
