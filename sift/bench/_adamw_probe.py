@@ -2,9 +2,11 @@
 
 The probe is the sparse step's access pattern and nothing else (gather the gradient and the
 weight at k sorted positions, update fp32 moments and the weight with AdamW's math, scatter the
-weight), one plain loop built with `-O3 -march=native -fopenmp` and run on torch's thread count.
-The suite times SparseAdamW's step against it on the same weights, gradients and indices, in
-turn, and reports the step's speed as a share of the probe's.
+weight), one plain loop built with `-O3 -march=native -fopenmp` and run on torch's thread count,
+in two forms: the loop alone, and the loop with the step's software prefetch (the sorted indices
+are known ahead, which no hardware prefetcher follows). The suite times SparseAdamW's step
+against both on the same weights, gradients and indices, in turn, and reports the step's speed as
+a share of the faster one's: the limit is the best that loop does, with or without the hint.
 
 It is compiled with the system compiler into a small shared library under the cache folder
 (`<cache>/adamw-probe/`, about a second, once per source and compiler) and loaded with ctypes;
@@ -73,6 +75,7 @@ class AdamWProbe:
         params: the weights (fp32 or bf16), written at `indices`.
         indices: per weight, [k] sorted flat positions (int32 or int64 below 2**31 elements).
         step: the bias corrections' step count (they only scale the update).
+        prefetch: prefetch the gradient's and the weight's lines 32 entries ahead, as the step does.
 
     Example:
         >>> probe = AdamWProbe(params, [opt.indices_of(p) for p in params])  # doctest: +SKIP
@@ -81,7 +84,7 @@ class AdamWProbe:
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], step: int = 10,
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, prefetch: bool = False) -> None:
         dtype = params[0].dtype
         if dtype not in DTYPES:
             raise RuntimeError(f"the probe runs fp32 and bf16 weights, not {dtype}")
@@ -99,6 +102,12 @@ class AdamWProbe:
         self._args = (ctypes.c_int(n), *(pointers(ts) for ts in self._keep),
                       (ctypes.c_int64 * n)(*[i.numel() for i in indices]), ctypes.c_int(int(dtype == torch.bfloat16)),
                       f(lr), f(beta1), f(beta2), f(eps), f(weight_decay), f(lr / bc1), f(bc2**-0.5))
+        self._prefetch = ctypes.c_int(int(prefetch))
+
+    @property
+    def moments(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The probe's own exp_avg and exp_avg_sq, per weight [k] fp32 (zero before its first call)."""
+        return self._keep[3], self._keep[4]
 
     def __call__(self) -> None:
-        self._lib.adamw_probe_step(*self._args, ctypes.c_int(torch.get_num_threads()))
+        self._lib.adamw_probe_step(*self._args, ctypes.c_int(torch.get_num_threads()), self._prefetch)
