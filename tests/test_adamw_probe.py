@@ -14,6 +14,13 @@ from sift.bench._adamw_probe import AdamWProbe
 LR, BETAS, EPS, DECAY, STEP = 1e-2, (0.9, 0.999), 1e-8, 1e-2, 10
 
 
+def _assert_untouched(after: torch.Tensor, before: torch.Tensor, idx: torch.Tensor) -> None:
+    """Every entry outside `idx` is bit for bit what it was."""
+    keep = torch.ones(after.numel(), dtype=torch.bool)
+    keep[idx] = False
+    assert torch.equal(after.flatten()[keep], before.flatten()[keep])
+
+
 def _expected(w: torch.Tensor, g: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One AdamW update from zero moments at step STEP, on the flat entries `idx` (fp32 math)."""
     b1, b2 = (torch.tensor(b, dtype=torch.float32) for b in BETAS)  # 1 - beta in fp32, as the loop has it
@@ -45,9 +52,7 @@ def test_each_probe_form_writes_adamw_at_the_selected_entries_only(dtype, prefet
         torch.testing.assert_close(probe_m, m, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(probe_v, v, rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(p, w, **tol)
-        keep = torch.ones(p.numel(), dtype=torch.bool)
-        keep[i] = False
-        assert torch.equal(p.flatten()[keep], w.flatten()[keep])  # the other entries, bit for bit
+        _assert_untouched(p, w, i)
 
 
 def test_the_two_probe_forms_agree_bit_for_bit():
@@ -66,7 +71,5 @@ def test_the_two_probe_forms_agree_bit_for_bit():
     for a, b in zip(*out):
         assert torch.equal(a, b)
     for a, b, i in zip(out[0], base, indices):  # and nothing but the selected entries moved
-        keep = torch.ones(a.numel(), dtype=torch.bool)
-        keep[i] = False
-        assert torch.equal(a.flatten()[keep], b.flatten()[keep])
+        _assert_untouched(a, b, i)
         assert (a.flatten()[i] != b.flatten()[i]).all()

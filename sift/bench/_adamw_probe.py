@@ -75,7 +75,7 @@ class AdamWProbe:
         params: the weights (fp32 or bf16), written at `indices`.
         indices: per weight, [k] sorted flat positions (int32 or int64 below 2**31 elements).
         step: the bias corrections' step count (they only scale the update).
-        prefetch: prefetch the gradient's and the weight's lines 32 entries ahead, as the step does.
+        prefetch: prefetch the gradient's and the weight's lines ahead, at the step's distance.
 
     Example:
         >>> probe = AdamWProbe(params, [opt.indices_of(p) for p in params])  # doctest: +SKIP

@@ -394,7 +394,6 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
             if l2_rows and backend == "triton":
                 variants += [(f"{name}, L2 fetch {L2_FETCH_BYTES} B", fn, L2_FETCH_BYTES) for name, fn, _ in variants]
             for name, fn, fetch in variants:
-                share_of_probe: float | str = ""
                 shares: dict[str, float] = {}
                 if probes and backend == "cpp" and name == label:
                     # In turn with the probes, so all see the same load; a share is the median over
@@ -402,7 +401,6 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                     timed = time_interleaved({"step": fn, **probes}, warmup=3, repeat=repeat_sparse)
                     timing = timed["step"]
                     shares = {p: 100 * paired_ratio(timed[p], timing) for p in probes}
-                    share_of_probe = min(shares.values())
                     for p in probes:
                         probe_samples[p] += timed[p]["samples_ms"]
                 elif fetch is None:
@@ -416,7 +414,7 @@ def bench_dtype(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, device: t
                 if name.endswith(", clip"):
                     row["target x vs fused"] = ""
                     row["clip + step / step"] = timing["median_ms"] / rows[-1]["median ms"]
-                row["% of probe"] = share_of_probe
+                row["% of probe"] = min(shares.values()) if shares else ""
                 if shares:
                     row["% of probe, per form"] = shares
                 rows.append(row)

@@ -533,7 +533,7 @@ def run(quick: bool = False, argv: Sequence[str] | None = None) -> str:
     if args.timing:
         result = timing(folder, FULL, os.path.join(root, ".cache"), args.timing_methods or TIMED,
                         args.timing_steps, args.rounds)
-        with open(os.path.join(out, os.path.basename(args.timing_out)), "w") as f:
+        with open(os.path.join(out, args.timing_out), "w") as f:
             json.dump(result, f, indent=1)
         print(result["markdown"])
     elif not args.report:
@@ -559,7 +559,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--timing-steps", type=int, default=8, help="--timing's steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="--timing's interleaved rounds")
     parser.add_argument("--timing-out", default="llm-cpu-timing.json",
-                        help="--timing's file under the results folder (the report's cost rows read the default)")
+                        help="--timing's file, relative to the results folder (the report's cost rows read the default)")
     return parser.parse_args(argv)
 
 
