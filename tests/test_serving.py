@@ -284,13 +284,15 @@ def _small_steps(model: torch.nn.Module, seed: int, density: float = 0.05) -> Sp
 
 
 def _bank_bytes(delta: SparseDelta, value_bytes: int) -> int:
-    """Per weight with entries: an int16 column and a value per entry, an int32 pointer per row and one more."""
-    return sum(e.nnz * (2 + value_bytes) + (e.shape[0] + 1) * 4 for e in delta.entries.values() if e.nnz)
+    """Per [R, C] weight with entries, packed: a low byte and a value per entry, the unary buckets (a set bit
+    per entry and a clear one per 256 positions) in 8-byte words, an int32 pointer per 32 rows and one more."""
+    return sum(e.nnz * (1 + value_bytes) + 8 * -(-(e.nnz + -(-e.shape[0] * e.shape[1] // 256)) // 64)
+               + (-(-e.shape[0] // 32) + 1) * 4 for e in delta.entries.values() if e.nnz)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_held_bytes_are_the_banks_and_16_bit_increments_stay_16_bit(dtype):
-    """A fine-tune of small steps holds 4 bytes an entry over a 16-bit base (6 over fp32) plus the row pointers;
+    """A fine-tune of small steps holds 3 bytes an entry over a 16-bit base (5 over fp32) plus its packed buckets;
     a delta whose increments need fp32 widens the banks it shares, changing no served bit, and its unload
     narrows them back; switch_to gives apply_'s bits from the 16-bit banks."""
     base = _base(dtype)

@@ -39,19 +39,20 @@ from sift._ops.singular_values import CPP_SINGULAR_VALUES_MAX_K, singular_values
 from sift._ops.sparse_adamw_lean import (LEAN_WINDOW, LEAN_WINDOW_BITS, checked_lean_indices, decode_lean_indices,
                                          encode_lean_indices, lean_num_windows, lean_random_bits, lean_round_bf16,
                                          lean_unit, sparse_adamw_lean_ref)
-from sift._ops.mixed_delta import (MIXED_DELTA_MATMUL_DTYPES, DeltaBank, check_mixed_delta_matmul_args,
-                                   delta_bank_switch_, delta_bank_switch_ref, mixed_delta_matmul_,
-                                   mixed_delta_matmul_ref)
+from sift._ops.mixed_delta import (MIXED_DELTA_MATMUL_DTYPES, DeltaBank, PackedDeltaBank,
+                                   check_mixed_delta_matmul_args, check_mixed_delta_matmul_packed_args,
+                                   delta_bank_switch_, delta_bank_switch_packed_ref, delta_bank_switch_ref,
+                                   mixed_delta_matmul_, mixed_delta_matmul_packed_ref, mixed_delta_matmul_ref)
 from sift._ops.weight_grad import (SPARSE_WEIGHT_GRAD_DTYPES, check_sparse_weight_grad_args,
                                    register_weight_grad_route, sparse_weight_grad, sparse_weight_grad_ref)
 
 __all__ = ["BACKENDS", "CPP_SINGULAR_VALUES_MAX_K", "LEAN_WINDOW", "LEAN_WINDOW_BITS", "MIXED_DELTA_MATMUL_DTYPES",
-           "SPARSE_WEIGHT_GRAD_DTYPES", "DeltaBank", "Op", "backend_unavailable_reason", "call",
-           "check_mixed_delta_matmul_args", "check_sparse_weight_grad_args", "checked_lean_indices",
+           "SPARSE_WEIGHT_GRAD_DTYPES", "DeltaBank", "Op", "PackedDeltaBank", "backend_unavailable_reason", "call",
+           "check_mixed_delta_matmul_args", "check_mixed_delta_matmul_packed_args", "check_sparse_weight_grad_args", "checked_lean_indices",
            "decode_lean_indices", "define", "define_ordered", "define_schema", "delta_bank_switch_",
-           "delta_bank_switch_ref", "encode_lean_indices", "forced_backend",
+           "delta_bank_switch_packed_ref", "delta_bank_switch_ref", "encode_lean_indices", "forced_backend",
            "lean_num_windows", "lean_random_bits", "lean_round_bf16", "lean_unit", "log", "merge_sorted_deltas_ref",
-           "mixed_delta_matmul_", "mixed_delta_matmul_ref",
+           "mixed_delta_matmul_", "mixed_delta_matmul_packed_ref", "mixed_delta_matmul_ref",
            "ops", "originals_like", "register", "register_weight_grad_route", "resolve", "singular_values_gram_eigvalsh",
            "singular_values_ref", "sparse_adamw_lean_ref", "sparse_adamw_ref", "sparse_delta_apply_ref", "sparse_delta_restore_ref",
            "sparse_weight_grad", "sparse_weight_grad_ref"]

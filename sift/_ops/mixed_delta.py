@@ -9,7 +9,8 @@ import math
 import torch
 
 from sift._ops.registry import _no_output, call, define, define_schema, register
-from sift.triton_kernels._delta_bank import INT16_COLUMNS, INT32_ENTRIES, DeltaBank
+from sift.triton_kernels._delta_bank import (INT16_COLUMNS, INT32_ENTRIES, DeltaBank, PackedDeltaBank,
+                                            packed_block_count)
 
 # ---------------------------------------------------------------------------------------
 # mixed_delta_matmul_(y, x, delta_ids, bank): for y = x W^T over T tokens, W [R, C], and a bank
@@ -223,7 +224,8 @@ def mixed_delta_matmul_(
         x: `[..., C]` the layer's input, y's dtype, device and token dims.
         delta_ids: `[T]` int32/int64, T the number of tokens (y's leading dims flattened), each
             in `[-1, bank.n_deltas)`; -1 serves the base.
-        bank: the deltas of W `[R, C]` (`DeltaBank`), on y's device.
+        bank: the deltas of W `[R, C]` on y's device: a `DeltaBank`, or on the CPU a `PackedDeltaBank`
+            (the same entries in fewer bytes; backends "torch" and "cpp").
         check_values: read the ids' and the bank's values to check them (one host sync).
         backend: force "torch", "cpp" or "triton" (default: the automatic choice).
 
@@ -240,6 +242,8 @@ def mixed_delta_matmul_(
         >>> torch.allclose(y[0, 1], x[0] @ w[1] + 0.5 * x[0, 2]) and torch.equal(y[1], x[1] @ w.T)
         True
     """
+    if isinstance(bank, PackedDeltaBank):
+        return call("mixed_delta_matmul_packed_", y, x, delta_ids, bank, check_values=check_values, backend=backend)
     return call("mixed_delta_matmul_", y, x, delta_ids, bank, check_values=check_values, backend=backend)
 
 
@@ -266,8 +270,9 @@ def _entries_of(bank: DeltaBank, delta: int) -> tuple[torch.Tensor, torch.Tensor
     return rows, bank.col_indices[start:end].long(), bank.values[start:end].float()
 
 
-def _check_switch_lists(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
-                        originals_off: list[torch.Tensor], originals_on: list[torch.Tensor]) -> None:
+def _check_switch_lists(weights: list[torch.Tensor], banks: list, off: int, on: int,
+                        originals_off: list[torch.Tensor], originals_on: list[torch.Tensor],
+                        kind: type = DeltaBank) -> None:
     if len(banks) != len(weights):
         raise ValueError(f"banks must have one bank per weight, got {len(banks)} for {len(weights)}")
     for name, d, saved in (("off", off, originals_off), ("on", on, originals_on)):
@@ -279,8 +284,8 @@ def _check_switch_lists(weights: list[torch.Tensor], banks: list[DeltaBank], off
     if off == on and off >= 0:
         raise ValueError(f"off and on must differ, got {off} for both")
     for layer, bank in enumerate(banks):
-        if not isinstance(bank, DeltaBank):
-            raise ValueError(f"banks[{layer}] must be a DeltaBank, got {type(bank).__name__}")
+        if not isinstance(bank, kind):
+            raise ValueError(f"banks[{layer}] must be a {kind.__name__}, got {type(bank).__name__}")
 
 
 def check_delta_bank_switch_args(weights: list[torch.Tensor], banks: list[DeltaBank], off: int, on: int,
@@ -377,7 +382,8 @@ def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off:
 
     Args:
         weights: `[R, C]` per layer (fp32, bf16 or fp16; any strides), written in place.
-        banks: each weight's `DeltaBank`, on its device.
+        banks: each weight's `DeltaBank`, on its device; or each one's `PackedDeltaBank` (CPU weights; backends
+            "torch" and "cpp").
         off: the delta in the weights now (-1: none): its entries get `originals_off` back.
         on: the delta to put in (-1: none): `W[i, j] = dtype(fp32(W[i, j]) + v)`.
         originals_off: `[k]` per layer, W's dtype: the values `off`'s entries had before it went in.
@@ -401,5 +407,153 @@ def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off:
         >>> w.abs().sum().item()
         0.0
     """
-    call("delta_bank_switch_", weights, banks, off, on, originals_off, originals_on, backend=backend,
-         device=weights[0].device if weights else torch.device("cpu"), trusted_banks=trusted_banks)
+    packed = [isinstance(b, PackedDeltaBank) for b in banks]
+    if any(packed) and not all(packed):
+        raise ValueError("banks must be all DeltaBank or all PackedDeltaBank, got a mix")
+    call("delta_bank_switch_packed_" if banks and all(packed) else "delta_bank_switch_", weights, banks, off, on,
+         originals_off, originals_on, backend=backend, device=weights[0].device if weights else torch.device("cpu"),
+         trusted_banks=trusted_banks)
+
+
+# ---------------------------------------------------------------------------------------
+# The same two ops over `PackedDeltaBank` (the CPU serving form: Elias-Fano positions with byte
+# lows, an entry offset per block of 32 rows). Same contracts, same results: the C++ kernels
+# (csrc/packed_delta.cpp) decode the entries in CSR order and do the CSR kernels' arithmetic in
+# that order, so they give the CSR kernels' bits; the references unpack and run the CSR ones.
+# No Triton form: a CUDA bank stays a DeltaBank.
+# ---------------------------------------------------------------------------------------
+
+PACKED_BLOCK_PTR_DTYPES = BANK_ROW_PTR_DTYPES
+
+
+def _check_packed_fields(bank: PackedDeltaBank, name: str, device: torch.device) -> None:
+    """The packed bank's fields' forms (not their values) and device."""
+    if not isinstance(bank, PackedDeltaBank):
+        raise ValueError(f"{name} must be a PackedDeltaBank, got {type(bank).__name__}")
+    nnz = bank.low.numel()
+    blocks = packed_block_count(bank.out_features)
+    forms = (("block_ptr", bank.block_ptr, bank.block_ptr.dim() == 2 and bank.block_ptr.dtype in
+              PACKED_BLOCK_PTR_DTYPES and bank.block_ptr.shape[1] == blocks + 1,
+              f"int32 or int64 [n_deltas, {blocks + 1}]"),
+             ("low", bank.low, bank.low.dim() == 1 and bank.low.dtype == torch.uint8, "1-D uint8"),
+             ("high", bank.high, bank.high.dim() == 1 and bank.high.dtype == torch.int64, "1-D int64"),
+             ("high_start", bank.high_start, bank.high_start.shape == (bank.n_deltas + 1,)
+              and bank.high_start.dtype == torch.int64, f"int64 [{bank.n_deltas + 1}]"),
+             ("values", bank.values, bank.values.shape == (nnz,) and bank.values.dtype in BANK_VALUE_DTYPES,
+              f"float32, bfloat16 or float16 [{nnz}]"))
+    for field, t, ok, want in forms:
+        if not ok or not t.is_contiguous():
+            raise ValueError(f"{name}.{field} must be a contiguous {want} tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name}.{field} must be on {device}, got {t.device}")
+    if device.type != "cpu":
+        raise ValueError(f"{name} is a PackedDeltaBank, a CPU form; on {device.type} use a DeltaBank")
+
+
+def check_mixed_delta_matmul_packed_args(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Tensor,
+                                         bank: PackedDeltaBank, check_values: bool = True
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`check_mixed_delta_matmul_args` for a `PackedDeltaBank` (its values: decoded and checked whole).
+
+    Raises:
+        ValueError: naming the bad argument.
+    """
+    for name, t in (("y", y), ("x", x), ("delta_ids", delta_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if y.dim() < 1 or x.dim() < 1 or y.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"y and x must have the same token dims (features last), got y {tuple(y.shape)} and x "
+                         f"{tuple(x.shape)}")
+    if y.dtype not in MIXED_DELTA_MATMUL_DTYPES or x.dtype != y.dtype:
+        raise ValueError(f"y and x must be one of float32, bfloat16, float16, got {y.dtype} and {x.dtype}")
+    _check_packed_fields(bank, "bank", y.device)
+    if (bank.out_features, bank.in_features) != (y.shape[-1], x.shape[-1]):
+        raise ValueError(f"bank is for a [{bank.out_features}, {bank.in_features}] weight; y and x have "
+                         f"{y.shape[-1]} and {x.shape[-1]} features")
+    n_tokens = math.prod(y.shape[:-1])
+    if delta_ids.dim() != 1 or delta_ids.dtype not in (torch.int32, torch.int64) or delta_ids.numel() != n_tokens \
+            or delta_ids.device != y.device:
+        raise ValueError(f"delta_ids must be a 1-D int32 or int64 tensor of {n_tokens} ids (one per token) on "
+                         f"{y.device}, got {delta_ids.dtype} {tuple(delta_ids.shape)}")
+    try:
+        y2 = y.view(-1, y.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"y must be viewable as [T, R] (it is written in place), got strides {y.stride()}") from None
+    if check_values:
+        unpacked = _checked_unpacked(bank, "bank")
+        _check_values(delta_ids, unpacked, x.shape[-1])
+    return y2, x.reshape(-1, x.shape[-1]), delta_ids.to(torch.int32)
+
+
+def _checked_unpacked(bank: PackedDeltaBank, name: str) -> DeltaBank:
+    try:
+        return bank.unpacked()
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def mixed_delta_matmul_packed_ref(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Tensor, bank: PackedDeltaBank,
+                                  check_values: bool = True) -> torch.Tensor:
+    """Plain-torch reference over a packed bank: the CSR reference of the unpacked bank. Returns `y`."""
+    y2, x2, ids = check_mixed_delta_matmul_packed_args(y, x, delta_ids, bank, check_values)
+    mixed_delta_matmul_ref(y2, x2, ids, _checked_unpacked(bank, "bank"), check_values=False)
+    return y
+
+
+define("mixed_delta_matmul_packed_", mixed_delta_matmul_packed_ref)
+
+
+def _packed_fields(bank: PackedDeltaBank) -> tuple[torch.Tensor, ...]:
+    return bank.block_ptr, bank.low, bank.high, bank.high_start, bank.values
+
+
+@register("mixed_delta_matmul_packed_", "cpp")
+def _mixed_delta_matmul_packed_cpp(y, x, delta_ids, bank, check_values=True):
+    y2, x2, ids = check_mixed_delta_matmul_packed_args(y, x, delta_ids, bank, check_values)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if y2.shape[1] > 1 and y2.stride(1) != 1:
+        raise ValueError(f"y's features must be contiguous for the C++ kernel, got strides {y.stride()}")
+    torch.ops.sift.mixed_delta_matmul_packed_(y2, x2, ids, *_packed_fields(bank))
+    return y
+
+
+def _packed_on_cuda(*args, **kwargs):
+    raise ValueError("a PackedDeltaBank is a CPU form; on CUDA serve with a DeltaBank")
+
+
+define_schema("mixed_delta_matmul_packed_", "mixed_delta_matmul_packed_(Tensor(a!) y, Tensor x, Tensor delta_ids, "
+              "Tensor block_ptr, Tensor low, Tensor high, Tensor high_start, Tensor values) -> ()", _no_output,
+              _packed_on_cuda)
+
+
+def delta_bank_switch_packed_ref(weights: list[torch.Tensor], banks: list[PackedDeltaBank], off: int, on: int,
+                                 originals_off: list[torch.Tensor], originals_on: list[torch.Tensor],
+                                 trusted_banks: bool = False) -> None:
+    """Plain-torch reference of the switch over packed banks: the CSR reference of the unpacked banks."""
+    _check_switch_lists(weights, banks, off, on, originals_off, originals_on, PackedDeltaBank)
+    delta_bank_switch_ref(weights, [_checked_unpacked(b, f"banks[{i}]") for i, b in enumerate(banks)], off, on,
+                          originals_off, originals_on, trusted_banks=trusted_banks)
+
+
+define("delta_bank_switch_packed_", delta_bank_switch_packed_ref)
+
+
+@register("delta_bank_switch_packed_", "cpp")
+def _delta_bank_switch_packed_cpp(weights, banks, off, on, originals_off, originals_on, trusted_banks=False):
+    # As the CSR form: the kernel checks every tensor and decodes every position before it writes.
+    _check_switch_lists(weights, banks, off, on, originals_off, originals_on, PackedDeltaBank)
+    for layer, (w, bank) in enumerate(zip(weights, banks)):
+        if w.dim() != 2 or tuple(w.shape) != (bank.out_features, bank.in_features):
+            raise ValueError(f"weights[{layer}] must be [{bank.out_features}, {bank.in_features}] (its bank's), got "
+                             f"{tuple(w.shape)}")
+    fields = list(zip(*(_packed_fields(b) for b in banks))) if banks else [[]] * 5
+    try:
+        torch.ops.sift.delta_bank_switch_packed_(weights, *[list(f) for f in fields], off, on, originals_off,
+                                                 originals_on)
+    except RuntimeError as exc:  # a bad argument, found before anything was written
+        raise ValueError(str(exc).split("\n")[0]) from None
+
+
+define_schema("delta_bank_switch_packed_", "delta_bank_switch_packed_(Tensor(a!)[] weights, Tensor[] block_ptrs, "
+              "Tensor[] lows, Tensor[] highs, Tensor[] high_starts, Tensor[] values, int off, int on, "
+              "Tensor[] originals_off, Tensor(b!)[] originals_on) -> ()", _no_output, _packed_on_cuda)

@@ -24,8 +24,11 @@ fine-tune applied in place only by how the product is rounded: `dtype(dtype(x W^
 base product rounded before the delta's term is added (fp32, a few units of fp32 rounding;
 bf16/fp16, about one more rounding of the output per layer). A layer's bank holds a 16-bit weight's
 increments in the weight's dtype when each of them is exact there (a step of at most half the
-weight always is), else in fp32, with int16 columns (int32 past 32768 inputs) and int32 row pointers:
-about 4 bytes an entry (`held_bytes`), 6 with fp32 values.
+weight always is), else in fp32. On the CPU a bank is packed (`PackedDeltaBank`: each position's low
+byte, the rest as Elias-Fano's unary buckets, an entry offset per 32 rows): about 3.2 bytes an entry
+with 16-bit values and 5.2 with fp32 ones at 1% density (`held_bytes`), no more than the fine-tune's
+file. On CUDA (and for the Triton backend) it stays CSR (`DeltaBank`: int16 columns, int32 row
+pointers), about 2 bytes an entry more.
 
 Over a bitsandbytes 4-bit or 8-bit base, a quantized layer's delta stays its fp32 entries `v` and
 its rows gain `x S^T` on top of the layer's own output, as a fine-tune attached to that layer
@@ -54,7 +57,8 @@ import torch
 from torch import nn
 
 from sift import _ops
-from sift._ops import DeltaBank
+from sift._ops import DeltaBank, PackedDeltaBank
+from sift._ops.registry import forced_backend
 from sift.delta.application import _APPLIED, _base_problems
 from sift.delta.entry import DeltaError
 from sift.delta.fingerprint import _state_of, logical_state
@@ -90,7 +94,7 @@ class _ServedLayer:
     delta per loaded name in load order, and the dense parts that replace its weight or bias for
     some deltas) and the forward hook that gives the served rows their deltas' outputs."""
 
-    def __init__(self, served: ServedDeltas, module: nn.Module, bank: DeltaBank):
+    def __init__(self, served: ServedDeltas, module: nn.Module, bank: DeltaBank | PackedDeltaBank):
         self.served = served
         self.module = module
         self.bank = bank  # sets `entries` too
@@ -103,19 +107,21 @@ class _ServedLayer:
         self.handle = module.register_forward_hook(self._hook)
 
     @property
-    def bank(self) -> DeltaBank:
+    def bank(self) -> DeltaBank | PackedDeltaBank:
         return self._bank
 
     @bank.setter
-    def bank(self, bank: DeltaBank) -> None:
+    def bank(self, bank: DeltaBank | PackedDeltaBank) -> None:
         # A 16-bit weight's increments are held in its dtype when every one of them is exact there (they
         # are when no step exceeds half its weight), else in fp32; an fp32 weight's stay fp32.
         dtype = self.module.weight.dtype
         if dtype in (torch.bfloat16, torch.float16) and not is_quantized_linear(self.module):
             bank = bank.narrowed(dtype)
+        if isinstance(bank, DeltaBank) and self.served._packs(bank.device):
+            bank = bank.packed()
         self._bank = bank
         # Each delta's entry count, on the host: switch_to sizes its buffers without reading the device.
-        self.entries = (bank.row_ptr[:, -1] - bank.row_ptr[:, 0]).tolist()
+        self.entries = bank.entry_counts()
 
     def weight_rows(self) -> torch.Tensor:
         """The weight as `[out_features, in_features]`, the bank's rows and columns: the parameter itself,
@@ -229,6 +235,10 @@ class ServedDeltas:
         self._plan: _SwitchPlan | None = None  # switch_to's view of the layers; None after a load or unload
         self._dense_saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, base copy) its heads replaced
 
+    def _packs(self, device: torch.device) -> bool:
+        """Whether banks on `device` are held packed: on the CPU, unless the Triton backend (CSR only) serves."""
+        return device.type == "cpu" and (self.backend or forced_backend()) != "triton"
+
     # -- loading --------------------------------------------------------------------------
 
     def list_deltas(self) -> list[str]:
@@ -293,7 +303,7 @@ class ServedDeltas:
         if problems:
             raise DeltaError(f"cannot load the sparse delta {name!r}; nothing changed", problems)
         # Every check passed: build the new banks, then install them all at once.
-        new_banks: dict[str, DeltaBank] = {}
+        new_banks: dict[str, DeltaBank | PackedDeltaBank] = {}
         for owner, (module, param) in targets.items():
             e = delta.entries[param]
             layer = self._layers.get(owner)
@@ -320,9 +330,9 @@ class ServedDeltas:
         self._plan = None
 
     def held_bytes(self, name: str) -> int:
-        """Bytes the loaded delta `name` holds: in every layer's bank its entries (an int16 column, or
-        int32 beyond 32768 inputs, and a value in the bank's dtype: the weight's 16-bit dtype where every
-        increment is exact there, else fp32) and its row pointers (int32), and its dense heads.
+        """Bytes the loaded delta `name` holds: in every layer's bank its entries (a value in the bank's
+        dtype: the weight's 16-bit dtype where every increment is exact there, else fp32; a packed
+        position on the CPU, an int16 or int32 column and int32 row pointers in CSR) and its dense heads.
 
         Raises:
             KeyError: no delta of that name is loaded.
@@ -541,8 +551,8 @@ def _param_of(model: nn.Module, name: str) -> torch.Tensor | None:
         return None
 
 
-def _increments(module: nn.Module, indices: torch.Tensor, values: torch.Tensor, bank: DeltaBank | None,
-                n_before: int) -> DeltaBank:
+def _increments(module: nn.Module, indices: torch.Tensor, values: torch.Tensor,
+                bank: DeltaBank | PackedDeltaBank | None, n_before: int) -> DeltaBank | PackedDeltaBank:
     """`bank` (or a new one with `n_before` empty deltas) with one more delta of `module`'s weight: the
     increments `apply_` makes in a 16-bit weight at `indices`, `fp32(dtype(w + v)) - fp32(w)`, or the
     values `v` of an fp32 weight or of a quantized layer (its frozen delta adds v to the dequantized

@@ -1,0 +1,479 @@
+// The serving kernels over the packed bank (PackedDeltaBank in sift/triton_kernels/_delta_bank.py):
+// each delta's sorted flat positions p = i * C + j as a low byte per entry and the buckets p >> 8 in
+// unary (entry e of the delta, from 0, is the set bit e + (p >> 8) of its words), with an entry
+// offset at every block of PACK_ROWS rows. The two ops compute what their CSR forms compute
+// (mixed_delta_matmul.cpp, delta_bank_switch.cpp), entry for entry in the same order, so the
+// results are the same bits; only the reading of positions differs:
+//   mixed_delta_matmul_packed_(y, x, ids, block_ptr, low, high, high_start, values)
+//   delta_bank_switch_packed_(weights, block_ptrs, lows, highs, high_starts, values, off, on,
+//                             originals_off, originals_on)
+// A task decodes its rows from their block's first entry: that entry's bit is (its place in the
+// delta) + (the buckets before the block's first row), so no thread reads another's bits. The ops
+// are public (torch.ops.sift.*): every pointer is checked before anything is written, and every
+// position as it is decoded (inside the task's rows, ascending, inside the delta's words); the
+// switch decodes every task once to check before it writes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "delta_bank.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sift {
+namespace {
+
+constexpr int64_t PACK_ROWS = 32;
+constexpr int LOW_BITS = 8;
+constexpr int64_t LANES = 8;         // tokens summed together, as in mixed_delta_matmul.cpp
+constexpr int64_t ROW_BLOCK = 256;   // rows per matmul task with few token groups (a multiple of PACK_ROWS)
+constexpr int64_t SWITCH_ROWS = 64;  // rows per switch task (a multiple of PACK_ROWS)
+constexpr int64_t SWITCH_GRAIN = 1 << 16;
+constexpr int64_t SWITCH_PREFETCH = 16;
+
+// The unary buckets of one delta read from one bit on: next() is the bucket of the next entry,
+// or -1 when the delta's words end first (a malformed bank).
+struct Buckets {
+  const uint64_t* words;
+  int64_t w, w_end, h;
+  uint64_t cur;  // the unread bits of words[w], the next one at bit 0
+  int rem;       // how many bits of words[w] are unread
+
+  Buckets(const uint64_t* words_, int64_t w_begin, int64_t w_end_, int64_t bit, int64_t h0)
+      : words(words_), w(w_begin + bit / 64), w_end(w_end_), h(h0) {
+    const int skip = static_cast<int>(bit % 64);
+    cur = w < w_end ? words[w] >> skip : 0;
+    rem = 64 - skip;
+  }
+
+  int64_t next() {
+    while (cur == 0) {  // the unread bits are clear: each closes a bucket
+      h += rem;
+      if (++w >= w_end) return -1;
+      cur = words[w];
+      rem = 64;
+    }
+    const int z = __builtin_ctzll(cur);
+    h += z;
+    cur = (cur >> z) >> 1;
+    rem -= z + 1;
+    return h;
+  }
+};
+
+// One packed bank's operands.
+template <typename P>
+struct Packed {
+  const P* block_ptr;  // [n, nb + 1]
+  const uint8_t* low;
+  const uint64_t* high;
+  const int64_t* high_start;  // [n + 1]
+  int64_t nb, R, C;
+
+  // Calls f(i, j, e) for each entry e of delta d in rows [r0, r1) (r0 a multiple of PACK_ROWS, r1 one
+  // or R), in order. False when the bank is malformed there (f may have been called for some entries).
+  template <typename F>
+  bool for_entries(int64_t d, int64_t r0, int64_t r1, F&& f) const {
+    const P* bp = block_ptr + d * (nb + 1);
+    const int64_t e0 = bp[r0 / PACK_ROWS], e1 = bp[(r1 + PACK_ROWS - 1) / PACK_ROWS];
+    const int64_t begin = r0 * C, end = r1 * C;
+    Buckets buckets(high, high_start[d], high_start[d + 1], (e0 - bp[0]) + (begin >> LOW_BITS), begin >> LOW_BITS);
+    int64_t row = r0, row_begin = begin, prev = begin - 1;
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t h = buckets.next();
+      if (h < 0) return false;
+      const int64_t p = (h << LOW_BITS) | low[e];
+      if (p <= prev || p >= end) return false;
+      prev = p;
+      while (p >= row_begin + C) {
+        ++row;
+        row_begin += C;
+      }
+      f(row, p - row_begin, e);
+    }
+    return true;
+  }
+};
+
+// Checks a packed bank's pointers (per delta: block pointers non-decreasing inside [0, nnz], words
+// inside high) for a [R, C] weight; `what` names the bank in the message.
+template <typename P>
+void check_pointers(const at::Tensor& block_ptr, const at::Tensor& high_start, int64_t nnz, int64_t words,
+                    const char* what) {
+  const int64_t n = block_ptr.size(0), nb = block_ptr.size(1) - 1;
+  const P* bp = block_ptr.data_ptr<P>();
+  const int64_t* hs = high_start.data_ptr<int64_t>();
+  TORCH_CHECK(n == 0 || (hs[0] >= 0 && hs[n] <= words), what, ": high_start spans [", n ? hs[0] : 0, ", ",
+              n ? hs[n] : 0, "), outside the ", words, " words of high");
+  for (int64_t d = 0; d < n; ++d) {
+    TORCH_CHECK(hs[d] <= hs[d + 1], what, ": high_start decreases at delta ", d);
+    const P* rows = bp + d * (nb + 1);
+    TORCH_CHECK(rows[0] >= 0 && rows[nb] <= nnz, what, ": block_ptr[", d, "] spans [", rows[0], ", ", rows[nb],
+                "), outside [0, ", nnz, ")");
+    for (int64_t b = 0; b < nb; ++b) {
+      TORCH_CHECK(rows[b] <= rows[b + 1], what, ": block_ptr[", d, "] decreases at block ", b);
+    }
+  }
+}
+
+void check_fields(const at::Tensor& block_ptr, const at::Tensor& low, const at::Tensor& high,
+                  const at::Tensor& high_start, const at::Tensor& values, int64_t R, const char* what) {
+  TORCH_CHECK(block_ptr.dim() == 2 && block_ptr.is_contiguous() && delta_bank::row_ptr_type_ok(block_ptr) &&
+                  block_ptr.device().is_cpu(),
+              what, ": block_ptr must be a contiguous int32 or int64 CPU tensor [n_deltas, blocks + 1]");
+  TORCH_CHECK(block_ptr.size(1) == (R + PACK_ROWS - 1) / PACK_ROWS + 1, what, ": block_ptr has ",
+              block_ptr.size(1), " pointers per delta; a weight of ", R, " rows needs ",
+              (R + PACK_ROWS - 1) / PACK_ROWS + 1, " (one per block of ", PACK_ROWS, " rows, and the end)");
+  TORCH_CHECK(low.dim() == 1 && low.is_contiguous() && low.scalar_type() == at::kByte && low.device().is_cpu(), what,
+              ": low must be a contiguous 1-D uint8 CPU tensor");
+  TORCH_CHECK(high.dim() == 1 && high.is_contiguous() && high.scalar_type() == at::kLong && high.device().is_cpu(),
+              what, ": high must be a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK(high_start.dim() == 1 && high_start.is_contiguous() && high_start.scalar_type() == at::kLong &&
+                  high_start.numel() == block_ptr.size(0) + 1 && high_start.device().is_cpu(),
+              what, ": high_start must be a contiguous int64 CPU tensor [n_deltas + 1]");
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && delta_bank::value_type_ok(values) &&
+                  values.numel() == low.numel() && values.device().is_cpu(),
+              what, ": values must be a contiguous float32, bfloat16 or float16 CPU tensor, one value per entry");
+  if (block_ptr.scalar_type() == at::kInt) {
+    check_pointers<int32_t>(block_ptr, high_start, low.numel(), high.numel(), what);
+  } else {
+    check_pointers<int64_t>(block_ptr, high_start, low.numel(), high.numel(), what);
+  }
+}
+
+template <typename P>
+Packed<P> view(const at::Tensor& block_ptr, const at::Tensor& low, const at::Tensor& high,
+               const at::Tensor& high_start, int64_t R, int64_t C) {
+  return {block_ptr.data_ptr<P>(), low.data_ptr<uint8_t>(), reinterpret_cast<const uint64_t*>(high.data_ptr<int64_t>()),
+          high_start.data_ptr<int64_t>(), block_ptr.size(1) - 1, R, C};
+}
+
+template <typename F>
+void by_value(const at::Tensor& values, F&& f) {
+  switch (values.scalar_type()) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    default:
+      f(c10::Half{});
+      break;
+  }
+}
+
+template <typename F>
+void by_float(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    default:
+      f(c10::Half{});
+      break;
+  }
+}
+
+// ------------------------------------------------------------------------------ mixed matmul
+
+struct TokenGroup {
+  int64_t begin, count;
+  int32_t delta;
+};
+
+// As in mixed_delta_matmul.cpp: tokens with a delta, ordered by delta, in groups of at most LANES.
+std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T, int64_t n, std::vector<int64_t>& order) {
+  std::vector<int64_t> start(n + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) ++start[ids[t] + 1];
+  }
+  for (int64_t d = 0; d < n; ++d) start[d + 1] += start[d];
+  order.resize(start[n]);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) order[next[ids[t]]++] = t;
+  }
+  std::vector<TokenGroup> groups;
+  for (int64_t d = 0; d < n; ++d) {
+    for (int64_t b = start[d]; b < start[d + 1]; b += LANES) {
+      groups.push_back({b, std::min(LANES, start[d + 1] - b), static_cast<int32_t>(d)});
+    }
+  }
+  return groups;
+}
+
+template <typename S, typename P, typename V>
+void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Packed<P>& bank, const V* vp,
+                int64_t n, std::atomic<int64_t>& bad_delta) {
+  const int64_t T = y.size(0), R = y.size(1), C = x.size(1);
+  const int64_t ld_y = y.stride(0), ld_x = x.stride(0);
+  S* __restrict yp = y.data_ptr<S>();
+  const S* __restrict xp = x.data_ptr<S>();
+  std::vector<int64_t> order;
+  const std::vector<TokenGroup> groups = token_groups(ids, T, n, order);
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  if (n_groups == 0) return;
+  const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
+  const int64_t blocks = (R + row_block - 1) / row_block;
+  at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> panel;
+    for (int64_t task = lo; task < hi; ++task) {
+      const TokenGroup& g = groups[task / blocks];
+      const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
+      bool ok;
+      if (g.count == 1) {  // a token alone with its delta: its input read where it lies
+        const int64_t t = order[g.begin];
+        const S* xt = xp + t * ld_x;
+        S* yt = yp + t * ld_y;
+        int64_t cur = -1;
+        float acc = 0.0f;
+        ok = bank.for_entries(g.delta, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
+          if (i != cur) {
+            if (cur >= 0) yt[cur] = static_cast<S>(static_cast<float>(yt[cur]) + acc);
+            cur = i;
+            acc = 0.0f;
+          }
+          acc += static_cast<float>(vp[e]) * static_cast<float>(xt[j]);
+        });
+        if (cur >= 0) yt[cur] = static_cast<S>(static_cast<float>(yt[cur]) + acc);
+      } else {
+        if (panel.empty()) panel.resize(C * LANES);
+        std::fill(panel.begin(), panel.end(), 0.0f);
+        for (int64_t l = 0; l < g.count; ++l) {
+          const S* xt = xp + order[g.begin + l] * ld_x;
+          for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
+        }
+        const float* __restrict pp = panel.data();
+        int64_t cur = -1;
+        float acc[LANES] = {};
+        auto flush = [&](int64_t i) {
+          for (int64_t l = 0; l < g.count; ++l) {
+            S* out = yp + order[g.begin + l] * ld_y + i;
+            *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
+          }
+          for (int64_t l = 0; l < LANES; ++l) acc[l] = 0.0f;
+        };
+        ok = bank.for_entries(g.delta, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
+          if (i != cur) {
+            if (cur >= 0) flush(cur);
+            cur = i;
+          }
+          const float v = static_cast<float>(vp[e]);
+          const float* xc = pp + j * LANES;
+          for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
+        });
+        if (cur >= 0) flush(cur);
+      }
+      if (!ok) bad_delta.store(g.delta, std::memory_order_relaxed);
+    }
+  });
+}
+
+void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& delta_ids,
+                                   const at::Tensor& block_ptr, const at::Tensor& low, const at::Tensor& high,
+                                   const at::Tensor& high_start, const at::Tensor& values) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y and x must be [T, R] and [T, C], got ",
+              y.sizes(), " and ", x.sizes());
+  TORCH_CHECK(y.scalar_type() == x.scalar_type(), "y and x must have the same dtype, got ", y.scalar_type(), " and ",
+              x.scalar_type());
+  const auto dtype = y.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "y must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu() && delta_ids.device().is_cpu(),
+              "mixed_delta_matmul_packed_ takes CPU tensors");
+  TORCH_CHECK(y.size(1) <= 1 || y.stride(1) == 1, "y rows must be contiguous");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, "x rows must be contiguous");
+  const int64_t T = y.size(0), R = y.size(1), C = x.size(1);
+  TORCH_CHECK(delta_ids.dim() == 1 && delta_ids.is_contiguous() && delta_ids.scalar_type() == at::kInt &&
+                  delta_ids.numel() == T,
+              "delta_ids must be a contiguous 1-D int32 tensor of T = ", T, " ids");
+  check_fields(block_ptr, low, high, high_start, values, R, "the packed bank");
+  const int64_t n = block_ptr.size(0);
+  const int32_t* idp = delta_ids.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(idp[t] >= -1 && idp[t] < n, "delta_ids has ", idp[t], " at position ", t, ", outside [-1, ", n, ")");
+  }
+  if (T == 0 || R == 0 || C == 0 || n == 0) return;
+  std::atomic<int64_t> bad_delta{-1};
+  auto go = [&](auto p) {
+    using P = decltype(p);
+    const Packed<P> bank = view<P>(block_ptr, low, high, high_start, R, C);
+    by_value(values, [&](auto v) {
+      using V = decltype(v);
+      const V* vp = values.data_ptr<V>();
+      by_float(dtype, [&](auto s) { run_matmul<decltype(s), P, V>(y, x, idp, bank, vp, n, bad_delta); });
+    });
+  };
+  if (block_ptr.scalar_type() == at::kInt) {
+    go(int32_t{});
+  } else {
+    go(int64_t{});
+  }
+  TORCH_CHECK(bad_delta.load() < 0, "the packed bank's delta ", bad_delta.load(), " decodes to positions outside ",
+              "its rows or out of order (y was partly written)");
+}
+
+// ------------------------------------------------------------------------------------ switch
+
+struct Layer {
+  const at::Tensor* w;
+  const at::Tensor *block_ptr, *low, *high, *high_start, *val;
+  const at::Tensor* saved_off;
+  const at::Tensor* saved_on;
+  int64_t R, C;
+};
+
+template <typename P>
+int64_t first_entry(const at::Tensor& block_ptr, int64_t d) {
+  return block_ptr.data_ptr<P>()[d * block_ptr.size(1)];
+}
+
+// Rows [r0, r1) of one layer: delta off's entries get their saved values back, then delta on's save
+// theirs and gain their values. Each delta's entries in the rows are decoded into `places` (the weight
+// offsets) first, so the writes can prefetch SWITCH_PREFETCH entries ahead.
+template <typename W, typename P, typename V>
+void switch_rows(const Layer& layer, int64_t off, int64_t on, int64_t r0, int64_t r1, std::vector<int64_t>& places,
+                 std::vector<int64_t>& entry) {
+  W* __restrict wp = layer.w->data_ptr<W>();
+  const int64_t ld_r = layer.w->stride(0), ld_c = layer.w->stride(1);
+  const Packed<P> bank = view<P>(*layer.block_ptr, *layer.low, *layer.high, *layer.high_start, layer.R, layer.C);
+  const V* __restrict vp = layer.val->data_ptr<V>();
+  for (int64_t d : {off, on}) {
+    if (d < 0) continue;
+    places.clear();
+    entry.clear();
+    bank.for_entries(d, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
+      places.push_back(i * ld_r + j * ld_c);
+      entry.push_back(e);
+    });
+    const int64_t k = static_cast<int64_t>(places.size()), first = first_entry<P>(*layer.block_ptr, d);
+    for (int64_t q = 0; q < std::min(k, SWITCH_PREFETCH); ++q) __builtin_prefetch(wp + places[q], 1, 3);
+    if (d == off) {
+      const W* __restrict old = layer.saved_off->data_ptr<W>() - first;
+      for (int64_t q = 0; q < k; ++q) {
+        if (q + SWITCH_PREFETCH < k) __builtin_prefetch(wp + places[q + SWITCH_PREFETCH], 1, 3);
+        wp[places[q]] = old[entry[q]];
+      }
+    } else {
+      W* __restrict old = layer.saved_on->data_ptr<W>() - first;
+      for (int64_t q = 0; q < k; ++q) {
+        if (q + SWITCH_PREFETCH < k) __builtin_prefetch(wp + places[q + SWITCH_PREFETCH], 1, 3);
+        W* place = wp + places[q];
+        const W was = *place;
+        old[entry[q]] = was;
+        *place = static_cast<W>(static_cast<float>(was) + static_cast<float>(vp[entry[q]]));
+      }
+    }
+  }
+}
+
+void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_ptrs, at::TensorList lows,
+                                  at::TensorList highs, at::TensorList high_starts, at::TensorList values,
+                                  int64_t off, int64_t on, at::TensorList originals_off,
+                                  at::TensorList originals_on) {
+  const size_t L = weights.size();
+  TORCH_CHECK(block_ptrs.size() == L && lows.size() == L && highs.size() == L && high_starts.size() == L &&
+                  values.size() == L,
+              "block_ptrs, lows, highs, high_starts and values must have one tensor per weight");
+  TORCH_CHECK(originals_off.size() == (off >= 0 ? L : 0),
+              "originals_off must have one tensor per weight when off >= 0, else none");
+  TORCH_CHECK(originals_on.size() == (on >= 0 ? L : 0),
+              "originals_on must have one tensor per weight when on >= 0, else none");
+  struct Task {
+    size_t layer;
+    int64_t r0, r1;
+  };
+  std::vector<Layer> layers(L);
+  std::vector<Task> tasks;
+  int64_t entries = 0;
+  for (size_t l = 0; l < L; ++l) {
+    const at::Tensor& w = weights[l];
+    TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "weights[", l, "] must be a 2-D CPU tensor [R, C]");
+    const auto dtype = w.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "weights[", l, "] must be float32, bfloat16 or float16, got ", dtype);
+    const int64_t R = w.size(0);
+    const std::string what = "bank " + std::to_string(l);
+    check_fields(block_ptrs[l], lows[l], highs[l], high_starts[l], values[l], R, what.c_str());
+    const int64_t n = block_ptrs[l].size(0);
+    TORCH_CHECK(off >= -1 && off < n && on >= -1 && on < n && (off != on || off < 0),
+                "off and on must be two deltas in [-1, ", n, ") (-1: none)");
+    for (int64_t d : {off, on}) {
+      if (d < 0) continue;
+      const int64_t first = delta_bank::row_ptr_at(block_ptrs[l], d, 0);
+      const int64_t last = delta_bank::row_ptr_at(block_ptrs[l], d, block_ptrs[l].size(1) - 1);
+      const at::Tensor& saved = d == off ? originals_off[l] : originals_on[l];
+      TORCH_CHECK(saved.dim() == 1 && saved.is_contiguous() && saved.scalar_type() == dtype &&
+                      saved.numel() == last - first && saved.device().is_cpu(),
+                  d == off ? "originals_off[" : "originals_on[", l, "] must be a contiguous CPU tensor of the "
+                  "weight's dtype with one value per entry of its delta (", last - first, ")");
+      entries += last - first;
+    }
+    layers[l] = {&w, &block_ptrs[l], &lows[l], &highs[l], &high_starts[l], &values[l],
+                 off >= 0 ? &originals_off[l] : nullptr, on >= 0 ? &originals_on[l] : nullptr, R, w.size(1)};
+    for (int64_t r = 0; r < R; r += SWITCH_ROWS) tasks.push_back({l, r, std::min(R, r + SWITCH_ROWS)});
+  }
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, n_tasks * SWITCH_GRAIN / std::max<int64_t>(entries, 1));
+  // Every position is decoded and checked once before anything is written.
+  std::atomic<int64_t> bad_layer{-1};
+  at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const Task& task = tasks[t];
+      const Layer& layer = layers[task.layer];
+      auto check = [&](auto p) {
+        using P = decltype(p);
+        const Packed<P> bank = view<P>(*layer.block_ptr, *layer.low, *layer.high, *layer.high_start, layer.R,
+                                       layer.C);
+        bool ok = true;
+        for (int64_t d : {off, on}) {
+          if (d >= 0) ok &= bank.for_entries(d, task.r0, task.r1, [](int64_t, int64_t, int64_t) {});
+        }
+        return ok;
+      };
+      const bool ok = layer.block_ptr->scalar_type() == at::kInt ? check(int32_t{}) : check(int64_t{});
+      if (!ok) bad_layer.store(static_cast<int64_t>(task.layer), std::memory_order_relaxed);
+    }
+  });
+  TORCH_CHECK(bad_layer.load() < 0, "bank ", bad_layer.load(), " decodes to positions outside its weight or out of ",
+              "order (nothing was written)");
+  at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> places, entry;
+    for (int64_t t = lo; t < hi; ++t) {
+      const Task& task = tasks[t];
+      const Layer& layer = layers[task.layer];
+      auto go = [&](auto p) {
+        using P = decltype(p);
+        by_value(*layer.val, [&](auto v) {
+          using V = decltype(v);
+          by_float(layer.w->scalar_type(), [&](auto w) {
+            switch_rows<decltype(w), P, V>(layer, off, on, task.r0, task.r1, places, entry);
+          });
+        });
+      };
+      if (layer.block_ptr->scalar_type() == at::kInt) {
+        go(int32_t{});
+      } else {
+        go(int64_t{});
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// CPU kernels of the schemas in sift/_ops/ (see module.cpp).
+TORCH_LIBRARY_IMPL(sift, CPU, m) {
+  m.impl("mixed_delta_matmul_packed_", &mixed_delta_matmul_packed_cpu);
+  m.impl("delta_bank_switch_packed_", &delta_bank_switch_packed_cpu);
+}
+
+}  // namespace sift
