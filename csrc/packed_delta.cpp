@@ -31,39 +31,87 @@ constexpr int64_t PACK_ROWS = 32;
 constexpr int LOW_BITS = 8;
 constexpr int64_t LANES = 8;         // tokens summed together, as in mixed_delta_matmul.cpp
 constexpr int64_t ROW_BLOCK = 256;   // rows per matmul task with few token groups (a multiple of PACK_ROWS)
-constexpr int64_t SWITCH_ROWS = 64;  // rows per switch task (a multiple of PACK_ROWS)
+constexpr int64_t SWITCH_ROWS = 64;
+constexpr int64_t CHUNK = 64;  // positions a Decoder writes at a time  // rows per switch task (a multiple of PACK_ROWS)
 constexpr int64_t SWITCH_GRAIN = 1 << 16;
-constexpr int64_t SWITCH_PREFETCH = 16;
 
-// The unary buckets of one delta read from one bit on: next() is the bucket of the next entry,
-// or -1 when the delta's words end first (a malformed bank).
-struct Buckets {
-  const uint64_t* words;
-  int64_t w, w_end, h;
-  uint64_t cur;  // the unread bits of words[w], the next one at bit 0
-  int rem;       // how many bits of words[w] are unread
+// A delta's entries from one of its blocks on, decoded CHUNK at a time into flat positions: first
+// the set bits' indices, word by word (a count-trailing-zeros and a clear per entry, the clear the
+// only carried dependency), then the positions ((bit - place) << LOW_BITS) | low in a loop the
+// compiler vectorizes, checked ascending and below `end` the same way. The kernels' loops then
+// cut the positions into rows.
+struct Decoder {
+  const uint64_t* __restrict words;
+  const uint8_t* __restrict low;
+  int64_t w, w_end, e, e1, place, prev, end;
+  uint64_t cur;
 
-  Buckets(const uint64_t* words_, int64_t w_begin, int64_t w_end_, int64_t bit, int64_t h0)
-      : words(words_), w(w_begin + bit / 64), w_end(w_end_), h(h0) {
-    const int skip = static_cast<int>(bit % 64);
-    cur = w < w_end ? words[w] >> skip : 0;
-    rem = 64 - skip;
-  }
-
-  int64_t next() {
-    while (cur == 0) {  // the unread bits are clear: each closes a bucket
-      h += rem;
-      if (++w >= w_end) return -1;
-      cur = words[w];
-      rem = 64;
+  // The next min(CHUNK, e1 - e) entries' positions into pos (entries e, e + 1, ...): their count; 0 at
+  // the end; -1 where the bank is malformed.
+  int64_t next(int64_t* __restrict pos) {
+    const int64_t m = std::min(CHUNK, e1 - e);
+    int64_t q = 0;
+    while (q < m) {
+      if (cur == 0) {
+        if (++w >= w_end) return -1;
+        cur = words[w];
+        continue;
+      }
+      const int64_t wb = w << 6;
+      do {
+        pos[q++] = wb + __builtin_ctzll(cur);
+        cur &= cur - 1;
+      } while (cur && q < m);
     }
-    const int z = __builtin_ctzll(cur);
-    h += z;
-    cur = (cur >> z) >> 1;
-    rem -= z + 1;
-    return h;
+    const uint8_t* __restrict lo = low + e;
+    const int64_t first = place;
+    int64_t bad = 0;
+    for (int64_t k = 0; k < m; ++k) pos[k] = ((pos[k] - first - k) << LOW_BITS) | lo[k];
+    for (int64_t k = 1; k < m; ++k) bad |= ~(pos[k - 1] - pos[k]);  // negative where not ascending
+    if (m && (pos[0] <= prev || pos[m - 1] >= end || bad < 0)) return -1;
+    if (m) prev = pos[m - 1];
+    e += m;
+    place += m;
+    return m;
   }
 };
+
+// A decoder's entries in one loop: add(j, e) for each entry e (j its column), done(i) after the last
+// entry of each row i. The decode's carried chain (a clear per entry) runs beside the caller's sum;
+// a position outside the current row is the row's end, or, before the row or past the rows, a
+// malformed bank (false; done has run for the rows before). Within a row the positions are not
+// checked ascending: an out-of-order column still lies in the row (the checked entry point decodes
+// the whole bank first).
+template <typename Add, typename Done>
+bool fused(const Decoder& dec, int64_t C, Add&& add, Done&& done) {
+  const uint64_t* __restrict words = dec.words;
+  const uint8_t* __restrict lows = dec.low;
+  uint64_t cur = dec.cur;
+  int64_t w = dec.w, base = (w << 6) - dec.place, row = -1, row_begin = 0, prev = dec.prev;
+  for (int64_t e = dec.e; e < dec.e1; ++e) {
+    while (cur == 0) {
+      if (++w >= dec.w_end) {
+        if (row >= 0) done(row);
+        return false;
+      }
+      cur = words[w];
+      base += 64;
+    }
+    const int64_t p = ((base + __builtin_ctzll(cur)) << LOW_BITS) | lows[e];
+    cur &= cur - 1;
+    --base;
+    if (static_cast<uint64_t>(p - row_begin) >= static_cast<uint64_t>(C) || row < 0) {
+      if (row >= 0) done(row);
+      if (p <= prev || p >= dec.end) return false;
+      row = p / C;
+      row_begin = row * C;
+    }
+    prev = p;
+    add(p - row_begin, e);
+  }
+  if (row >= 0) done(row);
+  return true;
+}
 
 // One packed bank's operands.
 template <typename P>
@@ -74,29 +122,66 @@ struct Packed {
   const int64_t* high_start;  // [n + 1]
   int64_t nb, R, C;
 
+  // A decoder of delta d's entries in rows [r0, r1) (r0 a multiple of PACK_ROWS, r1 one or R); `ok`
+  // false when its first bit lies past the delta's words.
+  Decoder decoder(int64_t d, int64_t r0, int64_t r1, bool& ok) const {
+    const P* bp = block_ptr + d * (nb + 1);
+    const int64_t e0 = bp[r0 / PACK_ROWS], e1 = bp[(r1 + PACK_ROWS - 1) / PACK_ROWS];
+    const uint64_t* words = high + high_start[d];
+    const int64_t w_end = high_start[d + 1] - high_start[d];
+    // The block's first entry's bit: its place in the delta plus the buckets before the block's first row.
+    const int64_t place = e0 - bp[0], bit = place + ((r0 * C) >> LOW_BITS), w = bit >> 6;
+    ok = e0 >= e1 || w < w_end;
+    const uint64_t cur = ok && e0 < e1 ? words[w] & (~uint64_t{0} << (bit & 63)) : 0;
+    return {words, low, w, w_end, e0, ok ? e1 : e0, place, r0 * C - 1, r1 * C, cur};
+  }
+
   // Calls f(i, j, e) for each entry e of delta d in rows [r0, r1) (r0 a multiple of PACK_ROWS, r1 one
-  // or R), in order. False when the bank is malformed there (f may have been called for some entries).
+  // or R), in order. False when the bank is malformed there (a position outside the rows or out of
+  // order, or the delta's words ending first); f may have been called for the entries before.
+  //
+  // Entry e's set bit is bit b of the delta's words with b = (its place in the delta) + (its bucket),
+  // so its position is ((b - place) << LOW_BITS) | low[e]. The loop carries `cur &= cur - 1` (one
+  // cycle) and `base` = 64 w - place; the count-trailing-zeros is off that chain.
   template <typename F>
   bool for_entries(int64_t d, int64_t r0, int64_t r1, F&& f) const {
     const P* bp = block_ptr + d * (nb + 1);
     const int64_t e0 = bp[r0 / PACK_ROWS], e1 = bp[(r1 + PACK_ROWS - 1) / PACK_ROWS];
-    const int64_t begin = r0 * C, end = r1 * C;
-    Buckets buckets(high, high_start[d], high_start[d + 1], (e0 - bp[0]) + (begin >> LOW_BITS), begin >> LOW_BITS);
-    int64_t row = r0, row_begin = begin, prev = begin - 1;
+    if (e0 >= e1) return true;
+    const uint64_t* words = high + high_start[d];
+    const int64_t w_end = high_start[d + 1] - high_start[d];
+    // The block's first entry's bit: its place in the delta plus the buckets before the block's first row.
+    const int64_t place = e0 - bp[0], bit = place + ((r0 * C) >> LOW_BITS);
+    int64_t w = bit >> 6;
+    if (w >= w_end) return false;
+    uint64_t cur = words[w] & (~uint64_t{0} << (bit & 63));
+    int64_t base = (w << 6) - place;
+    const int64_t end = r1 * C;
+    int64_t row = r0, row_begin = r0 * C, row_end = row_begin + C, prev = row_begin - 1;
     for (int64_t e = e0; e < e1; ++e) {
-      const int64_t h = buckets.next();
-      if (h < 0) return false;
-      const int64_t p = (h << LOW_BITS) | low[e];
-      if (p <= prev || p >= end) return false;
+      while (cur == 0) {
+        if (++w >= w_end) return false;
+        cur = words[w];
+        base += 64;
+      }
+      const int64_t p = ((base + __builtin_ctzll(cur)) << LOW_BITS) | low[e];
+      cur &= cur - 1;
+      --base;
+      if (p <= prev) return false;
       prev = p;
-      while (p >= row_begin + C) {
-        ++row;
-        row_begin += C;
+      if (p >= row_end) {
+        if (p >= end) return false;
+        do {
+          ++row;
+          row_begin = row_end;
+          row_end += C;
+        } while (p >= row_end);
       }
       f(row, p - row_begin, e);
     }
     return true;
   }
+
 };
 
 // Checks a packed bank's pointers (per delta: block pointers non-decreasing inside [0, nnz], words
@@ -229,21 +314,21 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
       const TokenGroup& g = groups[task / blocks];
       const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
       bool ok;
+      const Decoder dec = bank.decoder(g.delta, r0, r1, ok);
+      if (!ok) {
+        bad_delta.store(g.delta, std::memory_order_relaxed);
+        continue;
+      }
       if (g.count == 1) {  // a token alone with its delta: its input read where it lies
-        const int64_t t = order[g.begin];
-        const S* xt = xp + t * ld_x;
-        S* yt = yp + t * ld_y;
-        int64_t cur = -1;
+        const S* xt = xp + order[g.begin] * ld_x;
+        S* yt = yp + order[g.begin] * ld_y;
         float acc = 0.0f;
-        ok = bank.for_entries(g.delta, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
-          if (i != cur) {
-            if (cur >= 0) yt[cur] = static_cast<S>(static_cast<float>(yt[cur]) + acc);
-            cur = i;
-            acc = 0.0f;
-          }
-          acc += static_cast<float>(vp[e]) * static_cast<float>(xt[j]);
-        });
-        if (cur >= 0) yt[cur] = static_cast<S>(static_cast<float>(yt[cur]) + acc);
+        ok = fused(
+            dec, C, [&](int64_t j, int64_t e) { acc += static_cast<float>(vp[e]) * static_cast<float>(xt[j]); },
+            [&](int64_t i) {
+              yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
+              acc = 0.0f;
+            });
       } else {
         if (panel.empty()) panel.resize(C * LANES);
         std::fill(panel.begin(), panel.end(), 0.0f);
@@ -252,25 +337,21 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
           for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
         }
         const float* __restrict pp = panel.data();
-        int64_t cur = -1;
         float acc[LANES] = {};
-        auto flush = [&](int64_t i) {
-          for (int64_t l = 0; l < g.count; ++l) {
-            S* out = yp + order[g.begin + l] * ld_y + i;
-            *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
-          }
-          for (int64_t l = 0; l < LANES; ++l) acc[l] = 0.0f;
-        };
-        ok = bank.for_entries(g.delta, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
-          if (i != cur) {
-            if (cur >= 0) flush(cur);
-            cur = i;
-          }
-          const float v = static_cast<float>(vp[e]);
-          const float* xc = pp + j * LANES;
-          for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
-        });
-        if (cur >= 0) flush(cur);
+        ok = fused(
+            dec, C,
+            [&](int64_t j, int64_t e) {
+              const float v = static_cast<float>(vp[e]);
+              const float* xc = pp + j * LANES;
+              for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
+            },
+            [&](int64_t i) {
+              for (int64_t l = 0; l < g.count; ++l) {
+                S* out = yp + order[g.begin + l] * ld_y + i;
+                *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
+              }
+              for (int64_t l = 0; l < LANES; ++l) acc[l] = 0.0f;
+            });
       }
       if (!ok) bad_delta.store(g.delta, std::memory_order_relaxed);
     }
@@ -279,7 +360,7 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
 
 void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor& delta_ids,
                                    const at::Tensor& block_ptr, const at::Tensor& low, const at::Tensor& high,
-                                   const at::Tensor& high_start, const at::Tensor& values) {
+                                   const at::Tensor& high_start, const at::Tensor& values, bool check_positions) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y and x must be [T, R] and [T, C], got ",
               y.sizes(), " and ", x.sizes());
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), "y and x must have the same dtype, got ", y.scalar_type(), " and ",
@@ -306,6 +387,16 @@ void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at:
   auto go = [&](auto p) {
     using P = decltype(p);
     const Packed<P> bank = view<P>(block_ptr, low, high, high_start, R, C);
+    if (check_positions) {  // every position of every delta the ids name, ascending inside its rows, first
+      std::vector<char> named(n, 0);
+      for (int64_t t = 0; t < T; ++t) {
+        if (idp[t] >= 0) named[idp[t]] = 1;
+      }
+      for (int64_t d = 0; d < n; ++d) {
+        TORCH_CHECK(!named[d] || bank.for_entries(d, 0, R, [](int64_t, int64_t, int64_t) {}), "the packed bank's delta ",
+                    d, " decodes to positions outside its weight or out of order (nothing was written)");
+      }
+    }
     by_value(values, [&](auto v) {
       using V = decltype(v);
       const V* vp = values.data_ptr<V>();
@@ -337,48 +428,55 @@ int64_t first_entry(const at::Tensor& block_ptr, int64_t d) {
 }
 
 // Rows [r0, r1) of one layer: delta off's entries get their saved values back, then delta on's save
-// theirs and gain their values. Each delta's entries in the rows are decoded into `places` (the weight
-// offsets) first, so the writes can prefetch SWITCH_PREFETCH entries ahead.
+// theirs and gain their values. A chunk of positions is decoded and each of its places prefetched
+// before any of its writes: the chunk's cache misses are in flight together. False where the bank
+// is malformed (the chunks before it were written).
 template <typename W, typename P, typename V>
-void switch_rows(const Layer& layer, int64_t off, int64_t on, int64_t r0, int64_t r1, std::vector<int64_t>& places,
-                 std::vector<int64_t>& entry) {
+bool switch_rows(const Layer& layer, int64_t off, int64_t on, int64_t r0, int64_t r1) {
   W* __restrict wp = layer.w->data_ptr<W>();
-  const int64_t ld_r = layer.w->stride(0), ld_c = layer.w->stride(1);
+  const int64_t ld_r = layer.w->stride(0), ld_c = layer.w->stride(1), C = layer.C;
   const Packed<P> bank = view<P>(*layer.block_ptr, *layer.low, *layer.high, *layer.high_start, layer.R, layer.C);
   const V* __restrict vp = layer.val->data_ptr<V>();
+  int64_t pos[CHUNK];
   for (int64_t d : {off, on}) {
     if (d < 0) continue;
-    places.clear();
-    entry.clear();
-    bank.for_entries(d, r0, r1, [&](int64_t i, int64_t j, int64_t e) {
-      places.push_back(i * ld_r + j * ld_c);
-      entry.push_back(e);
-    });
-    const int64_t k = static_cast<int64_t>(places.size()), first = first_entry<P>(*layer.block_ptr, d);
-    for (int64_t q = 0; q < std::min(k, SWITCH_PREFETCH); ++q) __builtin_prefetch(wp + places[q], 1, 3);
-    if (d == off) {
-      const W* __restrict old = layer.saved_off->data_ptr<W>() - first;
-      for (int64_t q = 0; q < k; ++q) {
-        if (q + SWITCH_PREFETCH < k) __builtin_prefetch(wp + places[q + SWITCH_PREFETCH], 1, 3);
-        wp[places[q]] = old[entry[q]];
+    const int64_t first = first_entry<P>(*layer.block_ptr, d);
+    const W* __restrict restore = d == off ? layer.saved_off->data_ptr<W>() - first : nullptr;
+    W* __restrict save = d == on ? layer.saved_on->data_ptr<W>() - first : nullptr;
+    bool ok;
+    Decoder dec = bank.decoder(d, r0, r1, ok);
+    if (!ok) return false;
+    int64_t m, e = dec.e, row = r0, row_begin = r0 * C;
+    while ((m = dec.next(pos)) > 0) {
+      for (int64_t q = 0; q < m; ++q) {  // positions -> places (ascending: the row only moves on)
+        while (pos[q] >= row_begin + C) {
+          ++row;
+          row_begin += C;
+        }
+        pos[q] = row * ld_r + (pos[q] - row_begin) * ld_c;
+        __builtin_prefetch(wp + pos[q], 1, 3);
       }
-    } else {
-      W* __restrict old = layer.saved_on->data_ptr<W>() - first;
-      for (int64_t q = 0; q < k; ++q) {
-        if (q + SWITCH_PREFETCH < k) __builtin_prefetch(wp + places[q + SWITCH_PREFETCH], 1, 3);
-        W* place = wp + places[q];
-        const W was = *place;
-        old[entry[q]] = was;
-        *place = static_cast<W>(static_cast<float>(was) + static_cast<float>(vp[entry[q]]));
+      if (restore) {
+        for (int64_t q = 0; q < m; ++q) wp[pos[q]] = restore[e + q];
+      } else {
+        for (int64_t q = 0; q < m; ++q) {
+          W* at = wp + pos[q];
+          const W was = *at;
+          save[e + q] = was;
+          *at = static_cast<W>(static_cast<float>(was) + static_cast<float>(vp[e + q]));
+        }
       }
+      e += m;
     }
+    if (m < 0) return false;
   }
+  return true;
 }
 
 void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_ptrs, at::TensorList lows,
                                   at::TensorList highs, at::TensorList high_starts, at::TensorList values,
                                   int64_t off, int64_t on, at::TensorList originals_off,
-                                  at::TensorList originals_on) {
+                                  at::TensorList originals_on, bool check_positions) {
   const size_t L = weights.size();
   TORCH_CHECK(block_ptrs.size() == L && lows.size() == L && highs.size() == L && high_starts.size() == L &&
                   values.size() == L,
@@ -423,9 +521,11 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
   }
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   const int64_t grain = std::max<int64_t>(1, n_tasks * SWITCH_GRAIN / std::max<int64_t>(entries, 1));
-  // Every position is decoded and checked once before anything is written.
+  // Every position is decoded and checked once before anything is written, unless the caller built the
+  // banks (check_positions false): the writes then still decode each position checked, so a malformed
+  // bank stops the switch partway (an error) but never writes outside a weight.
   std::atomic<int64_t> bad_layer{-1};
-  at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
+  if (check_positions) at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
       const Layer& layer = layers[task.layer];
@@ -446,7 +546,7 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
   TORCH_CHECK(bad_layer.load() < 0, "bank ", bad_layer.load(), " decodes to positions outside its weight or out of ",
               "order (nothing was written)");
   at::parallel_for(0, n_tasks, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<int64_t> places, entry;
+    bool ok = true;
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
       const Layer& layer = layers[task.layer];
@@ -455,7 +555,7 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
         by_value(*layer.val, [&](auto v) {
           using V = decltype(v);
           by_float(layer.w->scalar_type(), [&](auto w) {
-            switch_rows<decltype(w), P, V>(layer, off, on, task.r0, task.r1, places, entry);
+            ok &= switch_rows<decltype(w), P, V>(layer, off, on, task.r0, task.r1);
           });
         });
       };
@@ -464,8 +564,14 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
       } else {
         go(int64_t{});
       }
+      if (!ok) {
+        bad_layer.store(static_cast<int64_t>(task.layer), std::memory_order_relaxed);
+        ok = true;
+      }
     }
   });
+  TORCH_CHECK(bad_layer.load() < 0, "bank ", bad_layer.load(), " decodes to positions outside its weight or out of ",
+              "order (the weights were partly switched)");
 }
 
 }  // namespace

@@ -213,3 +213,41 @@ def test_mixing_packed_and_csr_banks_in_one_switch_is_refused():
     w = [torch.zeros(37, 65), torch.zeros(37, 65)]
     with pytest.raises(ValueError, match="a mix"):
         _ops.delta_bank_switch_(w, [bank, bank.packed()], -1, -1, [], [])
+
+
+def test_a_packed_and_a_csr_served_model_give_the_same_bits():
+    """layout='packed' (the CPU default) and layout='csr': the same rows and the same switched weights."""
+    base = _tiny_llama()
+    gen = torch.Generator().manual_seed(9)
+    deltas = {}
+    for name in ("a", "b"):
+        tuned = _tiny_llama()
+        with torch.no_grad():
+            for n, p in tuned.named_parameters():
+                if "proj" in n:
+                    p += (torch.rand(p.shape, generator=gen) < 0.02) * torch.randn(p.shape, generator=gen) * 1e-2
+        deltas[name] = SparseDelta.from_diff(base, tuned, density=1.0)
+    ids = torch.randint(0, 64, (3, 5), generator=gen)
+    got = {}
+    for layout in ("packed", "csr"):
+        served = ServedDeltas(base, layout=layout)
+        for name, delta in deltas.items():
+            served.load_delta(name, delta)
+        kind = PackedDeltaBank if layout == "packed" else DeltaBank
+        assert all(isinstance(layer.bank, kind) for layer in served._layers.values())
+        with torch.no_grad():
+            logits = served(ids, delta_names=["a", None, "b"]).logits
+            served.switch_to("b")
+            weights = {n: p.clone() for n, p in base.state_dict().items()}
+            served.switch_to(None)
+        got[layout] = (logits, weights)
+        served.close()
+    assert torch.equal(got["packed"][0], got["csr"][0])
+    assert all(torch.equal(got["packed"][1][n], got["csr"][1][n]) for n in got["csr"][1])
+
+
+def test_a_packed_layout_the_backend_cannot_read_is_refused():
+    with pytest.raises(ValueError, match="layout='packed'"):
+        ServedDeltas(_tiny_llama(), backend="triton", layout="packed")
+    with pytest.raises(ValueError, match="layout must be"):
+        ServedDeltas(_tiny_llama(), layout="coo")

@@ -513,7 +513,9 @@ def _mixed_delta_matmul_packed_cpp(y, x, delta_ids, bank, check_values=True):
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     if y2.shape[1] > 1 and y2.stride(1) != 1:
         raise ValueError(f"y's features must be contiguous for the C++ kernel, got strides {y.stride()}")
-    torch.ops.sift.mixed_delta_matmul_packed_(y2, x2, ids, *_packed_fields(bank))
+    # Unchecked values (a served model's banks, built by PackedDeltaBank.pack): the kernel skips its decoding
+    # pass and still keeps every read inside its row.
+    torch.ops.sift.mixed_delta_matmul_packed_(y2, x2, ids, *_packed_fields(bank), check_values)
     return y
 
 
@@ -522,8 +524,8 @@ def _packed_on_cuda(*args, **kwargs):
 
 
 define_schema("mixed_delta_matmul_packed_", "mixed_delta_matmul_packed_(Tensor(a!) y, Tensor x, Tensor delta_ids, "
-              "Tensor block_ptr, Tensor low, Tensor high, Tensor high_start, Tensor values) -> ()", _no_output,
-              _packed_on_cuda)
+              "Tensor block_ptr, Tensor low, Tensor high, Tensor high_start, Tensor values, "
+              "bool check_positions=True) -> ()", _no_output, _packed_on_cuda)
 
 
 def delta_bank_switch_packed_ref(weights: list[torch.Tensor], banks: list[PackedDeltaBank], off: int, on: int,
@@ -540,7 +542,8 @@ define("delta_bank_switch_packed_", delta_bank_switch_packed_ref)
 
 @register("delta_bank_switch_packed_", "cpp")
 def _delta_bank_switch_packed_cpp(weights, banks, off, on, originals_off, originals_on, trusted_banks=False):
-    # As the CSR form: the kernel checks every tensor and decodes every position before it writes.
+    # The kernel checks every tensor, and decodes every position before it writes unless the caller built
+    # the banks (trusted_banks): then each position is still checked as it is written.
     _check_switch_lists(weights, banks, off, on, originals_off, originals_on, PackedDeltaBank)
     for layer, (w, bank) in enumerate(zip(weights, banks)):
         if w.dim() != 2 or tuple(w.shape) != (bank.out_features, bank.in_features):
@@ -549,11 +552,12 @@ def _delta_bank_switch_packed_cpp(weights, banks, off, on, originals_off, origin
     fields = list(zip(*(_packed_fields(b) for b in banks))) if banks else [[]] * 5
     try:
         torch.ops.sift.delta_bank_switch_packed_(weights, *[list(f) for f in fields], off, on, originals_off,
-                                                 originals_on)
+                                                 originals_on, not trusted_banks)
     except RuntimeError as exc:  # a bad argument, found before anything was written
         raise ValueError(str(exc).split("\n")[0]) from None
 
 
 define_schema("delta_bank_switch_packed_", "delta_bank_switch_packed_(Tensor(a!)[] weights, Tensor[] block_ptrs, "
               "Tensor[] lows, Tensor[] highs, Tensor[] high_starts, Tensor[] values, int off, int on, "
-              "Tensor[] originals_off, Tensor(b!)[] originals_on) -> ()", _no_output, _packed_on_cuda)
+              "Tensor[] originals_off, Tensor(b!)[] originals_on, bool check_positions=True) -> ()", _no_output,
+              _packed_on_cuda)

@@ -5,9 +5,11 @@
 Op rows: 4 fp32 layers of [4096, 4096] (256 MB of weights, beyond the last-level cache), 8
 deltas per layer at 0.1%, 1% and 5% of the entries; three batches: a decode step of 8 rows with 8
 different deltas, one of 8 rows sharing 2 deltas, and a prefill of 4 rows x 128 tokens with 4
-deltas. Each row times the deltas' products over the 4 layers and, in the same rotation, the base
-layers' dense products `x W^T`: the ratio is what serving adds to the base's own work. Switch
-rows: 4 bf16 layers of [4096, 4096], two deltas per density, `switch_to` alternating between them.
+deltas. Each row times the deltas' products over the 4 layers from the packed banks a served CPU
+model holds and, in the same rotation, from the same deltas' CSR banks and the base layers' dense
+products `x W^T`: the ratio to the dense product is what serving adds to the base's own work. Switch
+rows: 4 bf16 layers of [4096, 4096], two deltas per density, `switch_to` alternating between them,
+and in the same rotation the switch op over the same deltas' CSR banks on a copy of the weights.
 Then `sift.bench.serving_llm`: SmolLM2-135M-Instruct served at batch 8 and 32, 1 to 32 fine-tunes per batch,
 against the base and peft's mixed LoRA batch, and each fine-tune's memory against its file.
 """
@@ -21,8 +23,9 @@ import torch
 from sift.bench._harness import markdown_table, save_results, time_interleaved
 
 COLUMNS = ("batch", "density", "entries per delta and layer", "deltas median ms", "p20 ms", "p80 ms",
-           "dense x W^T median ms", "deltas / dense")
-SWITCH_COLUMNS = ("density", "entries per delta", "switch_to median ms", "p20 ms", "p80 ms")
+           "dense x W^T median ms", "deltas / dense", "CSR bank median ms", "packed / CSR")
+SWITCH_COLUMNS = ("density", "entries per delta", "switch_to median ms", "p20 ms", "p80 ms", "ms per million entries",
+                  "CSR bank median ms", "packed / CSR")
 DENSITIES = (0.001, 0.01, 0.05)
 
 
@@ -58,11 +61,16 @@ def bench_op(size: int, layers: int, repeat: int, quick: bool, gen: torch.Genera
     for density in DENSITIES:
         banks = [_bank((size, size), 8, density, gen) for _ in range(layers)]
         k = banks[0][1]
+        packed = [bank.packed() for bank, _ in banks]
         for label, ids in _batches(quick).items():
             x = torch.randn(ids.numel(), size, generator=gen)
             outs = [x @ w.T for w in weights]
 
-            def deltas(x=x, ids=ids, outs=outs, banks=banks):
+            def deltas(x=x, ids=ids, outs=outs, banks=packed):
+                for y, bank in zip(outs, banks):
+                    _ops.mixed_delta_matmul_(y, x, ids, bank, check_values=False)
+
+            def csr(x=x, ids=ids, outs=outs, banks=banks):
                 for y, (bank, _) in zip(outs, banks):
                     _ops.mixed_delta_matmul_(y, x, ids, bank, check_values=False)
 
@@ -70,17 +78,19 @@ def bench_op(size: int, layers: int, repeat: int, quick: bool, gen: torch.Genera
                 for w in weights:
                     torch.matmul(x, w.T)
 
-            t = time_interleaved({"deltas": deltas, "dense": dense}, warmup=1, repeat=repeat)
+            t = time_interleaved({"deltas": deltas, "csr": csr, "dense": dense}, warmup=1, repeat=repeat)
             rows.append({"batch": label, "density": f"{density:.1%}", "entries per delta and layer": k,
                          "deltas median ms": t["deltas"]["median_ms"], "p20 ms": t["deltas"]["p20_ms"],
                          "p80 ms": t["deltas"]["p80_ms"], "dense x W^T median ms": t["dense"]["median_ms"],
-                         "deltas / dense": t["deltas"]["median_ms"] / t["dense"]["median_ms"]})
+                         "deltas / dense": t["deltas"]["median_ms"] / t["dense"]["median_ms"],
+                         "CSR bank median ms": t["csr"]["median_ms"],
+                         "packed / CSR": t["deltas"]["median_ms"] / t["csr"]["median_ms"]})
     return rows
 
 
 def bench_switch(size: int, layers: int, repeat: int, gen: torch.Generator) -> list[dict[str, object]]:
     """The switch rows (see the module docstring)."""
-    from sift import ServedDeltas, SparseDelta
+    from sift import ServedDeltas, SparseDelta, _ops
     from sift.delta import BaseFingerprint, DeltaEntry
 
     model = torch.nn.Sequential(*[torch.nn.Linear(size, size, bias=False) for _ in range(layers)]).bfloat16()
@@ -100,11 +110,27 @@ def bench_switch(size: int, layers: int, repeat: int, gen: torch.Generator) -> l
         served.load_delta("b", delta())
         served.switch_to("a")
         names = iter(["b", "a"] * (repeat + 2))
-        t = time_interleaved({"switch": lambda served=served, names=names: served.switch_to(next(names))},
-                             warmup=1, repeat=repeat)["switch"]
+        # The same deltas as CSR banks, switched by the op on a copy of the weights.
+        weights = [m.weight.detach().clone() for m in model]
+        csr = [served._layers[str(i)].bank.unpacked() for i in range(layers)]
+        saved = {d: [torch.empty(k, dtype=torch.bfloat16) for _ in range(layers)] for d in (0, 1)}
+        _ops.delta_bank_switch_(weights, csr, -1, 0, [], saved[0])
+        state = {"in": 0}
+
+        def csr_switch(weights=weights, csr=csr, saved=saved, state=state):
+            off, on = state["in"], 1 - state["in"]
+            _ops.delta_bank_switch_(weights, csr, off, on, saved[off], saved[on], trusted_banks=True)
+            state["in"] = on
+
+        t = time_interleaved({"switch": lambda served=served, names=names: served.switch_to(next(names)),
+                              "csr": csr_switch}, warmup=1, repeat=repeat)
         served.close()
-        rows.append({"density": f"{density:.1%}", "entries per delta": k * layers, "switch_to median ms": t["median_ms"],
-                     "p20 ms": t["p20_ms"], "p80 ms": t["p80_ms"]})
+        rows.append({"density": f"{density:.1%}", "entries per delta": k * layers,
+                     "switch_to median ms": t["switch"]["median_ms"], "p20 ms": t["switch"]["p20_ms"],
+                     "p80 ms": t["switch"]["p80_ms"],
+                     "ms per million entries": t["switch"]["median_ms"] / (k * layers / 1e6),
+                     "CSR bank median ms": t["csr"]["median_ms"],
+                     "packed / CSR": t["switch"]["median_ms"] / t["csr"]["median_ms"]})
     return rows
 
 

@@ -206,6 +206,11 @@ class ServedDeltas:
     Args:
         model: the base model; its linear layers are hooked as deltas touching them are loaded.
         backend: force the op's backend ("torch", "cpp", "triton"; default: the automatic choice).
+        layout: how each layer's deltas are held: "packed" (`PackedDeltaBank`, CPU only, with the "torch"
+            or "cpp" backend: about 1.5 bytes an entry fewer, no more than the fine-tune's file at 1%;
+            its product decodes the positions, about 2x CSR's time per entry in a decode step), "csr"
+            (`DeltaBank`, any device and backend), or "auto" (packed on the CPU unless the Triton
+            backend serves, else CSR). Both give the same bits.
 
     Example:
         >>> base = torch.nn.Sequential(torch.nn.Linear(4, 3))
@@ -223,11 +228,17 @@ class ServedDeltas:
         >>> served.close()
     """
 
-    def __init__(self, model: nn.Module, *, backend: str | None = None):
+    def __init__(self, model: nn.Module, *, backend: str | None = None, layout: str = "auto"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if layout not in ("auto", "packed", "csr"):
+            raise ValueError(f"layout must be 'auto', 'packed' or 'csr', got {layout!r}")
+        if layout == "packed" and (backend or forced_backend()) == "triton":
+            raise ValueError("layout='packed' is a CPU form the Triton backend does not read; use layout='csr' or "
+                             "'auto' with backend='triton'")
         self.model = model
         self.backend = backend
+        self.layout = layout
         self._names: list[str] = []
         self._layers: dict[str, _ServedLayer] = {}
         self._rows: _Rows | None = None
@@ -236,7 +247,11 @@ class ServedDeltas:
         self._dense_saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, base copy) its heads replaced
 
     def _packs(self, device: torch.device) -> bool:
-        """Whether banks on `device` are held packed: on the CPU, unless the Triton backend (CSR only) serves."""
+        """Whether banks on `device` are held packed (`layout`; "auto": on the CPU unless Triton serves)."""
+        if self.layout == "csr":
+            return False
+        if self.layout == "packed":
+            return True
         return device.type == "cpu" and (self.backend or forced_backend()) != "triton"
 
     # -- loading --------------------------------------------------------------------------
@@ -298,6 +313,10 @@ class ServedDeltas:
                 continue
             if e.nnz:
                 targets[owner] = (module, param)
+        if self.layout == "packed":
+            problems += [f"{param}: layout='packed' holds CPU banks, this weight is on {module.weight.device} "
+                         "(use layout='csr' or 'auto')" for module, param in targets.values()
+                         if module.weight.device.type != "cpu"]
         if check_base and delta.base is not None:
             problems += _base_problems(delta.base, logical_state(self.model), _APPLIED.get(self.model, []))
         if problems:
