@@ -86,31 +86,44 @@ template <typename Add, typename Done>
 bool fused(const Decoder& dec, int64_t C, Add&& add, Done&& done) {
   const uint64_t* __restrict words = dec.words;
   const uint8_t* __restrict lows = dec.low;
+  const int64_t e1 = dec.e1, w_end = dec.w_end, end = dec.end;
+  const int64_t shift = dec.e - dec.place;  // entry e's place in its delta is e - shift
   uint64_t cur = dec.cur;
-  int64_t w = dec.w, base = (w << 6) - dec.place, row = -1, row_begin = 0, prev = dec.prev;
-  for (int64_t e = dec.e; e < dec.e1; ++e) {
-    while (cur == 0) {
-      if (++w >= dec.w_end) {
-        if (row >= 0) done(row);
-        return false;
-      }
+  // row_begin far below any position: the first entry starts its row through the same branch.
+  int64_t w = dec.w, e = dec.e, row = -1, row_begin = INT64_MIN / 2, prev = dec.prev;
+  while (e < e1) {
+    if (cur == 0) {
+      if (++w >= w_end) break;
       cur = words[w];
-      base += 64;
+      continue;
     }
-    const int64_t p = ((base + __builtin_ctzll(cur)) << LOW_BITS) | lows[e];
-    cur &= cur - 1;
-    --base;
-    if (static_cast<uint64_t>(p - row_begin) >= static_cast<uint64_t>(C) || row < 0) {
-      if (row >= 0) done(row);
-      if (p <= prev || p >= dec.end) return false;
-      row = p / C;
-      row_begin = row * C;
-    }
-    prev = p;
-    add(p - row_begin, e);
+    const int64_t wb = (w << 6) + shift;
+    do {  // the word's set bits
+      const int64_t p = ((wb + __builtin_ctzll(cur) - e) << LOW_BITS) | lows[e];
+      cur &= cur - 1;
+      if (static_cast<uint64_t>(p - row_begin) >= static_cast<uint64_t>(C)) {  // a new row
+        if (p <= prev || p >= end) {
+          if (row >= 0) done(row);
+          return false;
+        }
+        if (row < 0) {
+          row = p / C;
+          row_begin = row * C;
+        } else {
+          done(row);
+          do {  // ascending: the row only moves on, a few rows at most at a delta's densities
+            ++row;
+            row_begin += C;
+          } while (p >= row_begin + C);
+        }
+      }
+      prev = p;
+      add(p - row_begin, e);
+      ++e;
+    } while (cur && e < e1);
   }
   if (row >= 0) done(row);
-  return true;
+  return e == e1;
 }
 
 // One packed bank's operands.
