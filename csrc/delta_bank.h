@@ -1,7 +1,8 @@
 // The forms of a DeltaBank's fields (sift/triton_kernels/_delta_bank.py) the CPU kernels take, and
 // the dispatch over them: row pointers int32 or int64, columns int16 or int32, values fp32, bf16
 // or fp16 (each read as fp32, exact). DeltaBank stores the narrowest that holds a bank; the
-// kernels are instantiated for each form so that no call widens a field into a temporary.
+// kernels are instantiated for each form so that no call widens a field into a temporary. Also the
+// token groups both mixed-delta products (CSR and packed) take their tokens in.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace sift {
 namespace delta_bank {
@@ -79,6 +81,38 @@ inline int64_t column_at(const at::Tensor& col, int64_t e) {
 inline int64_t row_ptr_at(const at::Tensor& ptr, int64_t d, int64_t i) {
   const int64_t at = d * ptr.size(1) + i;
   return ptr.scalar_type() == at::kInt ? ptr.data_ptr<int32_t>()[at] : ptr.data_ptr<int64_t>()[at];
+}
+
+// Tokens summed together by the mixed-delta products: tokens with one delta share each entry's
+// column and value, loaded once for all of them.
+constexpr int64_t LANES = 8;
+
+struct TokenGroup {
+  int64_t begin, count;  // tokens order[begin, begin + count), count <= LANES
+  int32_t delta;
+};
+
+// The tokens with a delta (id != -1) ordered by delta, in token order within one (a counting
+// sort), and cut into groups of at most LANES tokens of one delta: the tokens of a row in a
+// prefill, or the rows of a decode step that share a delta.
+inline std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T, int64_t n, std::vector<int64_t>& order) {
+  std::vector<int64_t> start(n + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) ++start[ids[t] + 1];
+  }
+  for (int64_t d = 0; d < n; ++d) start[d + 1] += start[d];
+  order.resize(start[n]);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {
+    if (ids[t] >= 0) order[next[ids[t]]++] = t;
+  }
+  std::vector<TokenGroup> groups;
+  for (int64_t d = 0; d < n; ++d) {
+    for (int64_t b = start[d]; b < start[d + 1]; b += LANES) {
+      groups.push_back({b, std::min(LANES, start[d + 1] - b), static_cast<int32_t>(d)});
+    }
+  }
+  return groups;
 }
 
 }  // namespace delta_bank

@@ -29,40 +29,10 @@
 namespace sift {
 namespace {
 
-// Tokens summed together: tokens with one delta share each entry's column and value, loaded once
-// for all of them.
-constexpr int64_t LANES = 8;
 // Output rows per task when there are too few token groups to keep every thread busy (decode
 // steps: one token per row); with enough groups a task takes all rows of its group.
 constexpr int64_t ROW_BLOCK = 256;
-
-struct TokenGroup {
-  int64_t begin, count;  // tokens order[begin, begin + count), count <= LANES
-  int32_t delta;
-};
-
-// The tokens with a delta (id != -1) ordered by delta, in token order within one (a counting
-// sort), and cut into groups of at most LANES tokens of one delta: the tokens of a row in a
-// prefill, or the rows of a decode step that share a delta.
-std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T, int64_t n, std::vector<int64_t>& order) {
-  std::vector<int64_t> start(n + 1, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[t] >= 0) ++start[ids[t] + 1];
-  }
-  for (int64_t d = 0; d < n; ++d) start[d + 1] += start[d];
-  order.resize(start[n]);
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[t] >= 0) order[next[ids[t]]++] = t;
-  }
-  std::vector<TokenGroup> groups;
-  for (int64_t d = 0; d < n; ++d) {
-    for (int64_t b = start[d]; b < start[d + 1]; b += LANES) {
-      groups.push_back({b, std::min(LANES, start[d + 1] - b), static_cast<int32_t>(d)});
-    }
-  }
-  return groups;
-}
+constexpr int64_t LANES = delta_bank::LANES;
 
 template <typename S, typename P, typename I, typename V>
 void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& row_ptr,
@@ -75,7 +45,8 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
   const I* __restrict cp = col.data_ptr<I>();
   const V* __restrict vp = val.data_ptr<V>();
   std::vector<int64_t> order;
-  const std::vector<TokenGroup> groups = token_groups(ids.data_ptr<int32_t>(), T, row_ptr.size(0), order);
+  const std::vector<delta_bank::TokenGroup> groups =
+      delta_bank::token_groups(ids.data_ptr<int32_t>(), T, row_ptr.size(0), order);
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   if (n_groups == 0) return;
   const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
@@ -84,7 +55,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
     // The group's inputs as fp32, column-major: panel[c * LANES + l] = x[order[begin + l], c] (0 past count).
     std::vector<float> panel;
     for (int64_t task = lo; task < hi; ++task) {
-      const TokenGroup& g = groups[task / blocks];
+      const delta_bank::TokenGroup& g = groups[task / blocks];
       const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
       const P* rows = ptr + static_cast<int64_t>(g.delta) * (R + 1);
       if (g.count == 1) {  // a token alone with its delta: its input read where it lies, no panel

@@ -29,7 +29,7 @@ namespace {
 
 constexpr int64_t PACK_ROWS = 32;
 constexpr int LOW_BITS = 8;
-constexpr int64_t LANES = 8;         // tokens summed together, as in mixed_delta_matmul.cpp
+constexpr int64_t LANES = delta_bank::LANES;
 constexpr int64_t ROW_BLOCK = 256;   // rows per matmul task with few token groups (a multiple of PACK_ROWS)
 constexpr int64_t SWITCH_ROWS = 64;
 constexpr int64_t CHUNK = 64;  // positions a Decoder writes at a time  // rows per switch task (a multiple of PACK_ROWS)
@@ -149,52 +149,16 @@ struct Packed {
     return {words, low, w, w_end, e0, ok ? e1 : e0, place, r0 * C - 1, r1 * C, cur};
   }
 
-  // Calls f(i, j, e) for each entry e of delta d in rows [r0, r1) (r0 a multiple of PACK_ROWS, r1 one
-  // or R), in order. False when the bank is malformed there (a position outside the rows or out of
-  // order, or the delta's words ending first); f may have been called for the entries before.
-  //
-  // Entry e's set bit is bit b of the delta's words with b = (its place in the delta) + (its bucket),
-  // so its position is ((b - place) << LOW_BITS) | low[e]. The loop carries `cur &= cur - 1` (one
-  // cycle) and `base` = 64 w - place; the count-trailing-zeros is off that chain.
-  template <typename F>
-  bool for_entries(int64_t d, int64_t r0, int64_t r1, F&& f) const {
-    const P* bp = block_ptr + d * (nb + 1);
-    const int64_t e0 = bp[r0 / PACK_ROWS], e1 = bp[(r1 + PACK_ROWS - 1) / PACK_ROWS];
-    if (e0 >= e1) return true;
-    const uint64_t* words = high + high_start[d];
-    const int64_t w_end = high_start[d + 1] - high_start[d];
-    // The block's first entry's bit: its place in the delta plus the buckets before the block's first row.
-    const int64_t place = e0 - bp[0], bit = place + ((r0 * C) >> LOW_BITS);
-    int64_t w = bit >> 6;
-    if (w >= w_end) return false;
-    uint64_t cur = words[w] & (~uint64_t{0} << (bit & 63));
-    int64_t base = (w << 6) - place;
-    const int64_t end = r1 * C;
-    int64_t row = r0, row_begin = r0 * C, row_end = row_begin + C, prev = row_begin - 1;
-    for (int64_t e = e0; e < e1; ++e) {
-      while (cur == 0) {
-        if (++w >= w_end) return false;
-        cur = words[w];
-        base += 64;
-      }
-      const int64_t p = ((base + __builtin_ctzll(cur)) << LOW_BITS) | low[e];
-      cur &= cur - 1;
-      --base;
-      if (p <= prev) return false;
-      prev = p;
-      if (p >= row_end) {
-        if (p >= end) return false;
-        do {
-          ++row;
-          row_begin = row_end;
-          row_end += C;
-        } while (p >= row_end);
-      }
-      f(row, p - row_begin, e);
+  // Whether delta d's entries in rows [r0, r1) decode to positions inside those rows, ascending, within
+  // the delta's words (the Decoder checks each chunk).
+  bool valid(int64_t d, int64_t r0, int64_t r1) const {
+    bool ok;
+    Decoder dec = decoder(d, r0, r1, ok);
+    int64_t pos[CHUNK], m = 0;
+    while (ok && (m = dec.next(pos)) > 0) {
     }
-    return true;
+    return ok && m == 0;
   }
-
 };
 
 // Checks a packed bank's pointers (per delta: block pointers non-decreasing inside [0, nnz], words
@@ -251,21 +215,6 @@ Packed<P> view(const at::Tensor& block_ptr, const at::Tensor& low, const at::Ten
 }
 
 template <typename F>
-void by_value(const at::Tensor& values, F&& f) {
-  switch (values.scalar_type()) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(c10::BFloat16{});
-      break;
-    default:
-      f(c10::Half{});
-      break;
-  }
-}
-
-template <typename F>
 void by_float(at::ScalarType dtype, F&& f) {
   switch (dtype) {
     case at::kFloat:
@@ -282,32 +231,6 @@ void by_float(at::ScalarType dtype, F&& f) {
 
 // ------------------------------------------------------------------------------ mixed matmul
 
-struct TokenGroup {
-  int64_t begin, count;
-  int32_t delta;
-};
-
-// As in mixed_delta_matmul.cpp: tokens with a delta, ordered by delta, in groups of at most LANES.
-std::vector<TokenGroup> token_groups(const int32_t* ids, int64_t T, int64_t n, std::vector<int64_t>& order) {
-  std::vector<int64_t> start(n + 1, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[t] >= 0) ++start[ids[t] + 1];
-  }
-  for (int64_t d = 0; d < n; ++d) start[d + 1] += start[d];
-  order.resize(start[n]);
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  for (int64_t t = 0; t < T; ++t) {
-    if (ids[t] >= 0) order[next[ids[t]]++] = t;
-  }
-  std::vector<TokenGroup> groups;
-  for (int64_t d = 0; d < n; ++d) {
-    for (int64_t b = start[d]; b < start[d + 1]; b += LANES) {
-      groups.push_back({b, std::min(LANES, start[d + 1] - b), static_cast<int32_t>(d)});
-    }
-  }
-  return groups;
-}
-
 template <typename S, typename P, typename V>
 void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Packed<P>& bank, const V* vp,
                 int64_t n, std::atomic<int64_t>& bad_delta) {
@@ -316,7 +239,7 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
   S* __restrict yp = y.data_ptr<S>();
   const S* __restrict xp = x.data_ptr<S>();
   std::vector<int64_t> order;
-  const std::vector<TokenGroup> groups = token_groups(ids, T, n, order);
+  const std::vector<delta_bank::TokenGroup> groups = delta_bank::token_groups(ids, T, n, order);
   const int64_t n_groups = static_cast<int64_t>(groups.size());
   if (n_groups == 0) return;
   const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
@@ -324,7 +247,7 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
   at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> panel;
     for (int64_t task = lo; task < hi; ++task) {
-      const TokenGroup& g = groups[task / blocks];
+      const delta_bank::TokenGroup& g = groups[task / blocks];
       const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
       bool ok;
       const Decoder dec = bank.decoder(g.delta, r0, r1, ok);
@@ -406,11 +329,11 @@ void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at:
         if (idp[t] >= 0) named[idp[t]] = 1;
       }
       for (int64_t d = 0; d < n; ++d) {
-        TORCH_CHECK(!named[d] || bank.for_entries(d, 0, R, [](int64_t, int64_t, int64_t) {}), "the packed bank's delta ",
+        TORCH_CHECK(!named[d] || bank.valid(d, 0, R), "the packed bank's delta ",
                     d, " decodes to positions outside its weight or out of order (nothing was written)");
       }
     }
-    by_value(values, [&](auto v) {
+    by_float(values.scalar_type(), [&](auto v) {
       using V = decltype(v);
       const V* vp = values.data_ptr<V>();
       by_float(dtype, [&](auto s) { run_matmul<decltype(s), P, V>(y, x, idp, bank, vp, n, bad_delta); });
@@ -548,7 +471,7 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
                                        layer.C);
         bool ok = true;
         for (int64_t d : {off, on}) {
-          if (d >= 0) ok &= bank.for_entries(d, task.r0, task.r1, [](int64_t, int64_t, int64_t) {});
+          if (d >= 0) ok &= bank.valid(d, task.r0, task.r1);
         }
         return ok;
       };
@@ -565,7 +488,7 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
       const Layer& layer = layers[task.layer];
       auto go = [&](auto p) {
         using P = decltype(p);
-        by_value(*layer.val, [&](auto v) {
+        by_float(layer.val->scalar_type(), [&](auto v) {
           using V = decltype(v);
           by_float(layer.w->scalar_type(), [&](auto w) {
             ok &= switch_rows<decltype(w), P, V>(layer, off, on, task.r0, task.r1);
