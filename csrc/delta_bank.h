@@ -83,6 +83,15 @@ inline int64_t row_ptr_at(const at::Tensor& ptr, int64_t d, int64_t i) {
   return ptr.scalar_type() == at::kInt ? ptr.data_ptr<int32_t>()[at] : ptr.data_ptr<int64_t>()[at];
 }
 
+// The switch's lists of saved values: one per weight for each delta that is not -1, else none.
+inline void check_originals(size_t L, int64_t off, int64_t on, at::TensorList originals_off,
+                            at::TensorList originals_on) {
+  TORCH_CHECK(originals_off.size() == (off >= 0 ? L : 0),
+              "originals_off must have one tensor per weight when off >= 0, else none");
+  TORCH_CHECK(originals_on.size() == (on >= 0 ? L : 0),
+              "originals_on must have one tensor per weight when on >= 0, else none");
+}
+
 // Tokens summed together by the mixed-delta products: tokens with one delta share each entry's
 // column and value, loaded once for all of them.
 constexpr int64_t LANES = 8;

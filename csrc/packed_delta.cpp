@@ -417,10 +417,7 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
   TORCH_CHECK(block_ptrs.size() == L && lows.size() == L && highs.size() == L && high_starts.size() == L &&
                   values.size() == L,
               "block_ptrs, lows, highs, high_starts and values must have one tensor per weight");
-  TORCH_CHECK(originals_off.size() == (off >= 0 ? L : 0),
-              "originals_off must have one tensor per weight when off >= 0, else none");
-  TORCH_CHECK(originals_on.size() == (on >= 0 ? L : 0),
-              "originals_on must have one tensor per weight when on >= 0, else none");
+  delta_bank::check_originals(L, off, on, originals_off, originals_on);
   struct Task {
     size_t layer;
     int64_t r0, r1;
