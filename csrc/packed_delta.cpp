@@ -19,6 +19,7 @@
 #include "delta_bank.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -231,6 +232,47 @@ void by_float(at::ScalarType dtype, F&& f) {
 
 // ------------------------------------------------------------------------------ mixed matmul
 
+// y[t] += x[t] D^T for the tokens of one group (count <= LANES tokens of one delta) over rows whose
+// entries are given row by row: each(f) calls f(i, cols, e, n) for row i's n entries e, e + 1, ...
+// with columns cols[0, n). The CSR kernel's arithmetic: per row, products summed in entry order, a
+// lone token's input read where it lies, several tokens' through an fp32 panel [C, LANES].
+template <typename S, typename V, typename Rows>
+void group_rows(const delta_bank::TokenGroup& g, const int64_t* order, const S* xp, S* yp, int64_t ld_x,
+                int64_t ld_y, int64_t C, const V* vp, std::vector<float>& panel, Rows&& each) {
+  if (g.count == 1) {  // a token alone with its delta: its input read where it lies
+    const S* xt = xp + order[g.begin] * ld_x;
+    S* yt = yp + order[g.begin] * ld_y;
+    each([&](int64_t i, const int32_t* cols, int64_t e, int64_t n) {
+      float acc = 0.0f;
+      for (int64_t q = 0; q < n; ++q) acc += static_cast<float>(vp[e + q]) * static_cast<float>(xt[cols[q]]);
+      yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
+    });
+    return;
+  }
+  if (panel.empty()) panel.resize(C * LANES);
+  std::fill(panel.begin(), panel.end(), 0.0f);
+  for (int64_t l = 0; l < g.count; ++l) {
+    const S* xt = xp + order[g.begin + l] * ld_x;
+    for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
+  }
+  const float* __restrict pp = panel.data();
+  each([&](int64_t i, const int32_t* cols, int64_t e, int64_t n) {
+    float acc[LANES] = {};
+    for (int64_t q = 0; q < n; ++q) {
+      const float v = static_cast<float>(vp[e + q]);
+      const float* xc = pp + static_cast<int64_t>(cols[q]) * LANES;
+      for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
+    }
+    for (int64_t l = 0; l < g.count; ++l) {
+      S* out = yp + order[g.begin + l] * ld_y + i;
+      *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
+    }
+  });
+}
+
+// Threads take (delta, block of rows) tasks. A delta with one token (a decode step's row) decodes
+// its entries in the loop that sums them (`fused`); one with more (a prefill's tokens) decodes the
+// block once into columns per row, which each group of up to LANES tokens then reads as CSR.
 template <typename S, typename P, typename V>
 void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Packed<P>& bank, const V* vp,
                 int64_t n, std::atomic<int64_t>& bad_delta) {
@@ -240,24 +282,30 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
   const S* __restrict xp = x.data_ptr<S>();
   std::vector<int64_t> order;
   const std::vector<delta_bank::TokenGroup> groups = delta_bank::token_groups(ids, T, n, order);
-  const int64_t n_groups = static_cast<int64_t>(groups.size());
-  if (n_groups == 0) return;
-  const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
+  // The groups of each delta that has any: [first, end) in `groups` (they come ordered by delta).
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (int64_t k = 0; k < static_cast<int64_t>(groups.size()); ++k) {
+    if (spans.empty() || groups[spans.back().first].delta != groups[k].delta) spans.push_back({k, k});
+    spans.back().second = k + 1;
+  }
+  const int64_t n_spans = static_cast<int64_t>(spans.size());
+  if (n_spans == 0) return;
+  const int64_t row_block = n_spans >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
   const int64_t blocks = (R + row_block - 1) / row_block;
-  at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n_spans * blocks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> panel;
+    std::vector<int32_t> cols;                   // the block's columns, row after row
+    std::vector<std::array<int64_t, 3>> rows;  // (row, first column's place in cols, count)
     for (int64_t task = lo; task < hi; ++task) {
-      const delta_bank::TokenGroup& g = groups[task / blocks];
+      const auto [first, end] = spans[task / blocks];
+      const int64_t delta = groups[first].delta;
       const int64_t r0 = (task % blocks) * row_block, r1 = std::min(R, r0 + row_block);
       bool ok;
-      const Decoder dec = bank.decoder(g.delta, r0, r1, ok);
-      if (!ok) {
-        bad_delta.store(g.delta, std::memory_order_relaxed);
-        continue;
-      }
-      if (g.count == 1) {  // a token alone with its delta: its input read where it lies
-        const S* xt = xp + order[g.begin] * ld_x;
-        S* yt = yp + order[g.begin] * ld_y;
+      const Decoder dec = bank.decoder(delta, r0, r1, ok);
+      if (ok && end - first == 1 && groups[first].count == 1) {
+        // A token alone with its delta (a decode step): the decode runs in the loop that sums.
+        const S* xt = xp + order[groups[first].begin] * ld_x;
+        S* yt = yp + order[groups[first].begin] * ld_y;
         float acc = 0.0f;
         ok = fused(
             dec, C, [&](int64_t j, int64_t e) { acc += static_cast<float>(vp[e]) * static_cast<float>(xt[j]); },
@@ -265,31 +313,26 @@ void run_matmul(at::Tensor& y, const at::Tensor& x, const int32_t* ids, const Pa
               yt[i] = static_cast<S>(static_cast<float>(yt[i]) + acc);
               acc = 0.0f;
             });
-      } else {
-        if (panel.empty()) panel.resize(C * LANES);
-        std::fill(panel.begin(), panel.end(), 0.0f);
-        for (int64_t l = 0; l < g.count; ++l) {
-          const S* xt = xp + order[g.begin + l] * ld_x;
-          for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
-        }
-        const float* __restrict pp = panel.data();
-        float acc[LANES] = {};
+      } else if (ok) {
+        if (static_cast<int64_t>(cols.size()) < dec.e1 - dec.e) cols.resize(dec.e1 - dec.e);
+        rows.clear();
+        int32_t* __restrict out = cols.data();
+        int64_t written = 0, start = 0;
         ok = fused(
-            dec, C,
-            [&](int64_t j, int64_t e) {
-              const float v = static_cast<float>(vp[e]);
-              const float* xc = pp + j * LANES;
-              for (int64_t l = 0; l < LANES; ++l) acc[l] += v * xc[l];
-            },
+            dec, C, [&](int64_t j, int64_t) { out[written++] = static_cast<int32_t>(j); },
             [&](int64_t i) {
-              for (int64_t l = 0; l < g.count; ++l) {
-                S* out = yp + order[g.begin + l] * ld_y + i;
-                *out = static_cast<S>(static_cast<float>(*out) + acc[l]);
-              }
-              for (int64_t l = 0; l < LANES; ++l) acc[l] = 0.0f;
+              rows.push_back({i, start, written - start});
+              start = written;
             });
+        if (ok) {
+          for (int64_t k = first; k < end; ++k) {
+            group_rows(groups[k], order.data(), xp, yp, ld_x, ld_y, C, vp, panel, [&](auto f) {
+              for (const auto& r : rows) f(r[0], cols.data() + r[1], dec.e + r[1], r[2]);
+            });
+          }
+        }
       }
-      if (!ok) bad_delta.store(g.delta, std::memory_order_relaxed);
+      if (!ok) bad_delta.store(delta, std::memory_order_relaxed);
     }
   });
 }
