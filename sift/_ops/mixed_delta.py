@@ -423,9 +423,6 @@ def delta_bank_switch_(weights: list[torch.Tensor], banks: list[DeltaBank], off:
 # No Triton form: a CUDA bank stays a DeltaBank.
 # ---------------------------------------------------------------------------------------
 
-PACKED_BLOCK_PTR_DTYPES = BANK_ROW_PTR_DTYPES
-
-
 def _check_packed_fields(bank: PackedDeltaBank, name: str, device: torch.device) -> None:
     """The packed bank's fields' forms (not their values) and device."""
     if not isinstance(bank, PackedDeltaBank):
@@ -433,7 +430,7 @@ def _check_packed_fields(bank: PackedDeltaBank, name: str, device: torch.device)
     nnz = bank.low.numel()
     blocks = packed_block_count(bank.out_features)
     forms = (("block_ptr", bank.block_ptr, bank.block_ptr.dim() == 2 and bank.block_ptr.dtype in
-              PACKED_BLOCK_PTR_DTYPES and bank.block_ptr.shape[1] == blocks + 1,
+              BANK_ROW_PTR_DTYPES and bank.block_ptr.shape[1] == blocks + 1,
               f"int32 or int64 [n_deltas, {blocks + 1}]"),
              ("low", bank.low, bank.low.dim() == 1 and bank.low.dtype == torch.uint8, "1-D uint8"),
              ("high", bank.high, bank.high.dim() == 1 and bank.high.dtype == torch.int64, "1-D int64"),
@@ -495,8 +492,12 @@ def _checked_unpacked(bank: PackedDeltaBank, name: str) -> DeltaBank:
 def mixed_delta_matmul_packed_ref(y: torch.Tensor, x: torch.Tensor, delta_ids: torch.Tensor, bank: PackedDeltaBank,
                                   check_values: bool = True) -> torch.Tensor:
     """Plain-torch reference over a packed bank: the CSR reference of the unpacked bank. Returns `y`."""
-    y2, x2, ids = check_mixed_delta_matmul_packed_args(y, x, delta_ids, bank, check_values)
-    mixed_delta_matmul_ref(y2, x2, ids, _checked_unpacked(bank, "bank"), check_values=False)
+    # The bank is decoded once: its CSR form is both what the values are checked on and what is multiplied.
+    y2, x2, ids = check_mixed_delta_matmul_packed_args(y, x, delta_ids, bank, check_values=False)
+    unpacked = _checked_unpacked(bank, "bank")
+    if check_values:
+        _check_values(ids, unpacked, x2.shape[1])
+    mixed_delta_matmul_ref(y2, x2, ids, unpacked, check_values=False)
     return y
 
 
