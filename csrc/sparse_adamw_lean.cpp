@@ -14,10 +14,10 @@
 //
 // With AVX2 (and F16C) the pass also has a SIMD form (sparse_adamw_lean_simd.h), for params
 // below 2^31 elements, run by isa="auto" where sift's loader measured it faster than the scalar
-// loop (cpu_isa.h, sift/_simd.py): 8 entries per step, grads and weights gathered (16-bit ones as
-// 4-byte words, so a block holding the param's last element is left to the scalar loop), the
-// hash and both stochastic roundings in vector registers, the same operations in the same order,
-// so the bits agree with the scalar loop. AVX-512 CPUs run the AVX2 form.
+// loop (cpu_isa.h, sift/_simd.py): 8 entries per step, grads and weights loaded one lane at a time
+// (faster than VPGATHERDD on the AMD EPYC), the hash and both stochastic roundings in vector
+// registers, the same operations in the same order, so the bits agree with the scalar loop.
+// AVX-512 CPUs run the AVX2 form.
 
 #include "sparse_adamw_common.h"
 
@@ -27,7 +27,9 @@ namespace sift {
 namespace {
 
 constexpr int64_t LEAN_CHUNK = 512;
-constexpr int64_t LEAN_PREFETCH_DISTANCE = 32;
+// Twice the exact step's: the lean loop does more arithmetic per entry, and on the AMD EPYC
+// (Zen 5) 64 entries ahead kept more lines in flight (bench/results/README.md).
+constexpr int64_t LEAN_PREFETCH_DISTANCE = 64;
 constexpr int LEAN_WINDOW_BITS = 16;
 
 inline float bits_to_float(uint32_t b) {
@@ -173,11 +175,8 @@ void lean_chunk(W* __restrict w, const G* __restrict g_src, const int16_t* __res
   }
 #ifdef SIFT_X86_SIMD
   if (simd) {
-    const int64_t done = lean_avx2::lean_entries_simd<W, G, COMPACT>(w, g_src, flat32, m, v, residual, begin, n,
-                                                                    n_ahead, numel, step, step_size, inv_bc2_sqrt, h);
-    lean_entries<W, G, int32_t, COMPACT>(w, g_src, flat32, m, v, residual, begin, done, n, n_ahead, step, step_size,
-                                         inv_bc2_sqrt, h);
-    return;
+    return lean_avx2::lean_entries_simd<W, G, COMPACT>(w, g_src, flat32, m, v, residual, begin, n, n_ahead, step,
+                                                       step_size, inv_bc2_sqrt, h);
   }
 #endif
   if (simd) {

@@ -1,10 +1,10 @@
 // SIMD body of the lean SparseAdamW step (csrc/sparse_adamw_lean.cpp): the entries of one
 // chunk, whose flat positions are decoded to int32. Included once per instruction set inside a
 // namespace compiled under that set's `#pragma GCC target` with fp-contract off. The namespace
-// provides V (W floats), VI (W 32-bit integer lanes), lanes(n), set1, loadu, load_idx, gather,
-// scatter, vsqrt, load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane,
-// read as a 4-byte word), pack16 (the low halves of W lanes), widen_f16, narrow_f16, nan_lanes,
-// widen_i8 and narrow_i8 (the residuals); the rest is GCC's vector operators. Each line does one operation of the scalar
+// provides V (W floats), VI (W 32-bit integer lanes), lanes(n), set1, loadu, load_idx, scatter,
+// vsqrt, load16 (n 16-bit values, zero-extended), pack16 (the low halves of W lanes), widen_f16,
+// narrow_f16, nan_lanes, widen_i8 and narrow_i8 (the residuals); the rest is GCC's vector
+// operators. Each line does one operation of the scalar
 // loop (lean_entries), in its order and with no fused multiply-add, so the bits agree with it
 // (only a NaN made from two NaN operands may differ in payload, as in the exact step).
 
@@ -61,6 +61,24 @@ inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
   std::memcpy(out, buf, static_cast<size_t>(n) * sizeof(uint16_t));
 }
 
+// The values at flat positions p[0..n) (n <= W) of `base`, one lane each (lanes past n zero), as
+// 32-bit lanes: a 16-bit value zero-extended, a float's bits. One scalar load a lane rather than a
+// VPGATHERDD: on the AMD EPYC (Zen 5) a gather whose lines miss held the loop back, and eight loads
+// made the lean step 8-15% faster (bench/results/README.md). Nothing past an element is read.
+template <typename E>
+inline U32 load_at(const E* __restrict base, const int32_t* __restrict p, int64_t n) {
+  static_assert(sizeof(E) == 2 || sizeof(E) == 4);
+  using Bits = std::conditional_t<sizeof(E) == 2, uint16_t, uint32_t>;
+  const auto* b = reinterpret_cast<const Bits*>(base);
+  U32 x{};
+  if (n == W) {
+    for (int64_t u = 0; u < W; ++u) x[u] = b[p[u]];
+  } else {
+    for (int64_t u = 0; u < n; ++u) x[u] = b[p[u]];
+  }
+  return x;
+}
+
 // Entries [t, t + nn) of a chunk starting at entry `begin` of its tensor, flat positions in
 // `flat` (n_ahead of them, the ones past the chunk only prefetched). M is Mask (the first nn
 // lanes) or Full (all W lanes, no masked instruction).
@@ -70,7 +88,6 @@ inline void lean_block(T* __restrict w, const G* __restrict g_src, const int32_t
                        int64_t begin, int64_t t, int64_t nn, int64_t n_ahead, uint32_t step, const Coeffs& c, M mask) {
   constexpr bool LOW_PRECISION = !std::is_same_v<T, float>;
   auto* w16 = reinterpret_cast<uint16_t*>(w);
-  const auto* g16 = reinterpret_cast<const uint16_t*>(g_src);
   const auto* m16 = reinterpret_cast<const uint16_t*>(m + begin);
   const auto* v16 = reinterpret_cast<const uint16_t*>(v + begin);
   for (int64_t a = t + LEAN_PREFETCH_DISTANCE, stop = std::min(n_ahead, a + nn); a < stop; ++a) {
@@ -80,16 +97,15 @@ inline void lean_block(T* __restrict w, const G* __restrict g_src, const int32_t
   const auto q = load_idx(flat + t, mask);
   V gj;
   if constexpr (COMPACT) gj = loadu(g_src + begin + t, mask);
-  else if constexpr (LOW_PRECISION) gj = widen<T>(gather16(g16, q, mask));
-  else gj = gather(g_src, q, mask);
+  else if constexpr (LOW_PRECISION) gj = widen<T>((VI)load_at(g_src, flat + t, nn));
+  else gj = (V)load_at(g_src, flat + t, nn);
   gj = c.sign * gj;
   V wj;
-  U32 stored{};
   if constexpr (LOW_PRECISION) {
-    stored = (U32)gather16(w16, q, mask);
+    const U32 stored = load_at(w, flat + t, nn);
     wj = widen<T>((VI)stored) + widen_i8(residual + begin + t, nn) * unit<T>(stored);
   } else {
-    wj = gather(w, q, mask);
+    wj = (V)load_at(w, flat + t, nn);
   }
   const V mj = c.beta1 * widen<c10::BFloat16>(load16(m16 + t, nn)) + c.one_minus_b1 * gj;
   const V vj = c.beta2 * widen<c10::BFloat16>(load16(v16 + t, nn)) + c.one_minus_b2 * gj * gj;
@@ -121,22 +137,15 @@ inline void lean_block(T* __restrict w, const G* __restrict g_src, const int32_t
 
 // Entries [0, n) of a chunk starting at entry `begin` of its tensor, flat positions in `flat`
 // (n_ahead >= n of them, the rest only prefetched).
-// Returns the first entry not stepped: n, or, for 16-bit weights, the start of a last block that
-// holds the tensor's last element (gather16 would read 2 bytes past it), left to the scalar loop.
 template <typename T, typename G, bool COMPACT>
-int64_t lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
-                          c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
-                          int64_t begin, int64_t n, int64_t n_ahead, int64_t numel, uint32_t step, float step_size,
-                          float inv_bc2_sqrt, const Hyper& h) {
+void lean_entries_simd(T* __restrict w, const G* __restrict g_src, const int32_t* __restrict flat,
+                       c10::BFloat16* __restrict m, c10::BFloat16* __restrict v, int8_t* __restrict residual,
+                       int64_t begin, int64_t n, int64_t n_ahead, uint32_t step, float step_size, float inv_bc2_sqrt,
+                       const Hyper& h) {
   const Coeffs c(h, step_size, inv_bc2_sqrt);
-  const int64_t vector_end = !std::is_same_v<T, float> && n > 0 && flat[n - 1] == numel - 1 ? n - 1 - (n - 1) % W : n;
   int64_t t = 0;
-  for (; t + W <= vector_end; t += W) {
+  for (; t + W <= n; t += W) {
     lean_block<T, G, COMPACT>(w, g_src, flat, m, v, residual, begin, t, W, n_ahead, step, c, Full{});
   }
-  if (t < vector_end) {
-    lean_block<T, G, COMPACT>(w, g_src, flat, m, v, residual, begin, t, vector_end - t, n_ahead, step, c,
-                              lanes(vector_end - t));
-  }
-  return vector_end;
+  if (t < n) lean_block<T, G, COMPACT>(w, g_src, flat, m, v, residual, begin, t, n - t, n_ahead, step, c, lanes(n - t));
 }

@@ -52,7 +52,7 @@ def test_adamw_quick(tmp_path, monkeypatch):
     if device.type == "cpu":
         # The machine-limit probe, in turn with the cpp and cpp-lean rows, which report their share of its speed.
         expected |= {("machine-limit probe", form, dt, f"{100 * d:g}%") for dt in dtypes
-                     for d in adamw.DENSITIES for form in (adamw.PROBE_PLAIN, adamw.PROBE_PREFETCH)}
+                     for d in adamw.DENSITIES for form in adamw.PROBE_FORMS}
     if device.type == "cuda":
         expected |= {("SparseAdamW", "triton+graph", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
         expected |= {("SparseAdamW", "triton+graph, lean", dt, f"{100 * d:g}%") for dt in dtypes for d in adamw.DENSITIES}
@@ -65,7 +65,7 @@ def test_adamw_quick(tmp_path, monkeypatch):
     for r in rows:
         assert float(r["median ms"]) > 0
         if device.type == "cpu" and r["backend"] in ("cpp", "cpp, lean"):
-            # The share against the faster of the probe's two forms, each named in the note.
+            # The share against the fastest of the probe's forms, each named in the note.
             assert float(r["% of probe"]) > 0, r
         if r["optimizer"] == "SparseAdamW":
             # 20 B per entry for fp32, 18 for bf16 (index, moments, delta, base); plus each tensor's
@@ -83,7 +83,7 @@ def test_adamw_quick(tmp_path, monkeypatch):
     assert len(saved["rows"]) == len(rows)
     if device.type == "cpu":
         shared = [r for r in saved["rows"] if r["backend"] in ("cpp", "cpp, lean")]
-        assert shared and all(set(r["% of probe, per form"]) == {adamw.PROBE_PLAIN, adamw.PROBE_PREFETCH}
+        assert shared and all(set(r["% of probe, per form"]) == set(adamw.PROBE_FORMS)
                               and r["% of probe"] == min(r["% of probe, per form"].values()) for r in shared)
     assert saved["config"]["quick"] is True
 

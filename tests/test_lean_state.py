@@ -537,7 +537,7 @@ def test_cpp_every_isa_level_matches_reference(dtype, compact):
     gen = torch.Generator().manual_seed(3)
     ops = [[] for _ in range(8)]
     for n, k in ((70001, 3501), (150301, 7517), (13, 5)):
-        # The last element chosen: a last block the SIMD form leaves to the scalar loop (16-bit weights).
+        # The last element chosen: a 16-bit load there must read no byte past the param.
         idx = torch.cat([torch.randperm(n - 1, generator=gen)[:k - 1].sort().values, torch.tensor([n - 1])])
         low, off = _ops.encode_lean_indices(idx, n)
         for j, t in enumerate((torch.randn(n, generator=gen).to(dtype),

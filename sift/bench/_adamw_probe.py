@@ -3,10 +3,11 @@
 The probe is the sparse step's access pattern and nothing else (gather the gradient and the
 weight at k sorted positions, update fp32 moments and the weight with AdamW's math, scatter the
 weight), one plain loop built with `-O3 -march=native -fopenmp` and run on torch's thread count,
-in two forms: the loop alone, and the loop with the step's software prefetch (the sorted indices
-are known ahead, which no hardware prefetcher follows). The suite times SparseAdamW's step
-against both on the same weights, gradients and indices, in turn, and reports the step's speed as
-a share of the faster one's: the limit is the best that loop does, with or without the hint.
+in three forms: the loop alone, and the loop with software prefetch at the exact step's distance
+(32 entries ahead) and at the lean step's (64): the sorted indices are known ahead, which no
+hardware prefetcher follows. The suite times SparseAdamW's step against all three on the same
+weights, gradients and indices, in turn, and reports the step's speed as a share of the fastest
+one's: the limit is the best that loop does, with or without the hint, at either distance.
 
 It is compiled with the system compiler into a small shared library under the cache folder
 (`<cache>/adamw-probe/`, about a second, once per source and compiler) and loaded with ctypes;
@@ -75,7 +76,8 @@ class AdamWProbe:
         params: the weights (fp32 or bf16), written at `indices`.
         indices: per weight, [k] sorted flat positions (int32 or int64 below 2**31 elements).
         step: the bias corrections' step count (they only scale the update).
-        prefetch: prefetch the gradient's and the weight's lines ahead, at the step's distance.
+        prefetch: prefetch the gradient's and the weight's lines this many entries ahead (0: no
+            prefetch).
 
     Example:
         >>> probe = AdamWProbe(params, [opt.indices_of(p) for p in params])  # doctest: +SKIP
@@ -84,10 +86,12 @@ class AdamWProbe:
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], step: int = 10,
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, prefetch: bool = False) -> None:
+                 weight_decay: float = 1e-2, prefetch: int = 0) -> None:
         dtype = params[0].dtype
         if dtype not in DTYPES:
             raise RuntimeError(f"the probe runs fp32 and bf16 weights, not {dtype}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch < 2**31:
+            raise ValueError(f"prefetch must be a distance in entries, an int >= 0, got {prefetch!r}")
         self._lib = ctypes.CDLL(build())
         self._keep = [list(params), [p.grad for p in params], [i.int().contiguous() for i in indices]]
         self._keep += [[torch.zeros(i.numel()) for i in indices] for _ in range(2)]  # the probe's m and v
