@@ -27,9 +27,11 @@ def run(method, steps=6):
     for e in prof.key_averages():
         out[e.key] += e.self_cpu_time_total / steps / 1e3
     return out
-f = run("frozen"); s = run("sift attn 1%")
+import sys
+method = sys.argv[1] if len(sys.argv) > 1 else "sparta 1%"
+f = run("frozen"); s = run(method)
 tf, ts = sum(f.values()), sum(s.values())
-print(f"self CPU ms per step: frozen {tf:.0f}, sift attn 1% {ts:.0f} ({ts/tf:.3f}x)")
+print(f"self CPU ms per step: frozen {tf:.0f}, {method} {ts:.0f} ({ts/tf:.3f}x)")
 diff = sorted(((s[k] - f.get(k, 0), k) for k in set(s) | set(f)), reverse=True)
 print("ops adding the most to sift's step (ms per step, sift - frozen):")
 for d, k in diff[:15]:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 
 import pytest
 import torch
@@ -364,6 +365,38 @@ def test_timing_rows_are_against_the_frozen_floor(tiny_folder, tmp_path):
     ratio = sift_runs[0]["metrics"][-1]["step time median"] / frozen[0]["metrics"][-1]["step time median"]
     assert f" | {ratio:.3f} | {ratio:.3f} ({ratio:.3f}-{ratio:.3f}) | " in result["markdown"]
     assert len(result["loads"]) == 4
+
+
+def test_paired_timing_steps_every_method_in_turn_against_the_first(tiny_folder):
+    """One process, one step of each method per round: each round's ratio is the method's step over the frozen
+    model's in the same round, and the table's figures are those ratios' median and the medians' ratio."""
+    result = llm.paired_timing(tiny_folder, TINY_RUN, ("frozen", "sparta 1%"), steps=3, threads=1)
+    frozen, sift_s = result["samples_s"]["frozen"], result["samples_s"]["sparta 1%"]
+    assert len(frozen) == len(sift_s) == 3 and min(frozen + sift_s) > 0
+    assert result["ratios"]["sparta 1%"] == [a / b for a, b in zip(sift_s, frozen)]
+    assert result["ratios"]["frozen"] == [1.0] * 3
+    r = sorted(result["ratios"]["sparta 1%"])
+    assert (f"| sparta 1% | {statistics.median(sift_s):.3f} | {r[1]:.3f} ({r[0]:.3f}-{r[2]:.3f}) | "
+            f"{statistics.median(sift_s) / statistics.median(frozen):.3f} |") in result["markdown"]
+    assert len(result["loads"]) == 2
+
+
+@pytest.mark.parametrize("methods, steps, match", [
+    (("frozen",), 3, "a reference method and at least one other"),
+    (("frozen", "no such method"), 3, "unknown methods"),
+    (("frozen", "zero-shot"), 3, "take no training step"),
+    (("frozen", "sparta 1%"), 0, "steps must be >= 1"),
+])
+def test_paired_timing_refuses_what_it_cannot_time(tiny_folder, methods, steps, match):
+    with pytest.raises(ValueError, match=match):
+        llm.paired_timing(tiny_folder, TINY_RUN, methods, steps=steps)
+
+
+@pytest.mark.parametrize("argv", [["--paired"], ["--timing", "--paired"]])
+def test_paired_is_refused_without_timing_or_its_own_file(argv, capsys):
+    with pytest.raises(SystemExit):
+        llm.parse_args(argv)
+    assert "--paired" in capsys.readouterr().err
 
 
 def test_each_run_is_its_own_process(tiny_folder, tmp_path):
