@@ -1,9 +1,11 @@
 """Where a sift step's time goes over the frozen floor on SmolLM2 (batch 8 sentiment chats, fp32, 2 threads): self
-CPU time by op over 6 steps after the selection step and one warm-up, sift attn 1% against the frozen model.
+CPU time by op over 6 steps after the selection step and one warm-up, a method (default "sparta 1%", the package's
+default recipe) against the frozen model.
 
-Usage: `python bench/profile_llm_step.py` (needs the SmolLM2 folder, `sift.demo.llm.smollm2_dir`).
+Usage: `python bench/profile_llm_step.py ["<method>"]` (needs the SmolLM2 folder, `sift.demo.llm.smollm2_dir`).
 """
-import random, torch, collections
+import collections, random, sys
+import torch
 from torch.profiler import profile, ProfilerActivity
 from sift.demo.llm import load_smollm2, smollm2_dir
 from sift.bench.chat_board import TASKS, encode_example, batch_loss, end_id, METHODS
@@ -27,7 +29,6 @@ def run(method, steps=6):
     for e in prof.key_averages():
         out[e.key] += e.self_cpu_time_total / steps / 1e3
     return out
-import sys
 method = sys.argv[1] if len(sys.argv) > 1 else "sparta 1%"
 f = run("frozen"); s = run(method)
 tf, ts = sum(f.values()), sum(s.values())
