@@ -9,7 +9,7 @@ import torch
 from torch.profiler import profile, ProfilerActivity
 from sift.demo.llm import load_smollm2, smollm2_dir
 from sift.bench.chat_board import TASKS, encode_example, batch_loss, end_id, METHODS
-from sift.bench.llm import setup
+from sift.bench.llm_methods import setup
 torch.set_num_threads(2)
 folder = smollm2_dir()
 task = TASKS["sentiment"]

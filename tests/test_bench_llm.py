@@ -20,7 +20,7 @@ pytest.importorskip("nrclex")
 pytest.importorskip("afinn")
 
 import sift  # noqa: E402
-from sift.bench import llm  # noqa: E402
+from sift.bench import llm, llm_methods, llm_timing  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY_RUN = llm.Config(steps=2, batch_size=2, curve_every=1, seeds=(0, 1), test_items=5, val_items=4, kl_prompts=3,
@@ -285,7 +285,7 @@ def test_column_normalized_entries_are_the_top_of_grad_over_its_column_rms_and_t
     plain = sorted(sorted(range(w.numel()), key=lambda i: (-float(g.flatten()[i]), i))[:k])
     assert expected != plain and sum(i % 10 == 3 for i in plain) > sum(i % 10 == 3 for i in expected)
     before = w.detach().clone()
-    llm.choose_column_normalized(opt)
+    llm_methods.choose_column_normalized(opt)
     assert opt.indices_of(w).tolist() == expected
     opt.step()
     moved = (w.detach() != before).flatten().nonzero().flatten().tolist()
@@ -370,7 +370,7 @@ def test_timing_rows_are_against_the_frozen_floor(tiny_folder, tmp_path):
 def test_paired_timing_steps_every_method_in_turn_against_the_first(tiny_folder):
     """One process, one step of each method per round: each round's ratio is the method's step over the frozen
     model's in the same round, and the table's figures are those ratios' median and the medians' ratio."""
-    result = llm.paired_timing(tiny_folder, TINY_RUN, ("frozen", "sparta 1%"), steps=3, threads=1)
+    result = llm_timing.paired_timing(tiny_folder, TINY_RUN, ("frozen", "sparta 1%"), steps=3, threads=1)
     frozen, sift_s = result["samples_s"]["frozen"], result["samples_s"]["sparta 1%"]
     assert len(frozen) == len(sift_s) == 3 and min(frozen + sift_s) > 0
     assert result["ratios"]["sparta 1%"] == [a / b for a, b in zip(sift_s, frozen)]
@@ -389,7 +389,7 @@ def test_paired_timing_steps_every_method_in_turn_against_the_first(tiny_folder)
 ])
 def test_paired_timing_refuses_what_it_cannot_time(tiny_folder, methods, steps, match):
     with pytest.raises(ValueError, match=match):
-        llm.paired_timing(tiny_folder, TINY_RUN, methods, steps=steps)
+        llm_timing.paired_timing(tiny_folder, TINY_RUN, methods, steps=steps)
 
 
 @pytest.mark.parametrize("argv", [["--paired"], ["--timing", "--paired"]])
@@ -478,7 +478,7 @@ def test_real_smollm2_folder_is_plain_fp32():
     model, tokenizer = load_smollm2(folder)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert llm.matched_rank(model) == 2  # 265,440 sift entries against 115,200 per rank
+    assert llm_methods.matched_rank(model) == 2  # 265,440 sift entries against 115,200 per rank
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == tokenizer.eos_token_id
     for task in llm.TASKS.values():  # the fast choice path: every answer's first token differs
         firsts = [tokenizer(a, add_special_tokens=False)["input_ids"][0] for a in task.answers]

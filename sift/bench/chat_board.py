@@ -122,7 +122,7 @@ class Method:
     """One board row: how to fine-tune, its learning-rate grid, and what it is.
 
     kind: "zero-shot", "sift", "lora", "shira", "full" or "frozen" (the timing rows' floor). For sift: `targets`, `density`,
-    `selection` (a `SparseAdamW` rule, or the board's own "column-normalized", `llm.choose_column_normalized`),
+    `selection` (a `SparseAdamW` rule, or the board's own "column-normalized", `llm_methods.choose_column_normalized`),
     `select_steps`, `reselect_every`. For LoRA and SHiRA: `rank` (None: matched to the entry
     count of sift at `targets`/`density`) and `targets` ("all-linear" for peft's).
     """

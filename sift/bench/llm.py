@@ -52,7 +52,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import random
@@ -104,6 +103,8 @@ from sift.bench.chat_report import (
     validity,
     verdicts,
 )
+from sift.bench.llm_methods import choose_column_normalized, setup
+from sift.bench.llm_timing import paired_timing
 from sift.env import machine_header
 
 __all__ = ["ALL_LINEAR", "ATTENTION", "CHAT_PROMPTS", "EMOTIONS", "FULL", "KL_REPLY_TOKENS", "METHODS", "PRIORITY",
@@ -113,79 +114,6 @@ __all__ = ["ALL_LINEAR", "ATTENTION", "CHAT_PROMPTS", "EMOTIONS", "FULL", "KL_RE
            "score", "setup", "tiny_llama_dir", "train_once", "validity", "verdicts"]
 
 # ------------------------------------------------------------------------------------------- one run
-
-
-def target_shapes(model: torch.nn.Module, targets: Sequence[str]) -> list[tuple[int, int]]:
-    """(out, in) of every linear layer whose name ends in one of `targets`."""
-    return [(m.out_features, m.in_features) for name, m in model.named_modules()
-            if name.rsplit(".", 1)[-1] in targets and hasattr(m, "out_features")]
-
-
-def matched_rank(model: torch.nn.Module, targets: Sequence[str] = ATTENTION, density: float = 0.01) -> int:
-    """The LoRA/SHiRA rank r whose r * (in + out) entries over `targets` is nearest sift's count at `density`."""
-    shapes = target_shapes(model, targets)
-    entries = sum(math.ceil(density * rows * cols) for rows, cols in shapes)
-    return max(1, round(entries / sum(rows + cols for rows, cols in shapes)))
-
-
-def setup(method: Method, model: torch.nn.Module, lr: float, seed: int
-          ) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
-    """Freeze / wrap `model` for `method`; the model to call and its optimizer (None: zero-shot)."""
-    import sift
-
-    torch.manual_seed(seed)
-    if method.kind == "zero-shot":
-        return model, None
-    if method.kind == "full":
-        return model, torch.optim.AdamW(model.parameters(), lr=lr)
-    if method.kind == "frozen":
-        # The training step's floor: the same forward and the backward through the activations, nothing trained.
-        model.requires_grad_(False)
-        model.enable_input_require_grads()
-        return model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-    if method.kind == "sift":
-        # Column-normalized entries are handed over before the first step (`choose_column_normalized`), which
-        # needs the dense gradients plain mode keeps.
-        own = method.selection == "column-normalized"
-        return model, sift.SparseAdamW.for_model(
-            model, density=method.density, lr=lr, target_modules=list(method.targets),
-            selection="magnitude" if own else method.selection, memory="plain" if own else "low",
-            select_steps=method.select_steps, seed=seed, reselect_every=method.reselect_every)
-    import peft
-
-    targets = method.targets if isinstance(method.targets, str) else list(method.targets)
-    rank = method.rank or matched_rank(model, ATTENTION, METHODS["sift attn 1%"].density)
-    if method.kind == "lora":
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets)
-    elif method.kind == "shira":
-        config = peft.ShiraConfig(r=rank, mask_type="random", random_seed=seed, target_modules=targets)
-    else:
-        raise ValueError(f"unknown method kind {method.kind!r}")
-    net = peft.get_peft_model(model, config)
-    return net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr)
-
-
-def choose_column_normalized(opt: torch.optim.Optimizer) -> None:
-    """Choose each sparse weight's entries by |grad| divided by the RMS of its input column's |grad|, the top
-    `ceil(density * numel)` (sift's count; ties to the lower flat index), with `set_indices`; after the first
-    backward, before the first step, as `select_steps=1` chooses.
-
-    Every input feature then competes on equal terms. By plain |grad| (= |sum over tokens of delta_i * x_j|)
-    the few input columns that carry massive activations take the budget: in SmolLM2 about a third of q/k's
-    and 60% of v's top-1% entries sit in 1% of the columns, whose input RMS is about 15x the median column's,
-    so every step moves every token's projections by that much more than an entry elsewhere.
-    """
-    from sift._rules import top_k
-
-    for group in opt.param_groups:
-        if group["density"] >= 1:
-            continue
-        for p in group["params"]:
-            if p.grad is None or p.dim() != 2:
-                continue
-            g = p.grad.detach().float().abs()
-            score = g / g.pow(2).mean(0, keepdim=True).sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-            opt.set_indices(p, top_k(score, max(1, math.ceil(round(group["density"] * p.numel(), 6)))))
 
 
 def trainable_entries(net: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
@@ -459,88 +387,6 @@ def timing(folder: str, config: Config, cache_dir: str, methods: Sequence[str] =
         lines.append(f"| {m} | {medians[m]:.3f} | {floor} | {paired} | {tok:.0f} | {rss:.0f} | "
                      f"{infos[0]['file_size']:,} |")
     return {"markdown": "\n".join(lines), "loads": loads, "runs": per}
-
-
-def paired_timing(folder: str, config: Config, methods: Sequence[str] = ("frozen", "sparta 1%", "lora matched"),
-                  steps: int = 24, threads: int | None = None) -> dict[str, Any]:
-    """Step time of `methods` in one process, step by step in turn, each step's ratio to the first method's.
-
-    `timing` runs each method in its own process; their step times then move by up to 15% from one process to
-    the next (where the allocator and the page cache put things), five times the 3% an overhead target asks
-    about. Here every method's model is loaded once, side by side, and each of `steps` rounds runs one training
-    step of each on the same batch, in an order that reverses every round (ABC, CBA, ...), so drift in the
-    machine's load falls on both sides of every ratio. The first method (the frozen floor) is the reference.
-
-    Args:
-        folder: the chat model's folder.
-        config: `batch_size` is the batch; the rest is unused (no scoring, no schedule).
-        methods: names in `METHODS`, the reference first; each holds its own copy of the model.
-        steps: timed rounds, after one selection step and one warm-up step per method.
-        threads: torch threads (None: as set).
-
-    Returns:
-        {"markdown": the table, "samples_s": {method: [step seconds]}, "ratios": {method: [per-round ratio]},
-        "loads": the 1-minute load average at the start and the end}.
-    """
-    from tqdm import tqdm
-
-    from sift.demo.llm import load_smollm2
-
-    if len(methods) < 2:
-        raise ValueError(f"paired_timing needs a reference method and at least one other, got {list(methods)}")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; known: {sorted(METHODS)}")
-    untrained = [m for m in methods if METHODS[m].kind == "zero-shot"]
-    if untrained:
-        raise ValueError(f"methods {untrained} take no training step to time")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if threads:
-        torch.set_num_threads(threads)
-    task = TASKS[next(iter(TASKS))]
-    loads = [os.getloadavg()[0]]
-    nets = {}
-    for m in methods:
-        model, tokenizer = load_smollm2(folder, bits=METHODS[m].bits)
-        model.train()
-        nets[m] = setup(METHODS[m], model, METHODS[m].lrs[len(METHODS[m].lrs) // 2], 0)
-    pad_id = end_id(tokenizer)
-    train = task.splits(config.test_items, config.val_items)["train"]
-    rng = random.Random(0)
-    batches = [[encode_example(tokenizer, task, w, a) for w, a in rng.sample(train, min(config.batch_size, len(train)))]
-               for _ in range(steps + 2)]
-
-    def step(m: str, batch: list) -> float:
-        net, opt = nets[m]
-        start = time.perf_counter()
-        loss, _ = batch_loss(net, batch, pad_id)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    for batch in batches[:2]:  # the selection step, then a warm-up
-        for m in methods:
-            step(m, batch)
-    samples: dict[str, list[float]] = {m: [] for m in methods}
-    for i, batch in enumerate(tqdm(batches[2:], desc="paired steps", unit="round", leave=False)):
-        for m in (methods if i % 2 == 0 else methods[::-1]):
-            samples[m].append(step(m, batch))
-    loads.append(os.getloadavg()[0])
-    ref = methods[0]
-    ratios = {m: [a / b for a, b in zip(samples[m], samples[ref])] for m in methods}
-    lines = [f"#### Cost in one process, {next(iter(TASKS))} task: {steps} rounds of one step per method in turn, "
-             f"batch {config.batch_size}, {torch.get_num_threads()} threads", "",
-             f"Load average (1 min) at the start and the end: {loads[0]:.2f}, {loads[1]:.2f}", "",
-             f"| method | s/step (median) | x {ref} per round: median (p20-p80) | x {ref} of the medians |",
-             "|---|---|---|---|"]
-    for m in methods:
-        r = sorted(ratios[m])
-        q20, q80 = r[(len(r) - 1) // 5], r[(4 * (len(r) - 1) + 4) // 5]
-        lines.append(f"| {m} | {statistics.median(samples[m]):.3f} | {statistics.median(r):.3f} ({q20:.3f}-{q80:.3f}) "
-                     f"| {statistics.median(samples[m]) / statistics.median(samples[ref]):.3f} |")
-    return {"markdown": "\n".join(lines), "samples_s": samples, "ratios": ratios, "loads": loads}
 
 
 # ----------------------------------------------------------------------------------------- entry points
