@@ -24,7 +24,7 @@ inline V gather(const float* base, __m256i q, Mask k) {
   return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, q, _mm256_castsi256_ps(k), 4);
 }
 // Whole vectors load one lane at a time: on the AMD EPYC (Zen 5) a VPGATHERDD whose lines miss
-// held the step back, and eight loads made the exact bf16 step 4-8% faster (bench/results/README.md).
+// held the step back, and eight loads were measured faster (bench/results/README.md).
 inline V gather(const float* base, __m256i q, Full) {
   alignas(32) int32_t i[W];
   _mm256_store_si256(reinterpret_cast<__m256i*>(i), q);

@@ -4,9 +4,9 @@
 // provides V (W floats), VI (W 32-bit integer lanes), lanes(n), set1, loadu, load_idx, scatter,
 // vsqrt, load16 (n 16-bit values, zero-extended), pack16 (the low halves of W lanes), widen_f16,
 // narrow_f16, nan_lanes, widen_i8 and narrow_i8 (the residuals); the rest is GCC's vector
-// operators. Each line does one operation of the scalar
-// loop (lean_entries), in its order and with no fused multiply-add, so the bits agree with it
-// (only a NaN made from two NaN operands may differ in payload, as in the exact step).
+// operators. Each line does one operation of the scalar loop (lean_entries), in its order and
+// with no fused multiply-add, so the bits agree with it (only a NaN made from two NaN operands
+// may differ in payload, as in the exact step).
 
 #include "sparse_adamw_simd_common.h"
 typedef int32_t I32 __attribute__((vector_size(sizeof(V))));
@@ -63,8 +63,8 @@ inline void store_bf16(c10::BFloat16* out, VI x, int64_t n) {
 
 // The values at flat positions p[0..n) (n <= W) of `base`, one lane each (lanes past n zero), as
 // 32-bit lanes: a 16-bit value zero-extended, a float's bits. One scalar load a lane rather than a
-// VPGATHERDD: on the AMD EPYC (Zen 5) a gather whose lines miss held the loop back, and eight loads
-// made the lean step 8-15% faster (bench/results/README.md). Nothing past an element is read.
+// VPGATHERDD: on the AMD EPYC (Zen 5) a gather whose lines miss held the loop back, and the loads
+// were measured faster (bench/results/README.md). Nothing past an element is read.
 template <typename E>
 inline U32 load_at(const E* __restrict base, const int32_t* __restrict p, int64_t n) {
   static_assert(sizeof(E) == 2 || sizeof(E) == 4);

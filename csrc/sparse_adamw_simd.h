@@ -82,9 +82,9 @@ void chunk(float* __restrict w, const float* __restrict g_src, const int32_t* __
 // and written rounded as the scalar loop's static_cast<T> rounds (round to nearest even; a
 // NaN becomes torch's NaN of that type). The namespace adds VI (W 32-bit integer lanes),
 // load16 (n 16-bit values, zero-extended), gather16 (one 16-bit value per lane; where it is a
-// gather instruction, read as a 4-byte word), pack16 (the low halves of W lanes, stored), and the hardware fp16 conversions
-// widen_f16 and narrow_f16 (round to nearest even), and nan_lanes (bit t set for a NaN lane t),
-// from which sparse_adamw_simd_common.h builds widen<T> and narrow<T>.
+// gather instruction, read as a 4-byte word), pack16 (the low halves of W lanes, stored), the
+// hardware fp16 conversions widen_f16 and narrow_f16 (round to nearest even), and nan_lanes
+// (bit t set for a NaN lane t), from which sparse_adamw_simd_common.h builds widen<T> and narrow<T>.
 template <typename T, bool COMPACT, typename M>
 inline void block_lowp(uint16_t* __restrict w16, const void* __restrict g_src, const int32_t* __restrict idx,
                        float* __restrict m, float* __restrict v, float* __restrict d, const uint16_t* __restrict b16,
