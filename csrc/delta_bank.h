@@ -26,34 +26,43 @@ inline bool value_type_ok(const at::Tensor& t) {
   return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
+// f(T{}) with T the element type of a float32, bfloat16 or float16 tensor (checked by the caller).
+template <typename F>
+void by_float(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    default:
+      f(c10::Half{});
+      break;
+  }
+}
+
+// f(P{}) with P the element type of an int32 or int64 pointer tensor (row or block pointers).
+template <typename F>
+void by_row_ptr(const at::Tensor& ptr, F&& f) {
+  if (ptr.scalar_type() == at::kInt) {
+    f(int32_t{});
+  } else {
+    f(int64_t{});
+  }
+}
+
 // f(P{}, I{}, V{}) with P the row pointers' type, I the columns', V the values'.
 template <typename F>
 void dispatch(const at::Tensor& row_ptr, const at::Tensor& col, const at::Tensor& val, F&& f) {
-  auto by_value = [&](auto p, auto i) {
-    switch (val.scalar_type()) {
-      case at::kFloat:
-        f(p, i, float{});
-        break;
-      case at::kBFloat16:
-        f(p, i, c10::BFloat16{});
-        break;
-      default:
-        f(p, i, c10::Half{});
-        break;
-    }
-  };
-  auto by_col = [&](auto p) {
+  by_row_ptr(row_ptr, [&](auto p) {
+    auto by_value = [&](auto i) { by_float(val.scalar_type(), [&](auto v) { f(p, i, v); }); };
     if (col.scalar_type() == at::kShort) {
-      by_value(p, int16_t{});
+      by_value(int16_t{});
     } else {
-      by_value(p, int32_t{});
+      by_value(int32_t{});
     }
-  };
-  if (row_ptr.scalar_type() == at::kInt) {
-    by_col(int32_t{});
-  } else {
-    by_col(int64_t{});
-  }
+  });
 }
 
 // Whether column c is outside [0, C): a negative column reads as a huge unsigned one.
@@ -100,6 +109,19 @@ struct TokenGroup {
   int64_t begin, count;  // tokens order[begin, begin + count), count <= LANES
   int32_t delta;
 };
+
+// The inputs of group g's tokens as fp32, column-major: panel[c * LANES + l] = x[order[g.begin + l], c],
+// 0 past g.count; panel is sized [C * LANES] on first use.
+template <typename S>
+void fill_panel(const TokenGroup& g, const int64_t* order, const S* xp, int64_t ld_x, int64_t C,
+                std::vector<float>& panel) {
+  if (panel.empty()) panel.resize(C * LANES);
+  std::fill(panel.begin(), panel.end(), 0.0f);
+  for (int64_t l = 0; l < g.count; ++l) {
+    const S* xt = xp + order[g.begin + l] * ld_x;
+    for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
+  }
+}
 
 // The tokens with a delta (id != -1) ordered by delta, in token order within one (a counting
 // sort), and cut into groups of at most LANES tokens of one delta: the tokens of a row in a

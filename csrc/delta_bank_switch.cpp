@@ -198,17 +198,8 @@ void delta_bank_switch_cpu(at::TensorList weights, at::TensorList row_ptrs, at::
         using P = decltype(p);
         using I = decltype(c);
         using V = decltype(v);
-        switch (layer.w->scalar_type()) {
-          case at::kFloat:
-            switch_rows<float, P, I, V>(layer, off, on, task.r0, task.r1);
-            break;
-          case at::kBFloat16:
-            switch_rows<c10::BFloat16, P, I, V>(layer, off, on, task.r0, task.r1);
-            break;
-          default:
-            switch_rows<c10::Half, P, I, V>(layer, off, on, task.r0, task.r1);
-            break;
-        }
+        delta_bank::by_float(layer.w->scalar_type(),
+                             [&](auto w) { switch_rows<decltype(w), P, I, V>(layer, off, on, task.r0, task.r1); });
       });
     }
   });

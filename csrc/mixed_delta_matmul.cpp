@@ -52,7 +52,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
   const int64_t row_block = n_groups >= 2 * at::get_num_threads() ? R : std::min(R, ROW_BLOCK);
   const int64_t blocks = (R + row_block - 1) / row_block;
   at::parallel_for(0, n_groups * blocks, 1, [&](int64_t lo, int64_t hi) {
-    // The group's inputs as fp32, column-major: panel[c * LANES + l] = x[order[begin + l], c] (0 past count).
+    // The group's inputs as fp32, column-major (delta_bank::fill_panel).
     std::vector<float> panel;
     for (int64_t task = lo; task < hi; ++task) {
       const delta_bank::TokenGroup& g = groups[task / blocks];
@@ -78,12 +78,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& ids, const at::Te
         }
         continue;
       }
-      if (panel.empty()) panel.resize(C * LANES);
-      std::fill(panel.begin(), panel.end(), 0.0f);
-      for (int64_t l = 0; l < g.count; ++l) {
-        const S* xt = xp + order[g.begin + l] * ld_x;
-        for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
-      }
+      delta_bank::fill_panel(g, order.data(), xp, ld_x, C, panel);
       const float* __restrict pp = panel.data();
       for (int64_t i = r0; i < r1; ++i) {
         const int64_t e0 = rows[i], e1 = rows[i + 1];
@@ -159,17 +154,9 @@ void mixed_delta_matmul_cpu(at::Tensor& y, const at::Tensor& x, const at::Tensor
     if (T == 0 || R == 0 || n == 0) return;
     using I = decltype(c);
     using V = decltype(v);
-    switch (dtype) {
-      case at::kFloat:
-        run<float, P, I, V>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
-        break;
-      case at::kBFloat16:
-        run<c10::BFloat16, P, I, V>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
-        break;
-      default:
-        run<c10::Half, P, I, V>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
-        break;
-    }
+    delta_bank::by_float(dtype, [&](auto s) {
+      run<decltype(s), P, I, V>(y, x, delta_ids, row_ptr, col_indices, values, bad_col);
+    });
   });
   const int64_t e = bad_col.load();
   TORCH_CHECK(e < 0, "col_indices has ", e < 0 ? 0 : delta_bank::column_at(col_indices, e), " at position ", e,

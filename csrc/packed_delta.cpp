@@ -32,8 +32,8 @@ constexpr int64_t PACK_ROWS = 32;
 constexpr int LOW_BITS = 8;
 constexpr int64_t LANES = delta_bank::LANES;
 constexpr int64_t ROW_BLOCK = 256;   // rows per matmul task with few token groups (a multiple of PACK_ROWS)
-constexpr int64_t SWITCH_ROWS = 64;
-constexpr int64_t CHUNK = 64;  // positions a Decoder writes at a time  // rows per switch task (a multiple of PACK_ROWS)
+constexpr int64_t SWITCH_ROWS = 64;  // rows per switch task (a multiple of PACK_ROWS)
+constexpr int64_t CHUNK = 64;        // positions a Decoder writes at a time
 constexpr int64_t SWITCH_GRAIN = 1 << 16;
 
 // A delta's entries from one of its blocks on, decoded CHUNK at a time into flat positions: first
@@ -201,11 +201,9 @@ void check_fields(const at::Tensor& block_ptr, const at::Tensor& low, const at::
   TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && delta_bank::value_type_ok(values) &&
                   values.numel() == low.numel() && values.device().is_cpu(),
               what, ": values must be a contiguous float32, bfloat16 or float16 CPU tensor, one value per entry");
-  if (block_ptr.scalar_type() == at::kInt) {
-    check_pointers<int32_t>(block_ptr, high_start, low.numel(), high.numel(), what);
-  } else {
-    check_pointers<int64_t>(block_ptr, high_start, low.numel(), high.numel(), what);
-  }
+  delta_bank::by_row_ptr(block_ptr, [&](auto p) {
+    check_pointers<decltype(p)>(block_ptr, high_start, low.numel(), high.numel(), what);
+  });
 }
 
 template <typename P>
@@ -213,21 +211,6 @@ Packed<P> view(const at::Tensor& block_ptr, const at::Tensor& low, const at::Ten
                const at::Tensor& high_start, int64_t R, int64_t C) {
   return {block_ptr.data_ptr<P>(), low.data_ptr<uint8_t>(), reinterpret_cast<const uint64_t*>(high.data_ptr<int64_t>()),
           high_start.data_ptr<int64_t>(), block_ptr.size(1) - 1, R, C};
-}
-
-template <typename F>
-void by_float(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      f(float{});
-      break;
-    case at::kBFloat16:
-      f(c10::BFloat16{});
-      break;
-    default:
-      f(c10::Half{});
-      break;
-  }
 }
 
 // ------------------------------------------------------------------------------ mixed matmul
@@ -249,12 +232,7 @@ void group_rows(const delta_bank::TokenGroup& g, const int64_t* order, const S* 
     });
     return;
   }
-  if (panel.empty()) panel.resize(C * LANES);
-  std::fill(panel.begin(), panel.end(), 0.0f);
-  for (int64_t l = 0; l < g.count; ++l) {
-    const S* xt = xp + order[g.begin + l] * ld_x;
-    for (int64_t c = 0; c < C; ++c) panel[c * LANES + l] = static_cast<float>(xt[c]);
-  }
+  delta_bank::fill_panel(g, order, xp, ld_x, C, panel);
   const float* __restrict pp = panel.data();
   each([&](int64_t i, const int32_t* cols, int64_t e, int64_t n) {
     float acc[LANES] = {};
@@ -363,7 +341,7 @@ void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at:
   }
   if (T == 0 || R == 0 || C == 0 || n == 0) return;
   std::atomic<int64_t> bad_delta{-1};
-  auto go = [&](auto p) {
+  delta_bank::by_row_ptr(block_ptr, [&](auto p) {
     using P = decltype(p);
     const Packed<P> bank = view<P>(block_ptr, low, high, high_start, R, C);
     if (check_positions) {  // every position of every delta the ids name, ascending inside its rows, first
@@ -376,17 +354,12 @@ void mixed_delta_matmul_packed_cpu(at::Tensor& y, const at::Tensor& x, const at:
                     d, " decodes to positions outside its weight or out of order (nothing was written)");
       }
     }
-    by_float(values.scalar_type(), [&](auto v) {
+    delta_bank::by_float(values.scalar_type(), [&](auto v) {
       using V = decltype(v);
       const V* vp = values.data_ptr<V>();
-      by_float(dtype, [&](auto s) { run_matmul<decltype(s), P, V>(y, x, idp, bank, vp, n, bad_delta); });
+      delta_bank::by_float(dtype, [&](auto s) { run_matmul<decltype(s), P, V>(y, x, idp, bank, vp, n, bad_delta); });
     });
-  };
-  if (block_ptr.scalar_type() == at::kInt) {
-    go(int32_t{});
-  } else {
-    go(int64_t{});
-  }
+  });
   TORCH_CHECK(bad_delta.load() < 0, "the packed bank's delta ", bad_delta.load(), " decodes to positions outside ",
               "its rows or out of order (y was partly written)");
 }
@@ -401,11 +374,6 @@ struct Layer {
   int64_t R, C;
 };
 
-template <typename P>
-int64_t first_entry(const at::Tensor& block_ptr, int64_t d) {
-  return block_ptr.data_ptr<P>()[d * block_ptr.size(1)];
-}
-
 // Rows [r0, r1) of one layer: delta off's entries get their saved values back, then delta on's save
 // theirs and gain their values. A chunk of positions is decoded and each of its places prefetched
 // before any of its writes: the chunk's cache misses are in flight together. False where the bank
@@ -419,7 +387,7 @@ bool switch_rows(const Layer& layer, int64_t off, int64_t on, int64_t r0, int64_
   int64_t pos[CHUNK];
   for (int64_t d : {off, on}) {
     if (d < 0) continue;
-    const int64_t first = first_entry<P>(*layer.block_ptr, d);
+    const int64_t first = bank.block_ptr[d * (bank.nb + 1)];
     const W* __restrict restore = d == off ? layer.saved_off->data_ptr<W>() - first : nullptr;
     W* __restrict save = d == on ? layer.saved_on->data_ptr<W>() - first : nullptr;
     bool ok;
@@ -515,7 +483,8 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
         }
         return ok;
       };
-      const bool ok = layer.block_ptr->scalar_type() == at::kInt ? check(int32_t{}) : check(int64_t{});
+      bool ok = true;
+      delta_bank::by_row_ptr(*layer.block_ptr, [&](auto p) { ok = check(p); });
       if (!ok) bad_layer.store(static_cast<int64_t>(task.layer), std::memory_order_relaxed);
     }
   });
@@ -526,20 +495,13 @@ void delta_bank_switch_packed_cpu(at::TensorList weights, at::TensorList block_p
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
       const Layer& layer = layers[task.layer];
-      auto go = [&](auto p) {
-        using P = decltype(p);
-        by_float(layer.val->scalar_type(), [&](auto v) {
-          using V = decltype(v);
-          by_float(layer.w->scalar_type(), [&](auto w) {
-            ok &= switch_rows<decltype(w), P, V>(layer, off, on, task.r0, task.r1);
+      delta_bank::by_row_ptr(*layer.block_ptr, [&](auto p) {
+        delta_bank::by_float(layer.val->scalar_type(), [&](auto v) {
+          delta_bank::by_float(layer.w->scalar_type(), [&](auto w) {
+            ok &= switch_rows<decltype(w), decltype(p), decltype(v)>(layer, off, on, task.r0, task.r1);
           });
         });
-      };
-      if (layer.block_ptr->scalar_type() == at::kInt) {
-        go(int32_t{});
-      } else {
-        go(int64_t{});
-      }
+      });
       if (!ok) {
         bad_layer.store(static_cast<int64_t>(task.layer), std::memory_order_relaxed);
         ok = true;

@@ -71,7 +71,7 @@ inline U32 load_at(const E* __restrict base, const int32_t* __restrict p, int64_
   using Bits = std::conditional_t<sizeof(E) == 2, uint16_t, uint32_t>;
   const auto* b = reinterpret_cast<const Bits*>(base);
   U32 x{};
-  if (n == W) {
+  if (n == W) {  // a constant trip count: whole vectors' loads unroll
     for (int64_t u = 0; u < W; ++u) x[u] = b[p[u]];
   } else {
     for (int64_t u = 0; u < n; ++u) x[u] = b[p[u]];
