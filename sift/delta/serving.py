@@ -208,7 +208,7 @@ class ServedDeltas:
         backend: force the op's backend ("torch", "cpp", "triton"; default: the automatic choice).
         layout: how each layer's deltas are held: "packed" (`PackedDeltaBank`, CPU only, with the "torch"
             or "cpp" backend: about 1.5 bytes an entry fewer, no more than the fine-tune's file at 1%;
-            its product decodes the positions, about 1.7x CSR's time per entry in a decode step), "csr"
+            its product decodes the positions, slower than CSR's: docs/serving.md), "csr"
             (`DeltaBank`, any device and backend), or "auto" (packed on the CPU unless the Triton
             backend serves, else CSR). Both give the same bits.
 
