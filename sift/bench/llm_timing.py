@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from sift.bench._harness import summary, time_interleaved
 from sift.bench.chat_board import METHODS, TASKS, Config, batch_loss, encode_example, end_id
 from sift.bench.llm_methods import setup
 
@@ -27,8 +27,8 @@ def paired_timing(folder: str, config: Config, methods: Sequence[str] = ("frozen
     `timing` runs each method in its own process; their step times then move by up to 15% from one process to
     the next (where the allocator and the page cache put things), five times the 3% an overhead target asks
     about. Here every method's model is loaded once, side by side, and each of `steps` rounds runs one training
-    step of each on the same batch, in an order that reverses every round (ABC, CBA, ...), so drift in the
-    machine's load falls on both sides of every ratio. The first method (the frozen floor) is the reference.
+    step of each on the same batch, in turn (`time_interleaved`), so drift in the machine's load falls on both
+    sides of every ratio. The first method (the frozen floor) is the reference.
 
     Args:
         folder: the chat model's folder.
@@ -38,7 +38,8 @@ def paired_timing(folder: str, config: Config, methods: Sequence[str] = ("frozen
         threads: torch threads (None: as set).
 
     Returns:
-        {"markdown": the table, "samples_s": {method: [step seconds]}, "ratios": {method: [per-round ratio]},
+        {"markdown": the table, "samples_s": {method: [step seconds]}, "ratios": {method: [per-round ratio]} (the
+        table's quantiles are `summary`'s),
         "loads": the 1-minute load average at the start and the end}.
     """
     from tqdm import tqdm
@@ -70,22 +71,21 @@ def paired_timing(folder: str, config: Config, methods: Sequence[str] = ("frozen
     batches = [[encode_example(tokenizer, task, w, a) for w, a in rng.sample(train, min(config.batch_size, len(train)))]
                for _ in range(steps + 2)]
 
-    def step(m: str, batch: list) -> float:
+    def stepper(m: str) -> Callable[[], None]:
         net, opt = nets[m]
-        start = time.perf_counter()
-        loss, _ = batch_loss(net, batch, pad_id)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        # Each method walks the same batches; the reference's walk shows the rounds' progress.
+        walk = iter(tqdm(batches, desc="paired steps", unit="round", leave=False) if m == methods[0] else batches)
 
-    for batch in batches[:2]:  # the selection step, then a warm-up
-        for m in methods:
-            step(m, batch)
-    samples: dict[str, list[float]] = {m: [] for m in methods}
-    for i, batch in enumerate(tqdm(batches[2:], desc="paired steps", unit="round", leave=False)):
-        for m in (methods if i % 2 == 0 else methods[::-1]):
-            samples[m].append(step(m, batch))
+        def step() -> None:
+            loss, _ = batch_loss(net, next(walk), pad_id)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    # Two untimed steps each first: the selection step, then a warm-up.
+    timed = time_interleaved({m: stepper(m) for m in methods}, warmup=2, repeat=steps)
+    samples = {m: [t / 1e3 for t in timed[m]["samples_ms"]] for m in methods}
     loads.append(os.getloadavg()[0])
     ref = methods[0]
     ratios = {m: [a / b for a, b in zip(samples[m], samples[ref])] for m in methods}
@@ -95,8 +95,7 @@ def paired_timing(folder: str, config: Config, methods: Sequence[str] = ("frozen
              f"| method | s/step (median) | x {ref} per round: median (p20-p80) | x {ref} of the medians |",
              "|---|---|---|---|"]
     for m in methods:
-        r = sorted(ratios[m])
-        q20, q80 = r[(len(r) - 1) // 5], r[(4 * (len(r) - 1) + 4) // 5]
-        lines.append(f"| {m} | {statistics.median(samples[m]):.3f} | {statistics.median(r):.3f} ({q20:.3f}-{q80:.3f}) "
-                     f"| {statistics.median(samples[m]) / statistics.median(samples[ref]):.3f} |")
+        r = summary(ratios[m])
+        lines.append(f"| {m} | {statistics.median(samples[m]):.3f} | {r['median_ms']:.3f} ({r['p20_ms']:.3f}-"
+                     f"{r['p80_ms']:.3f}) | {statistics.median(samples[m]) / statistics.median(samples[ref]):.3f} |")
     return {"markdown": "\n".join(lines), "samples_s": samples, "ratios": ratios, "loads": loads}
